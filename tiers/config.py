@@ -1,0 +1,229 @@
+"""The node configuration: one loader, validated at start, with an embedded default.
+
+Precedence, highest first: command-line flags (``--runtime-dir``,
+``--data-dir``, ``--log-level``), environment (``HICACHE_TIERS_RUNTIME_DIR``,
+``HICACHE_TIERS_DATA_DIR``, ``HICACHE_TIERS_LOG_LEVEL``), the TOML file, the
+embedded default below.  Every mistake is a ``ConfigError`` that names the
+file, the key and what is allowed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+DEFAULT_CONFIG_TOML = """\
+# hicache-tiers embedded default: one DRAM tier.
+[node]
+write_policy = "write_through"
+
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = "4GiB"
+policy = "lru"
+"""
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+              "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, with where it is and what is allowed."""
+
+
+def parse_size(value: Any, where: str = "size") -> int:
+    """'4GiB', '512MB', '64k' or an int -> bytes (K/M/G/T alone are binary)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in SIZE_UNITS:
+            return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    raise ConfigError(f"{where}: {value!r} is not a size (examples: 4GiB, 512MB, 65536)")
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not true or false")
+
+
+def _str(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not a string")
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not an integer")
+
+
+def _choice(*allowed: str) -> Callable[[Any, str], str]:
+    def check(value: Any, where: str) -> str:
+        if value in allowed:
+            return value
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+    return check
+
+
+def _policy(value: Any, where: str) -> str:
+    from tiers.policies import policy_names
+    return _choice(*policy_names())(value, where)
+
+
+# Options of each tier kind: key -> (parser, default, help).  The loader
+# rejects keys not listed here, so a typo is an error instead of a silent default.
+COMMON_TIER_OPTIONS: Dict[str, tuple] = {
+    "name": (_str, None, "tier name, unique on the node (socket and unit instance name)"),
+    "kind": (_choice("dram", "nvme", "remote"), None, "dram, nvme or remote"),
+    "capacity": (parse_size, "1GiB", "bytes the tier may hold"),
+    "policy": (_policy, "lru", "eviction policy"),
+    "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
+    "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
+}
+KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
+    "dram": {
+        "block_size": (parse_size, "64KiB", "arena allocation unit; pages span whole blocks"),
+    },
+    "nvme": {
+        "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),
+        "fsync": (_bool, True, "fsync each chunk file and its directory before acknowledging"),
+        "compression": (_choice("none", "zstd", "zstd-shuffle"), "none", "chunk codec"),
+        "compression_level": (_int, 1, "zstd level"),
+        "io_threads": (_int, 4, "blocking I/O threads (several reads in flight)"),
+        "direct_io": (_bool, False, "O_DIRECT reads and writes where the file system allows"),
+    },
+    "remote": {},
+}
+
+
+@dataclass
+class TierConfig:
+    name: str
+    kind: str
+    capacity: int
+    policy: str
+    max_page_bytes: int
+    endpoint: str
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    def fd_socket(self, runtime_dir: str) -> str:
+        """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
+        return os.path.join(runtime_dir, f"{self.name}.fd.sock")
+
+
+@dataclass
+class NodeConfig:
+    tiers: List[TierConfig]
+    runtime_dir: str
+    data_dir: str
+    write_policy: str = "write_through"
+    log_level: str = "info"
+    node_name: str = ""
+    source: str = "<embedded default>"
+
+    def tier(self, name: str) -> TierConfig:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise ConfigError(f"{self.source}: no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+
+def default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hicache-tiers-{os.getuid()}"
+    return os.path.join(base, "hicache-tiers") if os.environ.get("XDG_RUNTIME_DIR") else base
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "hicache-tiers")
+
+
+NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level"}
+
+
+def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
+                 log_level: Optional[str] = None) -> NodeConfig:
+    """Parse and validate TOML text; flags given here win over env and file."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    unknown = set(raw) - {"node", "tiers"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers")
+    node = raw.get("node", {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"{source}: [node] must be a table")
+    for key in node:
+        if key not in NODE_KEYS:
+            raise ConfigError(f"{source}: node.{key} is not a known key; allowed: {', '.join(sorted(NODE_KEYS))}")
+    env = os.environ
+    runtime = runtime_dir or env.get("HICACHE_TIERS_RUNTIME_DIR") or node.get("runtime_dir") or default_runtime_dir()
+    data = data_dir or env.get("HICACHE_TIERS_DATA_DIR") or node.get("data_dir") or default_data_dir()
+    level = log_level or env.get("HICACHE_TIERS_LOG_LEVEL") or node.get("log_level", "info")
+    config = NodeConfig(
+        tiers=[],
+        runtime_dir=_str(runtime, f"{source}: node.runtime_dir"),
+        data_dir=_str(data, f"{source}: node.data_dir"),
+        write_policy=_choice(*WRITE_POLICIES)(node.get("write_policy", "write_through"), f"{source}: node.write_policy"),
+        log_level=_choice(*LOG_LEVELS)(level, f"{source}: node.log_level"),
+        node_name=_str(node.get("name", socket.gethostname()), f"{source}: node.name"),
+        source=source,
+    )
+    tiers = raw.get("tiers", [])
+    if not isinstance(tiers, list) or not tiers:
+        raise ConfigError(f"{source}: at least one [[tiers]] table is required")
+    for index, table in enumerate(tiers):
+        config.tiers.append(_parse_tier(table, f"{source}: tiers[{index}]", config))
+    names = [t.name for t in config.tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{source}: tier names must be unique, got {', '.join(names)}")
+    return config
+
+
+def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    kind = COMMON_TIER_OPTIONS["kind"][0](table.get("kind"), f"{where}.kind")
+    specs = {**COMMON_TIER_OPTIONS, **KIND_OPTIONS[kind]}
+    for key in table:
+        if key not in specs:
+            raise ConfigError(f"{where}.{key} is not a known key for a {kind} tier; allowed: {', '.join(sorted(specs))}")
+    values = {}
+    for key, (parser, default, _help) in specs.items():
+        if key not in table and default is None:
+            raise ConfigError(f"{where}.{key} is required")
+        values[key] = parser(table.get(key, default), f"{where}.{key}")
+    name = values["name"]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name):
+        raise ConfigError(f"{where}.name: {name!r} must be 1-32 chars of a-z, 0-9, _ and -")
+    if values["capacity"] <= 0:
+        raise ConfigError(f"{where}.capacity must be positive")
+    endpoint = values.pop("endpoint") or f"ipc://{os.path.join(node.runtime_dir, name)}.sock"
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        raise ConfigError(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes")}
+    if kind == "nvme" and not values.get("path"):
+        values["path"] = os.path.join(node.data_dir, name)
+    return TierConfig(endpoint=endpoint, options=values, **common)
+
+
+def load_config(path: Optional[str] = None, **overrides) -> NodeConfig:
+    """Load FILE, or the embedded default when path is None."""
+    if path is None:
+        return parse_config(DEFAULT_CONFIG_TOML, "<embedded default>", **overrides)
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_config(text, path, **overrides)

@@ -1,0 +1,320 @@
+"""The tier daemon: a ZeroMQ ROUTER loop in front of one page store.
+
+Majordomo-style: poll, dispatch ``handle_<op>``, housekeeping per tick.
+Lookups, stats and deletes run on the loop thread; page transfers run in a
+small I/O pool so a long batch never stalls a lookup, and their replies come
+back through a wake pipe.  Host-pool memfds arrive on an AF_UNIX socket
+(tiers/regions.py).  Every failure becomes an error reply: the loop only ends
+when asked to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional
+
+import zmq
+
+from tiers import protocol as P
+from tiers.metrics import DaemonMetrics
+from tiers.regions import RegionRegistry
+from tiers.store import PageStore, StoreError
+
+log = logging.getLogger("hicache.daemon")
+
+SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+
+
+class TierDaemon:
+    """Serves one store on one endpoint until stop() is called."""
+
+    def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
+                 max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None):
+        self.name = name
+        self.store = store
+        self.endpoint = endpoint
+        self.max_page_bytes = max_page_bytes
+        self.metrics = DaemonMetrics(name)
+        self._ctx = context or zmq.Context.instance()
+        self._router: Optional[zmq.Socket] = None
+        self._regions = RegionRegistry(fd_socket) if fd_socket else None
+        self._sessions: Dict[int, dict] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
+        self._done: deque = deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stopping = threading.Event()
+        self._in_flight = 0
+        self.ready = threading.Event()
+
+    # ------------------------------------------------------------ lifecycle
+    def bind(self) -> None:
+        """Bind sockets (after this, clients can connect; then READY=1)."""
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint[len("ipc://"):]
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a killed daemon
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_page_bytes + (P.MAX_HEADER_BYTES))
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        self._router = router
+        if self._regions:
+            self._regions.bind()
+        self.ready.set()
+
+    def stop(self) -> None:
+        """Ask the loop to finish in-flight work and return."""
+        self._stopping.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def serve_forever(self, tick: float = 0.5, on_tick: Optional[Callable[[], None]] = None) -> None:
+        if self._router is None:
+            self.bind()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._regions:
+            self._regions.register(poller)
+        try:
+            while not self._stopping.is_set() or self._in_flight:
+                events = dict(poller.poll(int(tick * 1000)))
+                if self._wake_r in events:
+                    self._drain_wake()
+                self._send_done()
+                if self._router in events and not self._stopping.is_set():
+                    for _ in range(64):  # bounded burst, then look at the rest
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+                if self._regions:
+                    self._regions.handle_events(events, poller)
+                if on_tick:
+                    on_tick()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._send_done()
+        if self._regions:
+            self._regions.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+        self.store.close()
+
+    # ------------------------------------------------------------- dispatch
+    def _dispatch(self, frames: List[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        req_id = 0
+        started = time.perf_counter()
+        op = "invalid"
+        try:
+            if len(frames) < 2:
+                raise P.ProtocolError("bad_request", "empty message")
+            header = P.unpack(frames[1].buffer)
+            req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
+            op, req_id = P.check_request(header)
+            handler = getattr(self, f"handle_{op}")
+            result = handler(header, frames[2:])
+            if isinstance(result, Future):
+                self._in_flight += 1
+                result.add_done_callback(lambda fut, i=ident, r=req_id, o=op, t=started: self._finish(fut, i, r, o, t))
+                return
+            reply = result
+        except P.ProtocolError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, exc.msg)]
+        except StoreError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, str(exc))]
+        except Exception as exc:  # a bug must not end the daemon
+            log.exception("internal error serving %s", op)
+            self.metrics.error("internal")
+            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+        self.metrics.observe(op, time.perf_counter() - started)
+        self._router.send_multipart([ident, *reply], copy=False)
+
+    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float) -> None:
+        try:
+            reply = fut.result()
+        except StoreError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, str(exc))]
+        except Exception as exc:
+            log.exception("internal error in %s", op)
+            self.metrics.error("internal")
+            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+        self.metrics.observe(op, time.perf_counter() - started)
+        self._done.append((ident, reply))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _send_done(self) -> None:
+        while self._done:
+            ident, reply = self._done.popleft()
+            self._in_flight -= 1
+            self._router.send_multipart([ident, *reply], copy=False)
+
+    # ------------------------------------------------------------- sessions
+    def _namespace(self, header: dict) -> str:
+        session = self._sessions.get(header.get("s"))
+        if session is None:
+            raise P.ProtocolError("no_session", "unknown session; send hello again")
+        session["seen"] = time.monotonic()
+        return session["ns"]
+
+    def handle_hello(self, header: dict, frames) -> list:
+        ns = P.check_namespace(P.field(header, "ns", str))
+        client = str(P.field(header, "client", str, required=False, default=""))[:200]
+        if len(self._sessions) >= SESSION_LIMIT:
+            oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
+            del self._sessions[oldest]
+        session = secrets.randbits(62)
+        self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
+        log.info("hello from %s for namespace %s", client or "?", ns)
+        return [P.reply_ok(header["id"], session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
+                           max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions else "")]
+
+    # ----------------------------------------------------------- operations
+    def handle_lookup(self, header: dict, frames) -> list:
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        held = P.flags(self.store.contains([(ns, k) for k in keys]))
+        self.metrics.lookup(len(keys), P.leading_run(held))
+        return [P.reply_ok(header["id"], held=held, prefix=P.leading_run(held))]
+
+    def handle_delete(self, header: dict, frames) -> list:
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        return [P.reply_ok(header["id"], deleted=self.store.delete([(ns, k) for k in keys]))]
+
+    def handle_clear(self, header: dict, frames) -> list:
+        ns = self._namespace(header)
+        everything = P.field(header, "all", bool, required=False, default=False)
+        if everything and ns != "_admin":
+            raise P.ProtocolError("bad_request", "clearing every namespace needs an _admin session")
+        return [P.reply_ok(header["id"], cleared=self.store.clear(None if everything else ns))]
+
+    def handle_stats(self, header: dict, frames) -> list:
+        self._namespace(header)
+        stats = self.store.stats().as_dict()
+        stats.update(self.metrics.snapshot())
+        stats["sessions"] = len(self._sessions)
+        stats["regions"] = len(self._regions) if self._regions else 0
+        return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
+
+    def _page_views(self, header: dict, n_pages: int) -> Optional[List[List[memoryview]]]:
+        region_id = header.get("region")
+        if region_id is None:
+            return None
+        if not self._regions:
+            raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
+        region = self._regions.get(region_id, header.get("s"))
+        pages = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), n_pages, region.size)
+        view = region.view
+        return [[view[off:off + n] for off, n in page] for page in pages]
+
+    def handle_put(self, header: dict, frames) -> Future:
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        pages = self._page_views(header, len(keys))
+        if pages is None:
+            if len(frames) != len(keys):
+                raise P.ProtocolError("bad_request", f"{len(keys)} keys but {len(frames)} page frames")
+            pages = [[f.buffer] for f in frames]
+        parents = header.get("parents")
+        if not isinstance(parents, list) or len(parents) != len(keys):
+            parents = [None] * len(keys)
+        for page in pages:
+            if sum(v.nbytes for v in page) > self.max_page_bytes:
+                raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
+        deadline = header.get("dl")
+        return self._pool.submit(self._put_pages, header["id"], ns, keys, pages, parents, deadline, frames)
+
+    def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive) -> list:
+        stored = []
+        refusal = None
+        for key, page, parent in zip(keys, pages, parents):
+            if deadline is not None and time.time() > deadline:
+                refusal = refusal or ("deadline", "deadline passed during the batch")
+                stored.append(False)
+                continue
+            try:
+                self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+            except StoreError as exc:
+                refusal = refusal or (exc.code, str(exc))
+                stored.append(False)
+                continue
+            # The engine may reuse its buffer once it stops waiting: a copy that
+            # ended after the deadline may hold torn bytes, so it is not kept.
+            if deadline is not None and time.time() > deadline:
+                self.store.delete([(ns, key)])
+                stored.append(False)
+                continue
+            stored.append(True)
+        self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
+        fields = {"stored": P.flags(stored)}
+        if refusal:
+            fields["refusal"] = list(refusal)
+        return [P.reply_ok(req_id, **fields)]
+
+    def handle_get(self, header: dict, frames) -> Future:
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        pages = self._page_views(header, len(keys))
+        return self._pool.submit(self._get_pages, header["id"], ns, keys, pages, header.get("dl"))
+
+    def _get_pages(self, req_id, ns, keys, pages, deadline) -> list:
+        found: List[bool] = []
+        out_frames = []
+        nbytes = 0
+        for i, key in enumerate(keys):
+            # Writing into host memory after the engine gave up would corrupt
+            # pages it has since reused: stop at the deadline.
+            if deadline is not None and time.time() > deadline:
+                found.extend([False] * (len(keys) - i))
+                break
+            if pages is not None:
+                ok = self.store.get_into((ns, key), pages[i])
+                if ok:
+                    nbytes += sum(v.nbytes for v in pages[i])
+            else:
+                data = self.store.get_bytes((ns, key))
+                ok = data is not None
+                if ok:
+                    out_frames.append(data)
+                    nbytes += len(data)
+            found.append(ok)
+        self.metrics.pages("get", sum(found), nbytes)
+        return [P.reply_ok(req_id, found=P.flags(found)), *out_frames]

@@ -1,0 +1,279 @@
+"""The wire protocol between the backend, the tier daemons and the pools.
+
+This module is the only place the format is defined.  Every message is a
+ZeroMQ multipart message ``[header, *payload]``: the header is a msgpack map,
+payload frames are raw page bytes (only when pages do not travel through a
+shared host-pool mapping).
+
+Request header: ``v`` protocol version, ``op`` operation, ``id`` request id
+(echoed in the reply), ``dl`` absolute deadline in Unix seconds (work not
+started by then is refused, so a late request can never write into host
+memory the engine has reused), ``s`` session id (from ``hello``), then the
+operation's fields.  Reply header: ``v``, ``id``, ``ok``; on failure ``code``
+(one of ``ERROR_CODES``) and ``msg``.
+
+Operations (fields -> reply fields):
+- hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
+- lookup   keys                 -> held (one byte a key), prefix (leading run held)
+- get      keys [, region, desc, regions_per_page]
+                                -> found (one byte a key) [+ one frame per found page]
+- put      keys [, region, desc, regions_per_page, parents] [+ one frame a page]
+                                -> stored (one byte a key)
+- delete   keys                 -> deleted
+- stats                         -> stats, tier, sessions
+- clear    [all]                -> cleared
+The ``desc`` of a shared-memory transfer is a little-endian int64 array of
+(offset, length) pairs into the registered region, ``regions_per_page``
+(int32, one per key) says how many pairs make each page.
+
+Shared memory registration travels on a separate AF_UNIX stream socket (ZeroMQ
+cannot carry file descriptors): the client sends one ``register`` header with
+the memfd attached (SCM_RIGHTS) and keeps the connection open; the daemon
+answers ``{"ok": True, "region": id}`` and unmaps the region when the
+connection closes, so a dead engine never pins its host pool.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear")
+ERROR_CODES = (
+    "bad_request",  # malformed header or fields
+    "bad_version",  # protocol version mismatch
+    "unknown_op",
+    "no_session",  # session unknown (daemon restarted): say hello again
+    "deadline",  # the deadline passed before the work was done
+    "too_large",  # page or message over the configured bound
+    "full",  # no room even after eviction
+    "io_error",
+    "internal",
+)
+
+MAX_HEADER_BYTES = 4 << 20
+MAX_KEY_CHARS = 256
+MAX_NAMESPACE_CHARS = 512
+MAX_BATCH = 4096
+# Keys reach file names in the NVMe tier: a conservative alphabet, no separators.
+_KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
+
+
+class ProtocolError(Exception):
+    """A message that cannot be served; carries the error code for the reply."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+
+
+def pack(obj: Dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data) -> Dict[str, Any]:
+    """Decode a header; ProtocolError for anything but a msgpack map."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError("too_large", f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES,
+                              max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_BATCH * 4,
+                              max_map_len=64)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("bad_request", f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "header must be a msgpack map")
+    return obj
+
+
+# ---------------------------------------------------------------- requests
+
+def request(op: str, req_id: int, deadline: Optional[float] = None, session: Optional[int] = None,
+            **fields) -> bytes:
+    """Encode a request header."""
+    header = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
+    if deadline is not None:
+        header["dl"] = deadline
+    if session is not None:
+        header["s"] = session
+    header.update(fields)
+    return pack(header)
+
+
+def check_request(header: Dict[str, Any]) -> Tuple[str, int]:
+    """Validate the common fields; returns (op, id) or raises ProtocolError."""
+    req_id = header.get("id", 0)
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
+        raise ProtocolError("bad_request", "id must be an integer")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"protocol version {version!r} is not supported; this daemon speaks {PROTOCOL_VERSION}")
+    op = header.get("op")
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    deadline = header.get("dl")
+    if deadline is not None:
+        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
+            raise ProtocolError("bad_request", "dl must be a number")
+        if time.time() > deadline:
+            raise ProtocolError("deadline", "deadline passed before the request was served")
+    return op, req_id
+
+
+def deadline_passed(header: Dict[str, Any]) -> bool:
+    deadline = header.get("dl")
+    return deadline is not None and time.time() > deadline
+
+
+def field(header: Dict[str, Any], name: str, kind, required: bool = True, default=None):
+    """A typed field of a request; ProtocolError when missing or of the wrong type."""
+    value = header.get(name, default)
+    if value is None:
+        if required:
+            raise ProtocolError("bad_request", f"missing field {name!r}")
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ProtocolError("bad_request", f"field {name!r} has the wrong type")
+    return value
+
+
+def check_key(key) -> str:
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not _KEY_RE.fullmatch(key):
+        raise ProtocolError("bad_request", f"invalid key {str(key)[:80]!r}: 1-{MAX_KEY_CHARS} chars of [A-Za-z0-9_.:=+-]")
+    return key
+
+
+def check_namespace(ns) -> str:
+    if not isinstance(ns, str) or not 0 < len(ns) <= MAX_NAMESPACE_CHARS or not _KEY_RE.fullmatch(ns):
+        raise ProtocolError("bad_request", f"invalid namespace {str(ns)[:80]!r}")
+    return ns
+
+
+def keys_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> List[str]:
+    keys = field(header, "keys", list)
+    if len(keys) > max_batch:
+        raise ProtocolError("too_large", f"batch of {len(keys)} keys exceeds {max_batch}")
+    for key in keys:
+        check_key(key)
+    return keys
+
+
+# ------------------------------------------------------------------ replies
+
+def reply_ok(req_id: int, **fields) -> bytes:
+    header = {"v": PROTOCOL_VERSION, "id": req_id, "ok": True}
+    header.update(fields)
+    return pack(header)
+
+
+def reply_error(req_id: int, code: str, msg: str) -> bytes:
+    if code not in ERROR_CODES:
+        code = "internal"
+    return pack({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code, "msg": msg[:1000]})
+
+
+# ----------------------------------------------------- transfer descriptors
+
+def encode_descriptors(pages: Sequence[Sequence[Tuple[int, int]]]) -> Tuple[bytes, bytes]:
+    """(offset, length) regions of each page -> (desc, regions_per_page) bytes."""
+    counts = np.fromiter((len(p) for p in pages), dtype="<i4", count=len(pages))
+    flat = np.array([pair for page in pages for pair in page], dtype="<i8").reshape(-1)
+    return flat.tobytes(), counts.tobytes()
+
+
+def encode_descriptor_arrays(offsets: np.ndarray, lengths: np.ndarray) -> Tuple[bytes, bytes]:
+    """Same as encode_descriptors for [pages, regions] arrays of equal region counts."""
+    pairs = np.empty(offsets.shape + (2,), dtype="<i8")
+    pairs[..., 0] = offsets
+    pairs[..., 1] = lengths
+    counts = np.full(offsets.shape[0], offsets.shape[1], dtype="<i4")
+    return pairs.tobytes(), counts.tobytes()
+
+
+def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[List[Tuple[int, int]]]:
+    """Validate and split descriptors; every region must lie inside the mapping."""
+    if not isinstance(desc, bytes) or not isinstance(counts, bytes):
+        raise ProtocolError("bad_request", "desc and regions_per_page must be bytes")
+    if len(desc) % 16 or len(counts) != 4 * n_pages:
+        raise ProtocolError("bad_request", "descriptor arrays have the wrong length")
+    pairs = np.frombuffer(desc, dtype="<i8").reshape(-1, 2)
+    per_page = np.frombuffer(counts, dtype="<i4")
+    if per_page.size and (per_page.min() < 1 or int(per_page.sum()) != len(pairs)):
+        raise ProtocolError("bad_request", "regions_per_page does not add up to the descriptors")
+    if len(pairs):
+        offsets, lengths = pairs[:, 0], pairs[:, 1]
+        if offsets.min() < 0 or lengths.min() <= 0 or int((offsets + lengths).max()) > region_size:
+            raise ProtocolError("bad_request", "a descriptor lies outside the registered region")
+    out, start = [], 0
+    plain = pairs.tolist()
+    for n in per_page.tolist():
+        out.append(plain[start:start + n])
+        start += n
+    return out
+
+
+def flags(values: Sequence[bool]) -> bytes:
+    """One byte per value; compact and cheap to pack."""
+    return bytes(1 if v else 0 for v in values)
+
+
+def leading_run(held: bytes) -> int:
+    """Length of the leading run of non-zero bytes."""
+    idx = held.find(b"\x00")
+    return len(held) if idx < 0 else idx
+
+
+# ---------------------------------------------- fd passing over AF_UNIX
+
+_LEN = struct.Struct("<I")
+
+
+def send_register(sock: socket.socket, fd: int, header: Dict[str, Any]) -> None:
+    body = pack(header)
+    socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
+
+
+def recv_register(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
+    """Read one length-prefixed header and at most one fd; ProtocolError when malformed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+    if not data or len(data) < 4 or _LEN.unpack_from(data)[0] != len(data) - 4:
+        for fd in fds:
+            os.close(fd)
+        if not data:
+            raise ConnectionResetError("peer closed")
+        raise ProtocolError("bad_request", "register message is truncated")
+    for fd in fds[1:]:
+        os.close(fd)
+    return unpack(data[4:]), (fds[0] if fds else None)
+
+
+def send_framed(sock: socket.socket, header: Dict[str, Any]) -> None:
+    body = pack(header)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv_framed(sock: socket.socket) -> Dict[str, Any]:
+    head = _recv_exact(sock, 4)
+    (length,) = _LEN.unpack(head)
+    if length > 65536:
+        raise ProtocolError("too_large", "framed message too large")
+    return unpack(_recv_exact(sock, length))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("peer closed")
+        buf += chunk
+    return bytes(buf)
