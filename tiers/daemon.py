@@ -68,7 +68,7 @@ class TierDaemon:
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint[len("ipc://"):], 0o600)
         self._router = router
-        if self._regions:
+        if self._regions is not None:
             self._regions.bind()
         self.ready.set()
 
@@ -86,7 +86,7 @@ class TierDaemon:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._regions:
+        if self._regions is not None:
             self._regions.register(poller)
         try:
             while not self._stopping.is_set() or self._in_flight:
@@ -101,7 +101,7 @@ class TierDaemon:
                         except zmq.Again:
                             break
                         self._dispatch(frames)
-                if self._regions:
+                if self._regions is not None:
                     self._regions.handle_events(events, poller)
                 if on_tick:
                     on_tick()
@@ -111,7 +111,7 @@ class TierDaemon:
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._send_done()
-        if self._regions:
+        if self._regions is not None:
             self._regions.close()
         if self._router is not None:
             self._router.close(linger=0)
@@ -204,7 +204,7 @@ class TierDaemon:
         self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
         log.info("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(header["id"], session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
-                           max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions else "")]
+                           max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "")]
 
     # ----------------------------------------------------------- operations
     def handle_lookup(self, header: dict, frames) -> list:
@@ -231,14 +231,14 @@ class TierDaemon:
         stats = self.store.stats().as_dict()
         stats.update(self.metrics.snapshot())
         stats["sessions"] = len(self._sessions)
-        stats["regions"] = len(self._regions) if self._regions else 0
+        stats["regions"] = len(self._regions) if self._regions is not None else 0
         return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
 
     def _page_views(self, header: dict, n_pages: int) -> Optional[List[List[memoryview]]]:
         region_id = header.get("region")
         if region_id is None:
             return None
-        if not self._regions:
+        if self._regions is None:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
         region = self._regions.get(region_id, header.get("s"))
         pages = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), n_pages, region.size)
@@ -250,9 +250,7 @@ class TierDaemon:
         keys = P.keys_field(header)
         pages = self._page_views(header, len(keys))
         if pages is None:
-            if len(frames) != len(keys):
-                raise P.ProtocolError("bad_request", f"{len(keys)} keys but {len(frames)} page frames")
-            pages = [[f.buffer] for f in frames]
+            pages = self._frame_pages(header, keys, frames)
         parents = header.get("parents")
         if not isinstance(parents, list) or len(parents) != len(keys):
             parents = [None] * len(keys)
@@ -261,6 +259,20 @@ class TierDaemon:
                 raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
         deadline = header.get("dl")
         return self._pool.submit(self._put_pages, header["id"], ns, keys, pages, parents, deadline, frames)
+
+    @staticmethod
+    def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
+        per_page = header.get("frames_per_page")
+        if per_page is None:
+            per_page = [1] * len(keys)
+        if (not isinstance(per_page, list) or len(per_page) != len(keys)
+                or not all(isinstance(n, int) and n > 0 for n in per_page) or sum(per_page) != len(frames)):
+            raise P.ProtocolError("bad_request", f"{len(keys)} keys do not match {len(frames)} page frames")
+        pages, start = [], 0
+        for n in per_page:
+            pages.append([f.buffer for f in frames[start:start + n]])
+            start += n
+        return pages
 
     def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive) -> list:
         stored = []

@@ -17,7 +17,7 @@ Operations (fields -> reply fields):
 - lookup   keys                 -> held (one byte a key), prefix (leading run held)
 - get      keys [, region, desc, regions_per_page]
                                 -> found (one byte a key) [+ one frame per found page]
-- put      keys [, region, desc, regions_per_page, parents] [+ one frame a page]
+- put      keys [, region, desc, regions_per_page | frames_per_page, parents] [+ page frames]
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
 - stats                         -> stats, tier, sessions

@@ -1,0 +1,99 @@
+"""Where a batch of pages lives in SGLang's host pool, as descriptors or views.
+
+``pool.get_page_buffer_meta(host_indices)`` gives each page's regions as raw
+pointers (page_first: K and V, 2 regions a page; layer_first: 2 x layers).
+When the pool lives in a memfd (``"allocator": "shm"``), pointers become
+(offset, length) pairs into that memfd, which the daemon maps once; otherwise
+they become zero-copy memoryviews that ride as ZeroMQ frames.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from tiers import protocol as P
+
+log = logging.getLogger("hicache.backend")
+
+
+@dataclass
+class PageBatch:
+    """The pages of one call: keys, their regions, and bytes moved."""
+
+    keys: List[str]
+    offsets: Optional[np.ndarray]  # [pages, regions] offsets in the memfd, None without shm
+    pointers: np.ndarray  # [pages, regions] process addresses
+    lengths: np.ndarray  # [pages, regions]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def page_nbytes(self, i: int) -> int:
+        return int(self.lengths[i].sum())
+
+    def subset(self, indices: Sequence[int]) -> "PageBatch":
+        idx = np.asarray(indices, dtype=np.int64)
+        return PageBatch([self.keys[i] for i in indices],
+                         None if self.offsets is None else self.offsets[idx], self.pointers[idx], self.lengths[idx])
+
+    def descriptors(self):
+        """(desc, regions_per_page) for a shared-memory transfer."""
+        return P.encode_descriptor_arrays(self.offsets, self.lengths)
+
+    def views(self) -> List[List[memoryview]]:
+        """Zero-copy views of each page's regions in this process."""
+        out = []
+        for ptrs, lens in zip(self.pointers.tolist(), self.lengths.tolist()):
+            out.append([memoryview((ctypes.c_char * n).from_address(p)).cast("B") for p, n in zip(ptrs, lens)])
+        return out
+
+
+class HostPoolView:
+    """Address arithmetic over one registered host pool."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        self.memfd: Optional[int] = None
+        self.memfd_base = 0
+        self.memfd_size = 0
+        self._find_memfd()
+
+    def _find_memfd(self) -> None:
+        allocator = getattr(self.pool, "allocator", None)
+        fds = list(getattr(allocator, "fds", []) or [])
+        mms = list(getattr(allocator, "mms", []) or [])
+        if len(fds) != 1 or len(mms) != 1:
+            return  # no memfd, or several mappings: pages travel as frames
+        mm = mms[0]
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)
+            base = ctypes.addressof(anchor)
+            del anchor  # release the export at once; the mapping stays
+        except (TypeError, ValueError, BufferError):
+            return
+        self.memfd, self.memfd_base, self.memfd_size = fds[0], base, len(mm)
+
+    def batch(self, keys: List[str], host_indices) -> PageBatch:
+        """The regions of len(keys) pages starting at host_indices[i * page_size]."""
+        n = len(keys)
+        if len(host_indices) != n * self.page_size:
+            raise ValueError(f"{len(host_indices)} host slots for {n} pages of {self.page_size}")
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        pointers = np.asarray(ptrs, dtype=np.int64)
+        lengths = np.asarray(sizes, dtype=np.int64)
+        if n == 0 or pointers.size % n:
+            raise ValueError("page buffer meta does not split evenly into pages")
+        pointers = pointers.reshape(n, -1)
+        lengths = lengths.reshape(n, -1)
+        offsets = None
+        if self.memfd is not None:
+            rel = pointers - self.memfd_base
+            if rel.min() >= 0 and int((rel + lengths).max()) <= self.memfd_size:
+                offsets = rel
+        return PageBatch(list(keys), offsets, pointers, lengths)

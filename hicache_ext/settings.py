@@ -1,0 +1,77 @@
+"""The backend's settings: SGLang's extra-config keys that are ours, with defaults.
+
+Precedence: the extra-config object, then the node configuration it names
+(``tiers_config``), then the defaults here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from tiers.config import WRITE_POLICIES
+
+# Keys SGLang itself reads from the same object; never ours to reject.
+SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "prefetch_threshold",
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+               "tp_lcm_size"}
+
+
+@dataclass
+class BackendSettings:
+    tiers_config: Optional[str] = None  # node TOML; None: the embedded default
+    runtime_dir: Optional[str] = None  # where the node's sockets are
+    write_policy: Optional[str] = None  # None: the node's default
+    namespace: Optional[str] = None  # override the derived namespace (deployments sharing daemons)
+    deadline_base_s: float = 1.0  # any call may take this long, plus bytes / deadline_min_gbps
+    deadline_min_gbps: float = 0.2
+    lookup_timeout_s: float = 0.5
+    promote: bool = True  # copy pages read from a lower tier into the top tier
+    selective_min_reads: int = 2  # selective: reads before a page is written below
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[dict]) -> "BackendSettings":
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        values = {}
+        for key, value in extra.items():
+            if key in SGLANG_KEYS:
+                continue
+            if key not in known:
+                raise ValueError(f"unknown hicache-tiers extra-config key {key!r}; known: {', '.join(sorted(known))}")
+            values[key] = value
+        settings = cls(**values)
+        if settings.write_policy is not None and settings.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy {settings.write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
+        for name in ("deadline_base_s", "deadline_min_gbps", "lookup_timeout_s"):
+            if not isinstance(getattr(settings, name), (int, float)) or getattr(settings, name) <= 0:
+                raise ValueError(f"{name} must be a positive number")
+        return settings
+
+
+def _clean(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "x"
+
+
+def derive_namespace(storage_config, pool) -> str:
+    """Model, shard and page format: pages under one namespace are interchangeable.
+
+    MHA ranks each hold their own shard (tp rank and size in the name); MLA
+    pages are the same on every rank, so the name leaves the TP rank out.
+    """
+    model = _clean(storage_config.model_name or "model")
+    parts = [model]
+    if storage_config.is_mla_model:
+        parts.append("mla")
+        if getattr(storage_config, "dcp_size", 1) > 1:
+            parts.append(f"dcp{storage_config.dcp_rank}-{storage_config.dcp_size}")
+    else:
+        parts.append(f"tp{storage_config.tp_rank}-{storage_config.tp_size}")
+    if storage_config.pp_size > 1:
+        parts.append(f"pp{storage_config.pp_rank}-{storage_config.pp_size}")
+    if getattr(storage_config, "attn_cp_size", 1) > 1:
+        parts.append(f"cp{storage_config.attn_cp_rank}-{storage_config.attn_cp_size}")
+    if pool is not None:
+        dtype = str(getattr(pool, "dtype", "")).replace("torch.", "")
+        parts += [f"pg{pool.page_size}", _clean(dtype), _clean(getattr(pool, "layout", "layout"))]
+    return ".".join(parts)[:400]

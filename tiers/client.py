@@ -1,0 +1,305 @@
+"""A client of one tier daemon that never raises and never waits past a deadline.
+
+Lazy-pirate style: each calling thread has its own DEALER socket; a call that
+times out closes that socket (dropping anything still queued) and marks the
+tier down for a short, growing back-off, during which calls fail at once.
+The next call after the back-off says hello again.  A ``no_session`` reply
+(the daemon restarted) re-opens the session and retries once.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import zmq
+
+from tiers import protocol as P
+from tiers.logs import RateLimitedLog
+
+log = logging.getLogger("hicache.client")
+
+
+@dataclass
+class Deadlines:
+    """How long a call may take: base + bytes / min_bandwidth."""
+
+    base: float = 1.0  # seconds for any call
+    min_bandwidth: float = 200e6  # bytes/s below which a transfer is given up
+    lookup: float = 0.5  # seconds for a lookup
+    margin: float = 0.1  # the daemon's deadline is this much earlier than ours
+    connect_wait: float = 0.05  # how long a send waits for the connection to come up
+    backoff_min: float = 0.2
+    backoff_max: float = 5.0
+
+    def for_bytes(self, nbytes: int) -> float:
+        return self.base + nbytes / self.min_bandwidth
+
+
+@dataclass
+class Reply:
+    header: dict
+    frames: List[zmq.Frame]
+
+
+class TierClient:
+    """Calls to one tier daemon on behalf of one namespace."""
+
+    def __init__(self, name: str, endpoint: str, namespace: str, client_name: str = "",
+                 deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None):
+        self.name = name
+        self.endpoint = endpoint
+        self.namespace = P.check_namespace(namespace)
+        self.client_name = client_name or f"pid{os.getpid()}"
+        self.deadlines = deadlines or Deadlines()
+        self._ctx = context or zmq.Context.instance()
+        self._local = threading.local()
+        self._sockets: List[zmq.Socket] = []
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._session: Optional[int] = None
+        self._down_until = 0.0
+        self._backoff = self.deadlines.backoff_min
+        self._region_fd: Optional[int] = None
+        self._region_size = 0
+        self._region_conn: Optional[socket.socket] = None
+        self.region_id: Optional[int] = None
+        self.max_page_bytes = 64 << 20
+        self.fd_socket = ""
+        self._warn = RateLimitedLog(log)
+        self._closed = False
+
+    # ------------------------------------------------------------- plumbing
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+            sock.connect(self.endpoint)
+            self._local.sock = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _reset_socket(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            self._local.sock = None
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
+            sock.close(linger=0)
+
+    def _mark_down(self, why: str) -> None:
+        with self._lock:
+            self._session = None
+            self.region_id = None
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.deadlines.backoff_max)
+        self._warn.warning(f"down:{self.name}", "tier %s at %s unavailable (%s); serving misses",
+                           self.name, self.endpoint, why)
+
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
+                   session: Optional[int] = None) -> Optional[Reply]:
+        """One request and its reply, or None (timeout, no daemon)."""
+        req_id = next(self._ids)
+        now = time.time()
+        daemon_deadline = now + max(0.01, timeout - self.deadlines.margin)
+        header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
+        sock = self._socket()
+        try:
+            # A fresh socket needs a moment to connect; a missing daemon costs at most connect_wait.
+            if not sock.poll(int(min(timeout, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
+                raise zmq.Again()
+            big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
+            sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=not big)
+        except zmq.Again:
+            self._reset_socket()
+            self._mark_down("not connected")
+            return None
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self._reset_socket()  # drop the late reply and anything queued
+                self._mark_down(f"{op} timed out after {timeout:.2f}s")
+                return None
+            parts = sock.recv_multipart(copy=False)
+            try:
+                reply = P.unpack(parts[0].buffer)
+            except P.ProtocolError:
+                continue
+            if reply.get("id") == req_id:
+                return Reply(reply, parts[1:])
+            # A reply to an earlier call that timed out: ignore it.
+
+    def _hello_locked(self) -> bool:
+        reply = self._roundtrip("hello", self.deadlines.lookup,
+                                {"ns": self.namespace, "client": self.client_name})
+        if reply is None or not reply.header.get("ok"):
+            if reply is not None:
+                self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.get("msg"))
+            return False
+        self._session = reply.header["session"]
+        self.max_page_bytes = reply.header.get("max_page_bytes", self.max_page_bytes)
+        self.fd_socket = reply.header.get("fd_socket", "")
+        self._backoff = self.deadlines.backoff_min
+        self._warn.clear(f"down:{self.name}")
+        if self._region_fd is not None:
+            self._register_region_locked()
+        return True
+
+    def _ensure_session(self) -> Optional[int]:
+        if self._closed or self.is_down():
+            return None
+        with self._lock:
+            if self._session is None and not self._hello_locked():
+                return None
+            return self._session
+
+    def call(self, op: str, timeout: float, frames: Sequence = (), **fields) -> Optional[Reply]:
+        """A request in this client's session; None when the tier cannot answer."""
+        for _attempt in range(2):
+            session = self._ensure_session()
+            if session is None:
+                return None
+            reply = self._roundtrip(op, timeout, fields, frames, session=session)
+            if reply is None:
+                return None
+            if reply.header.get("ok") or reply.header.get("code") != "no_session":
+                return reply
+            with self._lock:
+                if self._session == session:
+                    self._session = None
+        return None
+
+    # ---------------------------------------------------- shared memory
+    def attach_region(self, fd: int, size: int) -> None:
+        """Remember a host-pool memfd; it is (re-)registered after every hello."""
+        with self._lock:
+            self._region_fd, self._region_size = fd, size
+            if self._session is not None:
+                self._register_region_locked()
+
+    def _register_region_locked(self) -> None:
+        self.region_id = None
+        if self._region_conn is not None:
+            self._region_conn.close()
+            self._region_conn = None
+        if not self.fd_socket:
+            return
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(self.deadlines.lookup)
+        try:
+            conn.connect(self.fd_socket)
+            P.send_register(conn, self._region_fd, {"v": P.PROTOCOL_VERSION, "s": self._session,
+                                                    "size": self._region_size})
+            reply = P.recv_framed(conn)
+        except (OSError, P.ProtocolError) as exc:
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s: host pool registration failed (%s); pages travel as frames",
+                               self.name, exc)
+            return
+        if not reply.get("ok"):
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
+            return
+        self._region_conn = conn  # kept open: closing it tells the daemon to unmap
+        self.region_id = reply["region"]
+
+    # ------------------------------------------------------- operations
+    def lookup(self, keys: List[str]) -> Optional[bytes]:
+        """One byte per key (1 held), or None when the tier cannot answer."""
+        reply = self.call("lookup", self.deadlines.lookup, keys=keys)
+        if reply is None or not reply.header.get("ok"):
+            return None
+        held = reply.header.get("held")
+        return held if isinstance(held, bytes) and len(held) == len(keys) else None
+
+    def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
+                   parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        region = self.region_id
+        if region is None:
+            return [False] * len(keys)
+        fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts)
+        if parents:
+            fields["parents"] = parents
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), "stored", len(keys))
+
+    def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
+                   parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        """Pages as lists of buffers; each page is sent as one frame per buffer."""
+        frames, counts = [], []
+        for page in pages:
+            frames.extend(page)
+            counts.append(len(page))
+        fields = dict(keys=keys)
+        if any(c != 1 for c in counts):
+            fields["frames_per_page"] = counts
+        if parents:
+            fields["parents"] = parents
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields),
+                           "stored", len(keys))
+
+    def get_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int) -> List[bool]:
+        region = self.region_id
+        if region is None:
+            return [False] * len(keys)
+        reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys, region=region, desc=desc,
+                          regions_per_page=counts)
+        return self._flags(reply, "found", len(keys))
+
+    def get_frames(self, keys: List[str], nbytes: int) -> Tuple[List[bool], List[zmq.Frame]]:
+        """(found flags, one frame per found page in key order)."""
+        reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys)
+        found = self._flags(reply, "found", len(keys))
+        frames = reply.frames if reply is not None else []
+        if len(frames) != sum(found):
+            return [False] * len(keys), []
+        return found, frames
+
+    def delete(self, keys: List[str]) -> int:
+        reply = self.call("delete", self.deadlines.base, keys=keys)
+        return int(reply.header.get("deleted", 0)) if reply is not None and reply.header.get("ok") else 0
+
+    def clear(self, everything: bool = False) -> Optional[int]:
+        reply = self.call("clear", self.deadlines.base, all=everything)
+        return reply.header.get("cleared") if reply is not None and reply.header.get("ok") else None
+
+    def stats(self) -> Optional[dict]:
+        reply = self.call("stats", self.deadlines.base)
+        return reply.header.get("stats") if reply is not None and reply.header.get("ok") else None
+
+    def _flags(self, reply: Optional[Reply], name: str, n: int) -> List[bool]:
+        if reply is None:
+            return [False] * n
+        if not reply.header.get("ok"):
+            self._warn.warning(f"err:{self.name}:{reply.header.get('code')}", "tier %s refused a request: %s %s",
+                               self.name, reply.header.get("code"), reply.header.get("msg"))
+            return [False] * n
+        raw = reply.header.get(name)
+        if not isinstance(raw, bytes) or len(raw) != n:
+            return [False] * n
+        if "refusal" in reply.header:
+            self._warn.warning(f"refusal:{self.name}", "tier %s stored part of a batch: %s", self.name,
+                               reply.header["refusal"])
+        return [b != 0 for b in raw]
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._sockets.clear()
+            if self._region_conn is not None:
+                self._region_conn.close()
+                self._region_conn = None

@@ -1,0 +1,27 @@
+"""Builds the page store and daemon of one configured tier."""
+from __future__ import annotations
+
+from tiers.config import NodeConfig, TierConfig
+from tiers.daemon import TierDaemon
+from tiers.store import PageStore
+
+
+def build_store(tier: TierConfig) -> PageStore:
+    """The store for a tier's kind, from its configuration."""
+    if tier.kind == "dram":
+        from tiers.dram import DramStore
+        return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
+                         max_page_bytes=tier.max_page_bytes, name=tier.name)
+    if tier.kind == "nvme":
+        from tiers.nvme import NvmeStore
+        return NvmeStore.from_config(tier)
+    raise ValueError(f"tier kind {tier.kind!r} has no store yet")
+
+
+def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
+    """A daemon serving tier on its endpoint (and its fd socket for ipc endpoints)."""
+    store = build_store(tier)
+    fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
+    io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
+    return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket,
+                      max_page_bytes=tier.max_page_bytes, io_threads=io_threads)
