@@ -1,0 +1,56 @@
+"""Helpers that start real tier daemons for tests (no mocks)."""
+from __future__ import annotations
+
+import zmq
+
+from tiers import protocol as P
+from tiers.node_runner import NodeRunner
+
+
+def dram_config(capacity: str = "64MiB", policy: str = "lru", block_size: str = "4KiB",
+                max_page_bytes: str = "16MiB", write_policy: str = "write_through") -> str:
+    return f"""
+[node]
+write_policy = "{write_policy}"
+
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = "{capacity}"
+policy = "{policy}"
+block_size = "{block_size}"
+max_page_bytes = "{max_page_bytes}"
+"""
+
+
+def start_node(tmp_path, config_text: str) -> NodeRunner:
+    runner = NodeRunner(config_text, str(tmp_path / "run"), str(tmp_path / "data"))
+    runner.start()
+    return runner
+
+
+class RawPeer:
+    """A bare DEALER socket for sending hand-made (and malformed) messages."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, *frames, timeout: float = 5.0):
+        self.sock.send_multipart(list(frames))
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no reply")
+        parts = self.sock.recv_multipart()
+        return P.unpack(parts[0]), parts[1:]
+
+    def call(self, op: str, req_id: int = 7, frames=(), **fields):
+        return self.send(P.request(op, req_id, **fields), *frames)
+
+    def hello(self, ns: str = "ns") -> int:
+        reply, _ = self.call("hello", ns=ns)
+        assert reply["ok"], reply
+        return reply["session"]
+
+    def close(self):
+        self.sock.close(linger=0)

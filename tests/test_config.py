@@ -1,0 +1,63 @@
+"""Configuration: the embedded default loads; every kind of mistake names file, key and what is allowed."""
+import subprocess
+import sys
+
+import pytest
+
+from tiers.config import ConfigError, load_config, parse_config, parse_size
+
+
+def test_embedded_default_loads_with_overrides(tmp_path):
+    config = load_config(runtime_dir=str(tmp_path / "run"), data_dir=str(tmp_path / "data"))
+    assert [t.name for t in config.tiers][0] == "dram"
+    assert config.tier("dram").endpoint == f"ipc://{tmp_path}/run/dram.sock"
+    assert config.write_policy == "write_through"
+
+
+def test_environment_overrides_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_TIERS_RUNTIME_DIR", str(tmp_path / "envrun"))
+    config = parse_config('[node]\nruntime_dir = "/nope"\n[[tiers]]\nname="dram"\nkind="dram"\n', "f.toml")
+    assert config.runtime_dir == str(tmp_path / "envrun")
+    flagged = parse_config('[[tiers]]\nname="dram"\nkind="dram"\n', "f.toml", runtime_dir="/flag")
+    assert flagged.runtime_dir == "/flag"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[tiers]]\nname='dram'\nkind='dram'\ncapacity='4XB'", "tiers[0].capacity: '4XB' is not a size"),
+    ("[[tiers]]\nname='dram'\nkind='dram'\npolicy='random'", "tiers[0].policy: 'random' is not one of"),
+    ("[[tiers]]\nname='dram'\nkind='tape'", "tiers[0].kind: 'tape' is not one of dram, nvme, remote"),
+    ("[[tiers]]\nname='dram'\nkind='dram'\ncolour='red'", "tiers[0].colour is not a known key for a dram tier; allowed:"),
+    ("[[tiers]]\nkind='dram'", "tiers[0].name is required"),
+    ("[[tiers]]\nname='Bad Name'\nkind='dram'", "must be 1-32 chars"),
+    ("[[tiers]]\nname='a'\nkind='dram'\n[[tiers]]\nname='a'\nkind='dram'", "tier names must be unique"),
+    ("[node]\nwrite_policy='sometimes'\n[[tiers]]\nname='a'\nkind='dram'", "node.write_policy: 'sometimes' is not one of"),
+    ("[node]\nspeed=3\n[[tiers]]\nname='a'\nkind='dram'", "node.speed is not a known key"),
+    ("[extras]\n[[tiers]]\nname='a'\nkind='dram'", "unknown section(s) extras"),
+    ("[node]\n", "at least one [[tiers]] table is required"),
+    ("[[tiers]\n", "not valid TOML"),
+    ("[[tiers]]\nname='a'\nkind='dram'\nendpoint='http://x'", "must start with ipc:// or tcp://"),
+])
+def test_each_mistake_has_its_message(text, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "/etc/hicache-tiers/node.toml")
+    assert str(err.value).startswith("/etc/hicache-tiers/node.toml")
+    assert message in str(err.value)
+
+
+def test_sizes():
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512MB") == 512_000_000
+    assert parse_size("64k") == 65536
+    assert parse_size(123) == 123
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[tiers]]\nname='dram'\nkind='dram'\ncapacity=-1\n")
+    proc = subprocess.run([sys.executable, "-m", "tiers.cli", "sglang-args", "--config", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "bad.toml: tiers[0].capacity" in proc.stderr
+    missing = subprocess.run([sys.executable, "-m", "tiers.cli", "serve", "--config", str(tmp_path / "none.toml")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr

@@ -1,0 +1,100 @@
+"""Malformed, wrong-version and hostile messages get error replies; the daemon keeps serving."""
+import msgpack
+import pytest
+
+from tiers import protocol as P
+from tests.nodes import RawPeer, dram_config, start_node
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    runner = start_node(tmp_path_factory.mktemp("proto"), dram_config(capacity="8MiB", max_page_bytes="1MiB"))
+    yield runner
+    assert runner.stop() == {"dram": 0}
+
+
+@pytest.fixture
+def peer(node):
+    p = RawPeer(node.config.tier("dram").endpoint)
+    yield p
+    p.close()
+
+
+def still_serving(peer):
+    session = peer.hello()
+    reply, frames = peer.call("put", s=session, keys=["alive"], frames=[b"x" * 100])
+    assert reply["ok"] and reply["stored"] == b"\x01"
+    reply, frames = peer.call("get", s=session, keys=["alive"])
+    assert reply["found"] == b"\x01" and frames == [b"x" * 100]
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b"\xc1", "bad_request"),                      # never-used msgpack byte
+    (b"", "bad_request"),
+    (msgpack.packb([1, 2, 3]), "bad_request"),     # not a map
+    (msgpack.packb({"v": 1, "op": "lookup", "id": "x"}), "bad_request"),
+    (msgpack.packb({"v": 99, "op": "lookup", "id": 3}), "bad_version"),
+    (msgpack.packb({"op": "lookup", "id": 3}), "bad_version"),
+    (msgpack.packb({"v": 1, "op": "explode", "id": 3}), "unknown_op"),
+    (msgpack.packb({"v": 1, "op": "lookup", "id": 3, "s": 12345, "keys": ["a"]}), "no_session"),
+    (msgpack.packb({"v": 1, "op": "lookup", "id": 3, "dl": 1.0}), "deadline"),
+    (msgpack.packb({"v": 1, "op": "hello", "id": 3, "ns": "../etc"}), "bad_request"),
+    (msgpack.packb({"v": 1, "op": "hello", "id": 3}), "bad_request"),
+])
+def test_malformed_headers_get_error_replies(peer, raw, code):
+    reply, _ = peer.send(raw)
+    assert reply["ok"] is False
+    assert reply["code"] == code, reply
+    assert reply["msg"]
+    still_serving(peer)
+
+
+def test_bad_fields_after_hello(peer):
+    session = peer.hello()
+    cases = [
+        (dict(keys="notalist"), "bad_request"),
+        (dict(keys=["a/b"]), "bad_request"),
+        (dict(keys=["x" * 300]), "bad_request"),
+        (dict(keys=[1, 2]), "bad_request"),
+        (dict(keys=["k"] * (P.MAX_BATCH + 1)), "too_large"),
+    ]
+    for fields, code in cases:
+        reply, _ = peer.call("lookup", s=session, **fields)
+        assert (reply["ok"], reply["code"]) == (False, code), (fields, reply)
+    # frames that do not match the keys
+    reply, _ = peer.call("put", s=session, keys=["a", "b"], frames=[b"1"])
+    assert reply["code"] == "bad_request"
+    # a region that was never registered, and nonsense descriptors
+    reply, _ = peer.call("get", s=session, keys=["a"], region=42, desc=b"\0" * 16, regions_per_page=b"\1\0\0\0")
+    assert reply["code"] == "no_session"
+    still_serving(peer)
+
+
+def test_oversized_page_is_refused_and_nothing_is_stored(peer):
+    session = peer.hello()
+    reply, _ = peer.call("put", s=session, keys=["big"], frames=[b"z" * (2 << 20)])
+    assert reply["ok"] is False and reply["code"] == "too_large"
+    reply, _ = peer.call("lookup", s=session, keys=["big"])
+    assert reply["held"] == b"\x00"
+    still_serving(peer)
+
+
+def test_namespaces_are_isolated(peer):
+    a, b = peer.hello("tenant-a"), peer.hello("tenant-b")
+    reply, _ = peer.call("put", s=a, keys=["shared-key"], frames=[b"A" * 64])
+    assert reply["stored"] == b"\x01"
+    reply, frames = peer.call("get", s=b, keys=["shared-key"])
+    assert reply["found"] == b"\x00" and frames == []
+    reply, _ = peer.call("delete", s=b, keys=["shared-key"])
+    assert reply["deleted"] == 0
+    reply, _ = peer.call("clear", s=b, all=True)
+    assert reply["ok"] is False  # only an _admin session may clear every namespace
+    reply, frames = peer.call("get", s=a, keys=["shared-key"])
+    assert frames == [b"A" * 64]
+
+
+def test_replies_echo_request_ids(peer):
+    session = peer.hello()
+    for req_id in (1, 99, 2**40):
+        reply, _ = peer.call("lookup", req_id=req_id, s=session, keys=["q"])
+        assert reply["id"] == req_id

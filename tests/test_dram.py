@@ -1,0 +1,99 @@
+"""The DRAM tier: exact bytes back, eviction by policy, memory within its bound."""
+import os
+
+import numpy as np
+import pytest
+
+from tiers.client import TierClient
+from tiers.dram import DramStore
+from tiers.store import PageTooLarge
+from tests.nodes import dram_config, start_node
+
+
+def page(i: int, size: int = 10_000) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def test_round_trip_with_split_buffers():
+    store = DramStore(1 << 20, "lru", block_size=4096)
+    data = page(1, 10_000)
+    parts = [memoryview(data)[:3], memoryview(data)[3:5000], memoryview(data)[5000:]]
+    store.put(("ns", "k"), parts)
+    out = [bytearray(7), bytearray(9993)]
+    assert store.get_into(("ns", "k"), [memoryview(b) for b in out])
+    assert bytes(out[0] + out[1]) == data
+    assert store.get_bytes(("ns", "k")) == data
+    assert not store.get_into(("ns", "k"), [memoryview(bytearray(5))])  # wrong size is a miss
+    assert store.get_bytes(("other", "k")) is None
+
+
+def test_overwrite_replaces_and_frees():
+    store = DramStore(64 << 10, "lru", block_size=4096)
+    store.put(("ns", "k"), [memoryview(page(1, 30_000))])
+    store.put(("ns", "k"), [memoryview(page(2, 30_000))])
+    assert store.get_bytes(("ns", "k")) == page(2, 30_000)
+    stats = store.stats()
+    assert (stats.pages, stats.used_bytes, stats.evictions) == (1, 30_000, 0)
+
+
+@pytest.mark.parametrize("policy, survivors", [
+    ("lru", {0, 3, 4}),   # 0 was read, so 1 and 2 go first
+    ("fifo", {2, 3, 4}),  # reads do not matter
+    ("lfu", {0, 3, 4}),   # 0 has two reads
+])
+def test_eviction_follows_policy(policy, survivors):
+    store = DramStore(3 * 8192, policy, block_size=8192)
+    for i in range(3):
+        store.put(("ns", str(i)), [memoryview(page(i, 8192))])
+    store.get_bytes(("ns", "0"))
+    store.get_bytes(("ns", "0"))
+    store.put(("ns", "3"), [memoryview(page(3, 8192))])
+    store.get_bytes(("ns", "3"))
+    store.put(("ns", "4"), [memoryview(page(4, 8192))])
+    held = {i for i in range(5) if store.contains([("ns", str(i))])[0]}
+    assert held == survivors
+    assert store.stats().evictions == 2
+    for i in held:
+        assert store.get_bytes(("ns", str(i))) == page(i, 8192)
+
+
+def test_too_large_page_is_refused():
+    store = DramStore(64 << 10, "lru", block_size=4096, max_page_bytes=32 << 10)
+    with pytest.raises(PageTooLarge):
+        store.put(("ns", "k"), [memoryview(b"x" * (40 << 10))])
+    assert store.stats().pages == 0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_daemon_writing_twice_its_capacity_evicts_lru_and_stays_bounded(tmp_path):
+    capacity = 32 << 20
+    runner = start_node(tmp_path, dram_config(capacity="32MiB", policy="lru", block_size="64KiB"))
+    try:
+        client = TierClient("dram", runner.config.tier("dram").endpoint, "cap-test")
+        page_size = 1 << 20
+        baseline = rss_bytes(runner.pid("dram"))
+        keys = [f"p{i}" for i in range(64)]  # 64 MiB: twice the capacity
+        for start in range(0, 64, 8):
+            batch = keys[start:start + 8]
+            pages = [[memoryview(np.full(page_size, i % 251, np.uint8))] for i in range(start, start + 8)]
+            assert client.put_frames(batch, pages, 8 * page_size) == [True] * 8
+        held = client.lookup(keys)
+        assert held == b"\x00" * 32 + b"\x01" * 32  # LRU kept exactly the newest capacity's worth
+        found, frames = client.get_frames(keys[32:], 32 * page_size)
+        assert all(found)
+        for i, frame in zip(range(32, 64), frames):
+            assert bytes(frame.buffer[:1]) == bytes([i % 251]) and len(frame.buffer) == page_size
+        stats = client.stats()
+        assert stats["evictions"] == 32 and stats["used_bytes"] == capacity
+        growth = rss_bytes(runner.pid("dram")) - baseline
+        assert growth <= capacity + (16 << 20), f"daemon grew by {growth} bytes for a {capacity}-byte tier"
+        client.close()
+    finally:
+        runner.stop()
