@@ -98,3 +98,21 @@ def test_replies_echo_request_ids(peer):
     for req_id in (1, 99, 2**40):
         reply, _ = peer.call("lookup", req_id=req_id, s=session, keys=["q"])
         assert reply["id"] == req_id
+
+
+def test_evict_and_clear_by_namespace(peer):
+    a, b, admin = peer.hello("evict-a"), peer.hello("evict-b"), peer.hello("_admin")
+    for session, tag in ((a, b"a"), (b, b"b")):
+        reply, _ = peer.call("put", s=session, keys=["e1", "e2", "e3"], frames=[tag * 4096] * 3)
+        assert reply["stored"] == b"\x01\x01\x01"
+    reply, _ = peer.call("evict", s=b, bytes=4096, ns="evict-a")
+    assert reply["ok"] is False  # a tenant cannot evict another's pages
+    reply, _ = peer.call("evict", s=admin, bytes=8192, ns="evict-a")
+    assert (reply["evicted_pages"], reply["evicted_bytes"]) == (2, 8192)
+    held_a, _ = peer.call("lookup", s=a, keys=["e1", "e2", "e3"])
+    held_b, _ = peer.call("lookup", s=b, keys=["e1", "e2", "e3"])
+    assert held_a["held"] == b"\x00\x00\x01" and held_b["held"] == b"\x01\x01\x01"
+    reply, _ = peer.call("clear", s=admin, ns="evict-b")
+    assert reply["cleared"] == 3
+    reply, _ = peer.call("evict", s=a, bytes=1 << 30)
+    assert reply["evicted_pages"] == 1

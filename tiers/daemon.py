@@ -28,6 +28,7 @@ from tiers.store import PageStore, StoreError
 log = logging.getLogger("hicache.daemon")
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 
 
 class TierDaemon:
@@ -219,12 +220,30 @@ class TierDaemon:
         keys = P.keys_field(header)
         return [P.reply_ok(header["id"], deleted=self.store.delete([(ns, k) for k in keys]))]
 
-    def handle_clear(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
+    def _target_namespace(self, header: dict, own: str) -> Optional[str]:
+        """The namespace an admin operation acts on (None: every namespace)."""
         everything = P.field(header, "all", bool, required=False, default=False)
-        if everything and ns != "_admin":
-            raise P.ProtocolError("bad_request", "clearing every namespace needs an _admin session")
-        return [P.reply_ok(header["id"], cleared=self.store.clear(None if everything else ns))]
+        target = header.get("ns")
+        if target is not None:
+            target = P.check_namespace(target)
+        if (everything or (target is not None and target != own)) and own != ADMIN_NAMESPACE:
+            raise P.ProtocolError("bad_request", "acting on other namespaces needs an _admin session")
+        return None if everything else (target or own)
+
+    def handle_clear(self, header: dict, frames) -> list:
+        own = self._namespace(header)
+        return [P.reply_ok(header["id"], cleared=self.store.clear(self._target_namespace(header, own)))]
+
+    def handle_evict(self, header: dict, frames) -> list:
+        own = self._namespace(header)
+        nbytes = P.field(header, "bytes", int)
+        if nbytes < 0:
+            raise P.ProtocolError("bad_request", "bytes must not be negative")
+        namespace = self._target_namespace(header, own)
+        if own == ADMIN_NAMESPACE and header.get("ns") is None:
+            namespace = None  # the operator evicts across every namespace by default
+        pages, freed = self.store.evict(nbytes, namespace)
+        return [P.reply_ok(header["id"], evicted_pages=pages, evicted_bytes=freed)]
 
     def handle_stats(self, header: dict, frames) -> list:
         self._namespace(header)

@@ -168,6 +168,34 @@ class DramStore(PageStore):
                 self._policy.remove(key)
             return len(doomed)
 
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        pages = freed = 0
+        with self._lock:
+            if namespace is None:
+                while freed < nbytes and len(self._policy):
+                    before = self._stats.used_bytes
+                    self._evict_one_locked()
+                    pages, freed = pages + 1, freed + before - self._stats.used_bytes
+                return pages, freed
+            # One namespace: walk the policy's order, putting other tenants' keys back.
+            skipped = []
+            while freed < nbytes:
+                victim = self._policy.pop_victim()
+                if victim is None:
+                    break
+                if victim[0] != namespace:
+                    skipped.append(victim)
+                    continue
+                entry = self._index[victim]
+                if self.on_evict is not None:
+                    self.on_evict(victim, self._views(entry), entry.reads)
+                self._release_locked(victim)
+                self._stats.evictions += 1
+                pages, freed = pages + 1, freed + entry.size
+            for key in skipped:  # they lose their recency rank: an operator action, rare
+                self._policy.insert(key)
+            return pages, freed
+
     def stats(self) -> StoreStats:
         with self._lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})

@@ -21,7 +21,10 @@ Operations (fields -> reply fields):
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
 - stats                         -> stats, tier, sessions
-- clear    [all]                -> cleared
+- clear    [all | ns]           -> cleared
+- evict    bytes [, ns]         -> evicted_pages, evicted_bytes
+``all`` and an ``ns`` other than the session's own need an ``_admin`` session
+(the operator's CLI); a tenant can never clear or evict another's pages.
 The ``desc`` of a shared-memory transfer is a little-endian int64 array of
 (offset, length) pairs into the registered region, ``regions_per_page``
 (int32, one per key) says how many pairs make each page.
@@ -46,7 +49,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
-OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear")
+OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict")
 ERROR_CODES = (
     "bad_request",  # malformed header or fields
     "bad_version",  # protocol version mismatch

@@ -100,6 +100,13 @@ class PageStore(ABC):
     def clear(self, namespace: Optional[str] = None) -> int:
         """Remove every page (of one namespace); returns how many."""
 
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        """Evict by policy until nbytes are freed (only pages of namespace when given).
+
+        Returns (pages, bytes) evicted.  An operator's tool, not the hot path.
+        """
+        raise StoreError(f"{type(self).__name__} does not support evict")
+
     @abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters."""
