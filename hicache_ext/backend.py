@@ -92,7 +92,8 @@ class TieredHiCacheStorage(HiCacheStorage):
         if self._view is not None and self._view.memfd is not None:
             for client in clients:
                 client.attach_region(self._view.memfd, self._view.memfd_size)
-        self._router = TierRouter(clients, self.write_policy, promote=self.settings.promote)
+        self._router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
+                                  selective_min_reads=self.settings.selective_min_reads)
 
     def _route(self) -> TierRouter:
         if self._router is None:

@@ -17,61 +17,75 @@ from typing import List, Optional, Sequence
 from hicache_ext.host_pool import PageBatch
 from tiers import protocol as P
 from tiers.buffers import scatter_copy
-from tiers.client import TierClient
+from tiers.client import TierClient, lookup_all
 
 log = logging.getLogger("hicache.backend")
 
 
 class TierRouter:
-    def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True):
+    def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True,
+                 selective_min_reads: int = 2):
         if not clients:
             raise ValueError("the tier chain is empty")
         self.clients = clients
         self.write_policy = write_policy
         self.promote = promote
+        self.selective_min_reads = selective_min_reads
         self.promotions = 0
+        # What the top tier is told about each page: demote it later or not.
+        self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, keys: List[str]) -> int:
-        """Leading keys held by some tier (0 when no tier answers)."""
+        """Leading keys held by some tier (0 when no tier answers); every tier asked at once."""
         if not keys:
             return 0
+        if len(self.clients) == 1:
+            flags = self.clients[0].lookup(keys)
+            return 0 if flags is None else P.leading_run(flags)
         held = bytearray(len(keys))
-        prefix = 0
-        for client in self.clients:
-            missing = [i for i in range(prefix, len(keys)) if not held[i]]
-            flags = client.lookup([keys[i] for i in missing])
+        for flags in lookup_all(self.clients, keys):
             if flags is not None:
-                for i, flag in zip(missing, flags):
+                for i, flag in enumerate(flags):
                     if flag:
                         held[i] = 1
-            prefix = P.leading_run(bytes(held))
-            if prefix == len(keys):
-                break
-        return prefix
+        return P.leading_run(bytes(held))
 
     # --------------------------------------------------------------- writes
+    def _write_targets(self) -> List[TierClient]:
+        """write_through: every tier; otherwise the fastest tier that is up."""
+        if self.write_policy == "write_through":
+            return self.clients
+        for client in self.clients:
+            if not client.is_down():
+                return [client]
+        return self.clients[:1]
+
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        targets = self.clients if self.write_policy == "write_through" else self.clients[:1]
         result = [True] * len(batch.keys)
-        for client in targets:
-            stored = self._put(client, batch, parents)
+        for client in self._write_targets():
+            stored = self._put(client, batch, parents, mode=self._mode)
             result = [a and b for a, b in zip(result, stored)]
         return result
 
-    def _put(self, client: TierClient, batch: PageBatch, parents) -> List[bool]:
+    def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
+             promote: bool = False) -> List[bool]:
+        extra = {"mode": mode}
+        if mode == "selective":
+            extra["min_reads"] = self.selective_min_reads
+        if promote:
+            extra["promote"] = True
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
-            return client.put_region(batch.keys, desc, counts, batch.nbytes, parents)
-        return client.put_frames(batch.keys, batch.views(), batch.nbytes, parents)
+            return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)
+        return client.put_frames(batch.keys, batch.views(), batch.nbytes, parents, **extra)
 
     def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
         """Legacy path: pages given as buffers of this process."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        targets = self.clients if self.write_policy == "write_through" else self.clients[:1]
         result = [True] * len(keys)
-        for client in targets:
-            stored = client.put_frames(keys, pages, nbytes)
+        for client in self._write_targets():
+            stored = client.put_frames(keys, pages, nbytes, mode=self._mode)
             result = [a and b for a, b in zip(result, stored)]
         return result
 
@@ -88,7 +102,8 @@ class TierRouter:
             for i in hits:
                 found[i] = True
             if depth > 0 and hits and self.promote and not self.clients[0].is_down():
-                promoted = self._put(self.clients[0], batch.subset(hits), None)
+                # A promoted page is already below, so the top tier holds it clean.
+                promoted = self._put(self.clients[0], batch.subset(hits), None, promote=True)
                 self.promotions += sum(promoted)
             missing = [i for i, ok in zip(missing, got) if not ok]
         return found

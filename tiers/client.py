@@ -108,12 +108,11 @@ class TierClient:
     def is_down(self) -> bool:
         return time.monotonic() < self._down_until
 
-    def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
-                   session: Optional[int] = None) -> Optional[Reply]:
-        """One request and its reply, or None (timeout, no daemon)."""
+    def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
+              session: Optional[int] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
+        """Send one request; (socket, id, give-up time) or None when the tier is unreachable."""
         req_id = next(self._ids)
-        now = time.time()
-        daemon_deadline = now + max(0.01, timeout - self.deadlines.margin)
+        daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
         header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
         sock = self._socket()
         try:
@@ -126,12 +125,15 @@ class TierClient:
             self._reset_socket()
             self._mark_down("not connected")
             return None
-        end = time.monotonic() + timeout
+        return sock, req_id, time.monotonic() + timeout
+
+    def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str) -> Optional[Reply]:
+        """The reply to req_id, or None after give_up (the socket is then reset)."""
         while True:
-            left = end - time.monotonic()
+            left = give_up - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset_socket()  # drop the late reply and anything queued
-                self._mark_down(f"{op} timed out after {timeout:.2f}s")
+                self._mark_down(f"{op} got no reply in time")
                 return None
             parts = sock.recv_multipart(copy=False)
             try:
@@ -141,6 +143,12 @@ class TierClient:
             if reply.get("id") == req_id:
                 return Reply(reply, parts[1:])
             # A reply to an earlier call that timed out: ignore it.
+
+    def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
+                   session: Optional[int] = None) -> Optional[Reply]:
+        """One request and its reply, or None (timeout, no daemon)."""
+        sent = self._send(op, timeout, fields, frames, session)
+        return None if sent is None else self._receive(*sent, op)
 
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
@@ -225,24 +233,43 @@ class TierClient:
         held = reply.header.get("held")
         return held if isinstance(held, bytes) and len(held) == len(keys) else None
 
+    def start_lookup(self, keys: List[str]):
+        """Send a lookup without waiting (see lookup_all); None when the tier is unreachable."""
+        session = self._ensure_session()
+        if session is None:
+            return None
+        return self._send("lookup", self.deadlines.lookup, {"keys": keys}, session=session)
+
+    def finish_lookup(self, pending, keys: List[str]) -> Optional[bytes]:
+        reply = self._receive(*pending, "lookup")
+        if reply is not None and reply.header.get("code") == "no_session":
+            with self._lock:
+                self._session = None
+            return self.lookup(keys)  # the daemon restarted: one ordinary retry
+        if reply is None or not reply.header.get("ok"):
+            return None
+        held = reply.header.get("held")
+        return held if isinstance(held, bytes) and len(held) == len(keys) else None
+
     def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
-                   parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+                   parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
+        """Pages from the registered host pool; extra: mode, min_reads, promote."""
         region = self.region_id
         if region is None:
             return [False] * len(keys)
-        fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts)
+        fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts, **extra)
         if parents:
             fields["parents"] = parents
         return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), "stored", len(keys))
 
     def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
-                   parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        """Pages as lists of buffers; each page is sent as one frame per buffer."""
+                   parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
+        """Pages as lists of buffers, sent as one frame per buffer; extra as for put_region."""
         frames, counts = [], []
         for page in pages:
             frames.extend(page)
             counts.append(len(page))
-        fields = dict(keys=keys)
+        fields = dict(keys=keys, **extra)
         if any(c != 1 for c in counts):
             fields["frames_per_page"] = counts
         if parents:
@@ -303,3 +330,9 @@ class TierClient:
             if self._region_conn is not None:
                 self._region_conn.close()
                 self._region_conn = None
+
+
+def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
+    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier."""
+    pending = [client.start_lookup(keys) for client in clients]
+    return [None if p is None else client.finish_lookup(p, keys) for client, p in zip(clients, pending)]

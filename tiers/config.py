@@ -127,6 +127,7 @@ class NodeConfig:
     data_dir: str
     write_policy: str = "write_through"
     log_level: str = "info"
+    max_dirty_pages: int = 1024
     node_name: str = ""
     source: str = "<embedded default>"
 
@@ -147,7 +148,7 @@ def default_data_dir() -> str:
     return os.path.join(base, "hicache-tiers")
 
 
-NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level"}
+NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -177,6 +178,7 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         write_policy=_choice(*WRITE_POLICIES)(node.get("write_policy", "write_through"), f"{source}: node.write_policy"),
         log_level=_choice(*LOG_LEVELS)(level, f"{source}: node.log_level"),
         node_name=_str(node.get("name", socket.gethostname()), f"{source}: node.name"),
+        max_dirty_pages=_int(node.get("max_dirty_pages", 1024), f"{source}: node.max_dirty_pages"),
         source=source,
     )
     tiers = raw.get("tiers", [])

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import zmq
 
 from tiers import protocol as P
+from tiers.demotion import MODES, DemotionLink, DirtySet, should_demote
 from tiers.metrics import DaemonMetrics
 from tiers.regions import RegionRegistry
 from tiers.store import PageStore, StoreError
@@ -35,7 +36,8 @@ class TierDaemon:
     """Serves one store on one endpoint until stop() is called."""
 
     def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
-                 max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None):
+                 max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
+                 lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024):
         self.name = name
         self.store = store
         self.endpoint = endpoint
@@ -51,6 +53,12 @@ class TierDaemon:
         self._stopping = threading.Event()
         self._in_flight = 0
         self.ready = threading.Event()
+        # Write-back and selective pages go to the next tier down (if there is one).
+        self.lower = lower
+        self.dirty = DirtySet(max_dirty_pages)
+        self._flushing = False
+        if lower is not None:
+            store.on_evict = self._on_evict
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -104,6 +112,7 @@ class TierDaemon:
                         self._dispatch(frames)
                 if self._regions is not None:
                     self._regions.handle_events(events, poller)
+                self._housekeeping()
                 if on_tick:
                     on_tick()
         finally:
@@ -112,6 +121,9 @@ class TierDaemon:
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._send_done()
+        if self.lower is not None:
+            self._flush(everything=True)
+            self.lower.close()
         if self._regions is not None:
             self._regions.close()
         if self._router is not None:
@@ -187,6 +199,42 @@ class TierDaemon:
             self._in_flight -= 1
             self._router.send_multipart([ident, *reply], copy=False)
 
+    # ------------------------------------------------------------ demotion
+    def _on_evict(self, key, views, reads: int) -> None:
+        """Called by the store before an evicted page's memory is reused."""
+        pending = self.dirty.pop(key)
+        if pending is not None and should_demote(pending[0], pending[1], reads):
+            self.lower.push(key, views)
+
+    def _housekeeping(self) -> None:
+        if self.lower is not None and not self._flushing and self.dirty.oldest_over_limit():
+            self._flushing = True
+            self._pool.submit(self._flush_over_limit)
+
+    def _flush_over_limit(self) -> None:
+        try:
+            self._flush(everything=False)
+        finally:
+            self._flushing = False
+
+    def _flush(self, everything: bool) -> int:
+        """Demote dirty pages: those over the bound, or (at shutdown) every eligible one."""
+        if everything:
+            keys = [(k, mode, n) for k, mode, n in self.dirty.snapshot()]
+        else:
+            keys = [(k, "back", 0) for k in self.dirty.oldest_over_limit()]
+        done = 0
+        for key, mode, min_reads in keys:
+            if not should_demote(mode, min_reads, self.store.read_count(key)):
+                continue
+            data = self.store.peek(key)
+            if data is not None and self.lower.push(key, [memoryview(data)]):
+                self.dirty.pop(key)
+                done += 1
+        if everything and keys:
+            log.info("flushed %d of %d dirty pages to %s", done, len(keys), self.lower.name)
+        return done
+
     # ------------------------------------------------------------- sessions
     def _namespace(self, header: dict) -> str:
         session = self._sessions.get(header.get("s"))
@@ -218,6 +266,8 @@ class TierDaemon:
     def handle_delete(self, header: dict, frames) -> list:
         ns = self._namespace(header)
         keys = P.keys_field(header)
+        for key in keys:
+            self.dirty.pop((ns, key))
         return [P.reply_ok(header["id"], deleted=self.store.delete([(ns, k) for k in keys]))]
 
     def _target_namespace(self, header: dict, own: str) -> Optional[str]:
@@ -232,7 +282,9 @@ class TierDaemon:
 
     def handle_clear(self, header: dict, frames) -> list:
         own = self._namespace(header)
-        return [P.reply_ok(header["id"], cleared=self.store.clear(self._target_namespace(header, own)))]
+        namespace = self._target_namespace(header, own)
+        self.dirty.discard_namespace(namespace)
+        return [P.reply_ok(header["id"], cleared=self.store.clear(namespace))]
 
     def handle_evict(self, header: dict, frames) -> list:
         own = self._namespace(header)
@@ -250,6 +302,10 @@ class TierDaemon:
         stats = self.store.stats().as_dict()
         stats.update(self.metrics.snapshot())
         stats["sessions"] = len(self._sessions)
+        stats["dirty_pages"] = len(self.dirty)
+        stats["demotions"] = self.lower.demoted if self.lower else 0
+        stats["demotion_failures"] = self.lower.failed if self.lower else 0
+        stats["lower_tier"] = self.lower.name if self.lower else ""
         stats["regions"] = len(self._regions) if self._regions is not None else 0
         return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
 
@@ -314,6 +370,8 @@ class TierDaemon:
                 stored.append(False)
                 continue
             stored.append(True)
+            if self.lower is not None:
+                self.dirty.add((ns, key), mode, min_reads)
         self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
         fields = {"stored": P.flags(stored)}
         if refusal:

@@ -141,6 +141,11 @@ class DramStore(PageStore):
                 return None
             return b"".join(self._views(entry))
 
+    def peek(self, key: PageKey) -> Optional[bytes]:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else b"".join(self._views(entry))
+
     def read_count(self, key: PageKey) -> int:
         """How many times key was read since it was stored (0 when absent)."""
         with self._lock:

@@ -19,6 +19,7 @@ class DaemonMetrics:
         self.bytes_moved: Dict[str, int] = defaultdict(int)
         self.lookup_keys = 0
         self.lookup_prefix_hits = 0
+        self.promotions = 0  # pages put here because a lower tier served them
         self.observers = []  # callables(op, seconds): the Prometheus exporter hooks in here
 
     def observe(self, op: str, seconds: float) -> None:
@@ -53,5 +54,6 @@ class DaemonMetrics:
                 "bytes_got": self.bytes_moved["get"],
                 "lookup_keys": self.lookup_keys,
                 "lookup_prefix_hits": self.lookup_prefix_hits,
+                "promotions": self.promotions,
             }
         return out

@@ -88,6 +88,14 @@ class PageStore(ABC):
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
         """The page as one bytes-like object, or None on miss."""
 
+    def peek(self, key: PageKey) -> Optional[bytes]:
+        """The page's bytes without counting a read (demotion, flushing)."""
+        return self.get_bytes(key)
+
+    def read_count(self, key: PageKey) -> int:
+        """Reads since the page was stored (stores that track it override this)."""
+        return 0
+
     @abstractmethod
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         """Presence of each key; does not count as an access."""

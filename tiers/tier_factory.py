@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tiers.config import NodeConfig, TierConfig
 from tiers.daemon import TierDaemon
+from tiers.demotion import DemotionLink
 from tiers.store import PageStore
 
 
@@ -23,5 +24,8 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     store = build_store(tier)
     fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
-    return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket,
-                      max_page_bytes=tier.max_page_bytes, io_threads=io_threads)
+    position = [t.name for t in node.tiers].index(tier.name)
+    below = node.tiers[position + 1] if position + 1 < len(node.tiers) else None
+    lower = DemotionLink(below.name, below.endpoint) if below is not None else None
+    return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
+                      io_threads=io_threads, lower=lower, max_dirty_pages=node.max_dirty_pages)
