@@ -74,6 +74,26 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return check
 
 
+def _list_of(parser: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
+    def check(value: Any, where: str) -> list:
+        if isinstance(value, list):
+            return [parser(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        raise ConfigError(f"{where}: {value!r} is not a list")
+    return check
+
+
+def _endpoint(value: Any, where: str) -> str:
+    if isinstance(value, str) and value.startswith(("tcp://", "ipc://")):
+        return value
+    raise ConfigError(f"{where}: {value!r} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+
+
+def _weight(value: Any, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ConfigError(f"{where}: {value!r} is not a positive number")
+
+
 def _policy(value: Any, where: str) -> str:
     from tiers.policies import policy_names
     return _choice(*policy_names())(value, where)
@@ -83,11 +103,20 @@ def _policy(value: Any, where: str) -> str:
 # rejects keys not listed here, so a typo is an error instead of a silent default.
 COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "name": (_str, None, "tier name, unique on the node (socket and unit instance name)"),
-    "kind": (_choice("dram", "nvme", "remote"), None, "dram, nvme or remote"),
+    "kind": (_choice("dram", "nvme", "remote", "pool", "mooncake_store"), None,
+             "dram, nvme, remote (client of pool daemons), pool (a remote memory pool daemon) or mooncake_store"),
     "capacity": (parse_size, "1GiB", "bytes the tier may hold"),
     "policy": (_policy, "lru", "eviction policy"),
     "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
+}
+# The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
+TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
+    "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport: rdma on clusters, tcp without an RDMA NIC"),
+    "device_name": (_str, "", "RDMA devices, comma separated (e.g. mlx5_0,mlx5_1); empty: every HCA found"),
+    "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE (no metadata service), etcd://HOST:PORT or http://HOST:PORT/metadata"),
+    "te_hostname": (_str, "", "address peers reach this engine at; default: a pool's endpoint host, 127.0.0.1 for a remote tier"),
+    "require_rdma": (_bool, False, "fail at start when RDMA is unusable instead of moving pages over TCP (MC_FORCE_HCA)"),
 }
 KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     "dram": {
@@ -101,7 +130,31 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "io_threads": (_int, 4, "blocking I/O threads (several reads in flight)"),
         "direct_io": (_bool, False, "O_DIRECT reads and writes where the file system allows"),
     },
-    "remote": {},
+    "remote": {
+        **TRANSFER_ENGINE_OPTIONS,
+        "pools": (_list_of(_endpoint), [], "pool daemon endpoints (tcp://HOST:PORT); keys are placed by rendezvous hashing"),
+        "pool_weights": (_list_of(_weight), [], "relative share of keys of each pool; default equal"),
+        "pool_timeout_ms": (_int, 200, "a pool's control call (alloc, commit, locate, lookup) gives up after this"),
+        "pool_retry_max_ms": (_int, 2000, "longest back-off before a pool that stopped answering is tried again"),
+        "transfer_timeout_ms": (_int, 1000, "a page transfer gives up after this plus its bytes at min_bandwidth"),
+        "min_bandwidth": (parse_size, "100MB", "bytes per second below which a transfer is given up"),
+        "io_threads": (_int, 2, "transfers in flight (and staging slots for pages that arrive as frames)"),
+    },
+    "pool": {
+        **TRANSFER_ENGINE_OPTIONS,
+        "block_size": (parse_size, "1MiB", "arena allocation unit; a page is at most ceil(size/block) transfers"),
+        "max_lease_ms": (_int, 30000, "longest a client may pin or reserve pages for one transfer"),
+    },
+    "mooncake_store": {
+        "master_server_address": (_str, "127.0.0.1:50051", "the Mooncake Store master (HOST:PORT)"),
+        "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE, etcd://HOST:PORT or http://HOST:PORT/metadata"),
+        "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport"),
+        "device_name": (_str, "", "RDMA devices, comma separated; empty: every HCA found"),
+        "te_hostname": (_str, "127.0.0.1", "address the store's peers reach this node at"),
+        "global_segment_size": (parse_size, "0", "memory this node contributes to the cluster (0: none, a pure client)"),
+        "local_buffer_size": (parse_size, "256MiB", "the store client's registered transfer buffer"),
+        "io_threads": (_int, 2, "transfers in flight"),
+    },
 }
 
 

@@ -46,6 +46,9 @@ class TierDaemon:
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
         self._regions = RegionRegistry(fd_socket) if fd_socket else None
+        if self._regions is not None:  # a store that moves pages by DMA registers each host pool mapping
+            self._regions.on_map = getattr(store, "region_mapped", None)
+            self._regions.on_unmap = getattr(store, "region_unmapped", None)
         self._sessions: Dict[int, dict] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
         self._done: deque = deque()
@@ -149,7 +152,9 @@ class TierDaemon:
             header = P.unpack(frames[1].buffer)
             req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
             op, req_id = P.check_request(header)
-            handler = getattr(self, f"handle_{op}")
+            handler = getattr(self, f"handle_{op}", None)
+            if handler is None:  # a pool operation sent to a tier daemon, or the reverse
+                raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
             result = handler(header, frames[2:])
             if isinstance(result, Future):
                 self._in_flight += 1

@@ -25,6 +25,22 @@ Operations (fields -> reply fields):
 - evict    bytes [, ns]         -> evicted_pages, evicted_bytes
 ``all`` and an ``ns`` other than the session's own need an ``_admin`` session
 (the operator's CLI); a tenant can never clear or evict another's pages.
+
+Pool operations (served by remote memory pools, tiers/remote; pages then move
+one-sided through the Mooncake Transfer Engine, never through ZeroMQ):
+- alloc    keys, sizes [, parents, ttl]
+                                -> lease, seg, granted (one byte a key), desc, regions_per_page
+- commit   lease, keys          -> committed (one byte a key)
+- locate   keys [, ttl]         -> lease, seg, found (one byte a key), sizes, desc, regions_per_page
+- release  lease                -> released
+``sizes`` is a little-endian int64 array (one a key; in a reply, one a found key); ``desc`` and
+``regions_per_page`` are encoded as below but hold absolute addresses in the
+pool's registered arena and cover only granted (found) pages; ``seg`` is the
+pool's Transfer Engine segment name.  An ``alloc`` reserves space invisible to
+lookups until ``commit`` (keys of the lease not committed are freed); a
+``locate`` pins the found pages against eviction and reuse until ``release``.
+Leases end by themselves ``ttl`` seconds later (bounded by the pool), so a
+crashed client pins nothing for long.
 The ``desc`` of a shared-memory transfer is a little-endian int64 array of
 (offset, length) pairs into the registered region, ``regions_per_page``
 (int32, one per key) says how many pairs make each page.
@@ -49,7 +65,8 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
-OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict")
+OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict",
+       "alloc", "commit", "locate", "release")  # the last four: remote memory pools only
 ERROR_CODES = (
     "bad_request",  # malformed header or fields
     "bad_version",  # protocol version mismatch
@@ -222,6 +239,40 @@ def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[Lis
         out.append(plain[start:start + n])
         start += n
     return out
+
+
+def encode_sizes(sizes: Sequence[int]) -> bytes:
+    """Page sizes of an ``alloc`` as a little-endian int64 array."""
+    return np.asarray(sizes, dtype="<i8").tobytes()
+
+
+def decode_sizes(raw, n: int, max_size: int) -> List[int]:
+    """Validate an ``alloc``'s sizes: n positive int64 values of at most max_size."""
+    if not isinstance(raw, bytes) or len(raw) != 8 * n:
+        raise ProtocolError("bad_request", "sizes must be one little-endian int64 a key")
+    sizes = np.frombuffer(raw, dtype="<i8")
+    if n and (sizes.min() <= 0 or sizes.max() > max_size):
+        raise ProtocolError("too_large" if n and sizes.max() > max_size else "bad_request",
+                            f"page sizes must lie in 1..{max_size}")
+    return sizes.tolist()
+
+
+def decode_pool_extents(desc, counts, sizes: Sequence[int]) -> Optional[List[List[Tuple[int, int]]]]:
+    """(address, length) extents of each page a pool granted or found, or None when malformed.
+
+    A client's check of a pool's reply: one entry per page, lengths adding up
+    to each page's size.  Never raises: a bad reply is a miss.
+    """
+    if not isinstance(desc, bytes) or not isinstance(counts, bytes):
+        return None
+    try:
+        pages = decode_descriptors(desc, counts, len(sizes), 1 << 62)
+    except ProtocolError:
+        return None
+    for page, size in zip(pages, sizes):
+        if sum(n for _a, n in page) != size:
+            return None
+    return pages
 
 
 def flags(values: Sequence[bool]) -> bytes:

@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from tiers import protocol as P
 
@@ -40,6 +40,10 @@ class RegionRegistry:
         self._by_id: Dict[int, Region] = {}
         self._by_conn: Dict[int, Optional[Region]] = {}  # fd -> region (None until registered)
         self._conns: Dict[int, socket.socket] = {}
+        # Store hooks: called with a region's view after mapping (an exception refuses
+        # the region) and before unmapping; the remote tier registers it with its engine.
+        self.on_map: Optional[Callable[[memoryview], None]] = None
+        self.on_unmap: Optional[Callable[[memoryview], None]] = None
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -112,6 +116,15 @@ class RegionRegistry:
                 os.close(memfd)
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
+        if self.on_map is not None:
+            try:
+                self.on_map(region.view)
+            except Exception as exc:  # the store refused the mapping: the client falls back to frames
+                log.warning("store refused a host pool region: %s", exc)
+                region.view.release()
+                region.mapping.close()
+                self._reply_and_drop(fd, poller, {"ok": False, "code": "io_error", "msg": f"store refused the region: {exc}"})
+                return
         self._by_conn[fd] = region
         self._by_id[region.region_id] = region
         P.send_framed(conn, {"v": P.PROTOCOL_VERSION, "ok": True, "region": region.region_id})
@@ -152,6 +165,7 @@ class RegionRegistry:
             pass
         if region is not None:
             self._by_id.pop(region.region_id, None)
+            self._unhook(region)
             try:
                 region.view.release()
                 region.mapping.close()
@@ -161,11 +175,19 @@ class RegionRegistry:
             log.info("unmapped a host pool region of %d bytes (client went away)", region.size)
         conn.close()
 
+    def _unhook(self, region: Region) -> None:
+        if self.on_unmap is not None:
+            try:
+                self.on_unmap(region.view)
+            except Exception as exc:
+                log.warning("store failed to forget a host pool region: %s", exc)
+
     def close(self) -> None:
         for fd in list(self._conns):
             conn = self._conns.pop(fd)
             conn.close()
         for region in self._by_id.values():
+            self._unhook(region)
             try:
                 region.view.release()
                 region.mapping.close()

@@ -16,11 +16,20 @@ def build_store(tier: TierConfig) -> PageStore:
     if tier.kind == "nvme":
         from tiers.nvme import NvmeStore
         return NvmeStore.from_config(tier)
-    raise ValueError(f"tier kind {tier.kind!r} has no store yet")
+    if tier.kind == "remote":
+        from tiers.remote.store import RemoteStore
+        return RemoteStore.from_config(tier)
+    if tier.kind == "mooncake_store":
+        from tiers.remote.mooncake_store import MooncakeStoreTier
+        return MooncakeStoreTier.from_config(tier)
+    raise ValueError(f"tier kind {tier.kind!r} has no store of its own (a pool runs as its daemon)")
 
 
 def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     """A daemon serving tier on its endpoint (and its fd socket for ipc endpoints)."""
+    if tier.kind == "pool":  # a remote memory pool: no tier below, no host pool of its own
+        from tiers.remote.pool_daemon import build_pool_daemon
+        return build_pool_daemon(node, tier)
     store = build_store(tier)
     fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1

@@ -1,0 +1,163 @@
+"""Three pool daemons and two inference nodes on loopback, all real processes.
+
+Pages travel through the Mooncake Transfer Engine over TCP; they are checked
+byte for byte.  A killed or frozen pool costs only its own keys, within the
+deadline, and serves again once it is back.
+"""
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tiers import protocol as P
+from tiers.client import Deadlines, TierClient
+from tiers.node_runner import NodeRunner
+from tiers.remote.placement import Rendezvous
+from tiers.remote.loopback import free_ports, pool_config, pool_endpoints, remote_node_config
+
+PAGE = 256 << 10
+HOST_POOL = 16 << 20
+CALL_BOUND = 1.5  # seconds: no call may take longer, whatever the pools do
+
+
+def page(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+
+
+class Node:
+    """An inference node: its remote tier daemon and an engine-side client with a memfd host pool."""
+
+    def __init__(self, tmp, name: str, ports):
+        self.runner = NodeRunner(remote_node_config(ports), str(tmp / name / "run"), str(tmp / name / "data"))
+        self.runner.start()
+        self.client = TierClient("remote", self.runner.config.tier("remote").endpoint, "model-a",
+                                 deadlines=Deadlines(base=1.0, lookup=0.5, backoff_max=0.5))
+        self.fd = os.memfd_create("host-pool")
+        os.ftruncate(self.fd, HOST_POOL)
+        self.host = mmap.mmap(self.fd, HOST_POOL)
+        self.client.attach_region(self.fd, HOST_POOL)
+        assert self.client.lookup(["warmup"]) == b"\x00"
+        assert self.client.region_id is not None
+
+    def put(self, keys, seeds, slot0: int = 0):
+        """Write pages through the shared host pool (one-sided from the mapping)."""
+        pairs = []
+        for i, seed in enumerate(seeds):
+            off = (slot0 + i) * PAGE
+            self.host[off:off + PAGE] = page(seed)
+            pairs.append([(off, PAGE)])
+        desc, counts = P.encode_descriptors(pairs)
+        return self.client.put_region(keys, desc, counts, PAGE * len(keys))
+
+    def get(self, keys, slot0: int = 32):
+        """Read pages into the host pool; returns (found, pages)."""
+        pairs = [[((slot0 + i) * PAGE, PAGE)] for i in range(len(keys))]
+        for off, n in (p[0] for p in pairs):
+            self.host[off:off + n] = b"\0" * n
+        desc, counts = P.encode_descriptors(pairs)
+        found = self.client.get_region(keys, desc, counts, PAGE * len(keys))
+        return found, [bytes(self.host[off:off + n]) for off, n in (p[0] for p in pairs)]
+
+    def close(self):
+        self.client.close()
+        self.host.close()
+        os.close(self.fd)
+        assert self.runner.stop() == {"remote": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("remote")
+    ports = free_ports(3)
+    pools = NodeRunner(pool_config(ports), str(tmp / "pools" / "run"), str(tmp / "pools" / "data"))
+    pools.start()
+    nodes = [Node(tmp, "node-a", ports), Node(tmp, "node-b", ports)]
+    yield pools, nodes, Rendezvous(pool_endpoints(ports)), pool_endpoints(ports)
+    for node in nodes:
+        node.close()
+    pools.stop()
+
+
+def timed(fn, *args):
+    start = time.monotonic()
+    out = fn(*args)
+    elapsed = time.monotonic() - start
+    assert elapsed < CALL_BOUND, f"{fn.__name__} took {elapsed:.2f}s"
+    return out
+
+
+def test_pages_cross_nodes_byte_for_byte(cluster):
+    pools, (a, b), placement, endpoints = cluster
+    keys = [f"rt-{i}" for i in range(12)]
+    assert a.put(keys, range(12)) == [True] * 12
+    assert {placement.pick(k) for k in keys} == set(endpoints)  # every pool holds some
+    assert b.client.lookup(keys + ["rt-absent"]) == b"\x01" * 12 + b"\x00"
+    found, got = b.get(keys)
+    assert found == [True] * 12
+    assert all(g == page(i) for i, g in enumerate(got))
+    # The frames path (no shared memory) goes through the tier's staging slots.
+    stored = b.client.put_frames(["fr-0", "fr-1"], [[page(100)], [page(101)[:1000], page(101)[1000:]]], 2 * PAGE)
+    assert stored == [True, True]
+    found, frames = a.client.get_frames(["fr-0", "fr-1", "fr-none"], 3 * PAGE)
+    assert found == [True, True, False]
+    assert [bytes(f.buffer) for f in frames] == [page(100), page(101)]
+
+
+def test_overwrite_and_delete(cluster):
+    _pools, (a, b), _placement, _endpoints = cluster
+    assert a.put(["ow"], [1]) == [True]
+    assert b.put(["ow"], [2]) == [True]
+    found, got = a.get(["ow"])
+    assert found == [True] and got[0] == page(2)
+    assert a.client.delete(["ow"]) == 1
+    assert b.client.lookup(["ow"]) == b"\x00"
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_lost_pool_costs_only_its_keys_and_rejoins(cluster, fault):
+    pools, (a, b), placement, endpoints = cluster
+    keys = [f"{fault}-{i}" for i in range(18)]
+    assert a.put(keys, range(200, 218)) == [True] * 18
+    victim = endpoints.index(placement.pick(keys[0]))
+    name = f"pool{victim}"
+    lost = [placement.pick(k) == endpoints[victim] for k in keys]
+    pid = pools.pid(name)
+    if fault == "kill":
+        pools.kill(name)
+    else:
+        os.kill(pid, signal.SIGSTOP)  # a partition: the pool's sockets stay open but nothing answers
+    try:
+        for node in (a, b):
+            held = timed(node.client.lookup, keys)
+            assert held is not None, "the remote tier itself must keep answering"
+            assert [h == 1 for h in held] == [not x for x in lost]
+            found, got = timed(node.get, keys)
+            assert found == [not x for x in lost]
+            assert all(g == page(200 + i) for i, (g, ok) in enumerate(zip(got, found)) if ok)
+            stored = timed(node.put, [f"{k}-new" for k in keys], range(300, 318))
+            assert stored == [placement.pick(f"{k}-new") != endpoints[victim] for k in keys]
+    finally:
+        if fault == "freeze":
+            os.kill(pid, signal.SIGCONT)
+    if fault == "kill":
+        pools.start(name)
+    # Back (restarted: empty; thawed: with its pages): each node uses it again after its back-off.
+    back = [k for k, x in zip(keys, lost) if x]
+    seeds = [400 + i for i, x in enumerate(lost) if x]
+    assert eventually(lambda: all(a.put(back, seeds)))
+    assert eventually(lambda: all(b.get(back)[0]))
+    found, got = b.get(back)
+    assert found == [True] * len(back)
+    assert got == [page(s) for s in seeds]
+
+
+def eventually(check, within: float = 10.0) -> bool:
+    end = time.monotonic() + within
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True

@@ -1,0 +1,178 @@
+"""The Mooncake Transfer Engine, configured from a tier's options and bounded by deadlines.
+
+One engine a process.  Transport choice is the engine's own: ``tcp`` sets
+MC_FORCE_TCP; ``rdma`` lets it discover HCAs (``device_name`` filters them)
+and, with ``require_rdma``, sets MC_FORCE_HCA so a node without a usable NIC
+fails at start instead of quietly moving pages over TCP.  Transfers are
+submitted as asynchronous batches of one entry (the binding reports the status
+of a batch's first task only) and polled, so a call returns by its deadline
+even when the peer stopped answering; the engine's own sync calls spin for up
+to MC_TRANSFER_TIMEOUT (30 s by default) instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+log = logging.getLogger("hicache.remote.engine")
+
+PROTOCOLS = ("tcp", "rdma")
+P2P = "P2PHANDSHAKE"
+
+
+class EngineError(OSError):
+    """The Transfer Engine cannot be loaded, started or asked to register memory."""
+
+
+@dataclass
+class EngineConfig:
+    """Transfer Engine settings shared by pool daemons and remote tiers."""
+
+    hostname: str = "127.0.0.1"  # the address peers reach this engine at
+    protocol: str = "tcp"
+    device_name: str = ""  # RDMA devices, comma separated; empty: every HCA found
+    metadata_server: str = P2P  # P2PHANDSHAKE, etcd://host:port or http://host:port/metadata
+    require_rdma: bool = False  # fail at start when RDMA cannot be used
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any], default_host: str = "127.0.0.1") -> "EngineConfig":
+        return cls(hostname=options.get("te_hostname") or default_host, protocol=options.get("protocol", "tcp"),
+                   device_name=options.get("device_name", ""),
+                   metadata_server=options.get("metadata_server", P2P),
+                   require_rdma=bool(options.get("require_rdma", False)))
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def _load():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        hint = (" (install Debian's libibverbs1: scripts/install-system-deps.sh)" if "libibverbs" in str(exc)
+                else " (pip install mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine with CUDA)")
+        raise EngineError(f"cannot load the Mooncake Transfer Engine: {exc}{hint}") from None
+    return TransferEngine
+
+
+class Engine:
+    """A started Transfer Engine: registered memory and deadline-bounded transfers."""
+
+    def __init__(self, config: EngineConfig):
+        if config.protocol not in PROTOCOLS:
+            raise EngineError(f"protocol {config.protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if config.require_rdma and config.protocol != "rdma":
+            raise EngineError("require_rdma needs protocol = \"rdma\"")
+        self.config = config
+        # The engine reads its switches from the environment at initialize().
+        if config.protocol == "tcp":
+            os.environ["MC_FORCE_TCP"] = "1"
+            os.environ.pop("MC_FORCE_HCA", None)
+        else:
+            os.environ.pop("MC_FORCE_TCP", None)
+            if config.require_rdma:
+                os.environ["MC_FORCE_HCA"] = "1"
+        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine logs every segment it opens at INFO
+        te_class = _load()
+        self._te = te_class()
+        ret = self._te.initialize(config.hostname, config.metadata_server, config.protocol, config.device_name)
+        if ret != 0:
+            detail = ("no usable RDMA device (require_rdma is set; check device_name and `ibv_devices`)"
+                      if config.require_rdma else "see the engine's log above")
+            raise EngineError(f"Transfer Engine initialize({config.hostname}, {config.metadata_server}, "
+                              f"{config.protocol}, {config.device_name or '*'}) failed: {detail}")
+        self.rpc_port = int(self._te.get_rpc_port())
+        # Peers name this engine by host:port under P2P handshake, by hostname with a metadata server.
+        self.segment = f"{config.hostname}:{self.rpc_port}" if config.metadata_server == P2P else config.hostname
+        self._registered: Dict[int, int] = {}  # base address -> length
+        log.info("transfer engine up: segment %s, protocol %s", self.segment, config.protocol)
+
+    # ------------------------------------------------------------- memory
+    def register(self, base: int, length: int) -> None:
+        """Register [base, base+length) for transfers (EngineError on refusal)."""
+        ret = self._te.register_memory(base, length)
+        if ret != 0:
+            raise EngineError(f"register_memory of {length} bytes at {base:#x} failed ({ret})")
+        self._registered[base] = length
+
+    def unregister(self, base: int) -> None:
+        if self._registered.pop(base, None) is not None:
+            self._te.unregister_memory(base)
+
+    def registered(self, addr: int, length: int) -> bool:
+        """True when [addr, addr+length) lies inside one registered buffer."""
+        for base, size in self._registered.items():
+            if base <= addr and addr + length <= base + size:
+                return True
+        return False
+
+    # ----------------------------------------------------------- transfers
+    def transfer(self, segment: str, write: bool, pieces: Sequence[Tuple[int, int, int]], timeout: float) -> bool:
+        """Move (local address, remote address, length) pieces; True when all completed in time.
+
+        ``write`` copies local -> remote.  False on any failure or when timeout
+        passes first; pieces still in flight then are abandoned to the engine.
+        """
+        submit = self._te.batch_transfer_async_write if write else self._te.batch_transfer_async_read
+        deadline = time.monotonic() + timeout
+        batches: List[int] = []
+        for local, remote, length in pieces:
+            batch = submit(segment, [local], [remote], [length])
+            if batch == 0:
+                log.debug("submit to %s failed", segment)
+                self._wait(batches, deadline)
+                return False
+            batches.append(batch)
+        return self._wait(batches, deadline)
+
+    def _wait(self, batches: List[int], deadline: float) -> bool:
+        check = self._te.transfer_check_status
+        pending = list(batches)
+        ok = True
+        pause = 50e-6
+        while pending:
+            still = []
+            for batch in pending:
+                status = check(batch)  # 1 done, 0 running, -1 failed, -2 timed out in the engine
+                if status == 0:
+                    still.append(batch)
+                elif status != 1:
+                    ok = False
+            pending = still
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                log.debug("%d transfers still running at the deadline; abandoned", len(pending))
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return ok
+
+    def raw(self):
+        """The underlying mooncake TransferEngine (benchmarks compare against it)."""
+        return self._te
+
+
+def pair_extents(local: Sequence[Tuple[int, int]], remote: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+    """Cut two lists of (address, length) covering the same bytes into aligned transfer pieces."""
+    pieces: List[Tuple[int, int, int]] = []
+    li = ri = loff = roff = 0
+    while li < len(local) and ri < len(remote):
+        la, ln = local[li]
+        ra, rn = remote[ri]
+        n = min(ln - loff, rn - roff)
+        pieces.append((la + loff, ra + roff, n))
+        loff += n
+        roff += n
+        if loff == ln:
+            li, loff = li + 1, 0
+        if roff == rn:
+            ri, roff = ri + 1, 0
+    return pieces

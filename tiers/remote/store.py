@@ -1,0 +1,277 @@
+"""RemoteStore: the page store of a node's remote tier, spread over N pool daemons.
+
+Each key lives on the pool rendezvous hashing picks.  A put is alloc (one
+round trip), a one-sided engine write from the page's own buffers into the
+pool's arena, commit (one round trip); a get is locate, engine read, release.
+When the page's buffers lie in a host-pool mapping the daemon registered with
+the engine (``region_mapped``, called when an engine hands over its memfd),
+bytes move straight between host pool and arena with no staging copy.  Pages
+that arrived as ZeroMQ frames go through a registered staging slot instead
+(one copy on this node).  A pool that does not answer within ``pool_timeout``
+costs its keys a miss, not a hang, and rejoins after its back-off.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from tiers.buffers import as_bytes_view, scatter_copy
+from tiers.remote.engine import Engine, EngineConfig, address_of, pair_extents
+from tiers.remote.placement import Rendezvous
+from tiers.remote.pool_client import PoolClient
+from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreIOError, StoreStats,
+                         total_size)
+
+log = logging.getLogger("hicache.remote.store")
+
+ADMIN_NAMESPACE = "_admin"
+
+
+class RemoteStore(PageStore):
+    """Pages on remote pools, moved by the Transfer Engine."""
+
+    parallel_io = True
+
+    def __init__(self, pools: Sequence[str], engine: Engine, max_page_bytes: int = 64 << 20,
+                 pool_timeout: float = 0.2, retry_max: float = 2.0, transfer_timeout: float = 1.0,
+                 min_bandwidth: float = 100e6, lease_margin: float = 2.0, staging_slots: int = 2,
+                 weights: Sequence[float] = (), name: str = "remote"):
+        self.placement = Rendezvous(list(pools), weights)
+        self.engine = engine
+        self.max_page_bytes = max_page_bytes
+        self.pool_timeout = pool_timeout
+        self.retry_max = retry_max
+        self.transfer_timeout = transfer_timeout
+        self.min_bandwidth = min_bandwidth
+        self.lease_margin = lease_margin
+        self.name = name
+        self._clients: Dict[Tuple[str, str], PoolClient] = {}
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+        self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-fan")
+        # Staging for pages that are not in a registered host pool (frames path).
+        self._staging_map = mmap.mmap(-1, max(1, staging_slots) * max_page_bytes)
+        self._staging = memoryview(self._staging_map)
+        self._staging_base = address_of(self._staging)
+        engine.register(self._staging_base, self._staging.nbytes)
+        self._slots: "queue.Queue[int]" = queue.Queue()
+        for i in range(max(1, staging_slots)):
+            self._slots.put(i)
+
+    # ---------------------------------------------------------- plumbing
+    def _client(self, pool: str, namespace: str) -> PoolClient:
+        key = (pool, namespace)
+        client = self._clients.get(key)
+        if client is None:
+            with self._lock:
+                client = self._clients.get(key)
+                if client is None:
+                    client = PoolClient(pool, namespace, self.pool_timeout, self.retry_max, client_name=self.name)
+                    self._clients[key] = client
+        return client
+
+    def _timeout(self, nbytes: int) -> float:
+        return self.transfer_timeout + nbytes / self.min_bandwidth
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _local_extents(self, views: Sequence[memoryview]) -> Optional[List[Tuple[int, int]]]:
+        """(address, length) of each buffer when all lie in registered memory, else None."""
+        out: List[Tuple[int, int]] = []
+        for view in views:
+            addr = address_of(view)
+            if not self.engine.registered(addr, view.nbytes):
+                return None
+            if out and out[-1][0] + out[-1][1] == addr:
+                out[-1] = (out[-1][0], out[-1][1] + view.nbytes)
+            else:
+                out.append((addr, view.nbytes))
+        return out
+
+    def _take_slot(self, nbytes: int) -> int:
+        try:
+            return self._slots.get(timeout=self._timeout(nbytes))
+        except queue.Empty:
+            raise StoreIOError("every staging slot is busy") from None
+
+    def _slot_view(self, slot: int, nbytes: int) -> memoryview:
+        start = slot * self.max_page_bytes
+        return self._staging[start:start + nbytes]
+
+    # ------------------------------------------------ host pool mappings
+    def region_mapped(self, view: memoryview) -> None:
+        """Register a host-pool mapping with the engine (called by the daemon)."""
+        self.engine.register(address_of(view), view.nbytes)
+
+    def region_unmapped(self, view: memoryview) -> None:
+        self.engine.unregister(address_of(view))
+
+    # --------------------------------------------------------- interface
+    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        namespace, name = key
+        src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+        size = total_size(src)
+        if size == 0 or size > self.max_page_bytes:
+            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
+        pool = self.placement.pick(name)
+        client = self._client(pool, namespace)
+        if client.is_down():
+            raise StoreIOError(f"pool {pool} is down")
+        local = self._local_extents(src)
+        slot = None
+        try:
+            if local is None:
+                slot = self._take_slot(size)
+                staged = self._slot_view(slot, size)
+                scatter_copy([staged], src)
+                local = [(address_of(staged), size)]
+            timeout = self._timeout(size)
+            grant = client.alloc([name], [size], [parent], ttl=timeout + self.lease_margin)
+            if grant is None:
+                raise StoreIOError(f"pool {pool} did not answer an alloc")
+            remote = grant.extents[0]
+            if remote is None:
+                raise StoreFull(f"pool {pool} refused the page")
+            if not self.engine.transfer(grant.segment, True, pair_extents(local, remote), timeout):
+                client.release(grant.lease)
+                raise StoreIOError(f"transfer to pool {pool} failed or timed out")
+            if not client.commit(grant.lease, [name])[0]:
+                raise StoreIOError(f"pool {pool} did not commit the page")
+        finally:
+            if slot is not None:
+                self._slots.put(slot)
+        self._count(inserts=1, bytes_written=size)
+
+    def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
+        """Read a page into dst (returns b"") or, with dst None, as bytes; None on a miss."""
+        namespace, name = key
+        pool = self.placement.pick(name)
+        client = self._client(pool, namespace)
+        grant = None if client.is_down() else client.locate([name], ttl=self._timeout(self.max_page_bytes) + self.lease_margin)
+        if grant is None or grant.extents[0] is None:
+            self._count(misses=1)
+            return None
+        size, remote = grant.sizes[0], grant.extents[0]
+        slot = None
+        try:
+            if dst is not None and size != total_size(dst):
+                self._count(misses=1)
+                return None
+            local = self._local_extents(dst) if dst is not None else None
+            if local is None:
+                slot = self._take_slot(size)
+                local = [(address_of(self._slot_view(slot, size)), size)]
+            ok = self.engine.transfer(grant.segment, False, pair_extents(local, remote), self._timeout(size))
+            if not ok:
+                self._count(misses=1)
+                return None
+            out = b""
+            if slot is not None:
+                if dst is not None:
+                    scatter_copy(dst, [self._slot_view(slot, size)])
+                else:
+                    out = bytes(self._slot_view(slot, size))
+        finally:
+            client.release(grant.lease)
+            if slot is not None:
+                self._slots.put(slot)
+        self._count(hits=1, bytes_read=size)
+        return out
+
+    def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+        return self._read(key, dst) is not None
+
+    def get_bytes(self, key: PageKey) -> Optional[bytes]:
+        return self._read(key, None)
+
+    def _per_pool(self, keys: Sequence[PageKey], call) -> List[Optional[object]]:
+        """Run call(client, names) for each (pool, namespace) group in parallel; results in key order."""
+        groups: Dict[Tuple[str, str], List[int]] = {}
+        for i, (namespace, name) in enumerate(keys):
+            groups.setdefault((self.placement.pick(name), namespace), []).append(i)
+        futures = {}
+        for (pool, namespace), positions in groups.items():
+            client = self._client(pool, namespace)
+            if client.is_down():
+                continue
+            names = [keys[i][1] for i in positions]
+            futures[(pool, namespace)] = self._fan_out.submit(call, client, names)
+        out: List[Optional[object]] = [None] * len(keys)
+        for group, future in futures.items():
+            result = future.result()
+            if result is None:
+                continue
+            for i, value in zip(groups[group], result):
+                out[i] = value
+        return out
+
+    def contains(self, keys: Iterable[PageKey]) -> List[bool]:
+        keys = list(keys)
+
+        def lookup(client: PoolClient, names: List[str]):
+            held = client.lookup(names)
+            return None if held is None else [b != 0 for b in held]
+        return [bool(v) for v in self._per_pool(keys, lookup)]
+
+    def delete(self, keys: Iterable[PageKey]) -> int:
+        keys = list(keys)
+
+        def delete(client: PoolClient, names: List[str]):
+            return [client.delete(names)] + [0] * (len(names) - 1)
+        return sum(v or 0 for v in self._per_pool(keys, delete))
+
+    def clear(self, namespace: Optional[str] = None) -> int:
+        if namespace is None:
+            clients = [self._client(pool, ADMIN_NAMESPACE) for pool in self.placement.pools]
+            results = self._fan_out.map(lambda c: c.clear(everything=True), clients)
+        else:
+            clients = [self._client(pool, namespace) for pool in self.placement.pools]
+            results = self._fan_out.map(lambda c: c.clear(), clients)
+        return sum(r or 0 for r in results)
+
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        raise StoreError("a remote tier does not evict: each pool evicts by its own policy "
+                         "(run `evict` against the pool daemons)")
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
+            clients = list(self._clients.values())
+        down = {c.endpoint for c in clients if c.is_down()}
+        snap.extra = {"pools": len(self.placement.pools), "pools_down": len(down),
+                      "staging_slots_free": self._slots.qsize()}
+        return snap
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
+            client.close()
+        self._fan_out.shutdown(wait=False)
+        self.engine.unregister(self._staging_base)
+        try:
+            self._staging.release()
+            self._staging_map.close()
+        except BufferError:
+            pass
+
+    @classmethod
+    def from_config(cls, tier) -> "RemoteStore":
+        options = tier.options
+        if not options["pools"]:
+            raise ValueError(f"tier {tier.name}: pools lists no pool endpoint")
+        engine = Engine(EngineConfig.from_options(options))
+        return cls(options["pools"], engine, max_page_bytes=tier.max_page_bytes,
+                   pool_timeout=options["pool_timeout_ms"] / 1000.0, retry_max=options["pool_retry_max_ms"] / 1000.0,
+                   transfer_timeout=options["transfer_timeout_ms"] / 1000.0,
+                   min_bandwidth=float(options["min_bandwidth"]), staging_slots=options["io_threads"],
+                   weights=options["pool_weights"], name=tier.name)
