@@ -1,0 +1,183 @@
+"""Real SGLang host pools on a CPU-only machine, and page-level helpers over them.
+
+A host pool is built the way SGLang's assembler builds one: a real device pool
+(``MHATokenToKVPool`` / ``MLATokenToKVPool``) is created on the "cpu" device,
+its ``get_device_pool_infos()[0].buffer_info`` is handed to the host pool class,
+and ``pin_memory=False`` skips cudaHostRegister.  ``host_token_capacity`` pins
+the pool to exactly ``pages`` pages (no padding page).  The device pool stays
+reachable as ``pool.harness_device_pool`` (the driver's HostPoolGroup entry
+needs it).
+
+``allocator="shm"`` selects SGLang's ``ShmHostTensorAllocator``: the whole
+``kv_buffer`` (K and V) is one memfd mapping starting at offset 0, exposed as
+``pool.fd`` (== ``pool.allocator.fds[0]``) and ``pool.allocator.mms[0]``.  So a
+region's offset in the memfd is ``ptr - pool.kv_buffer.data_ptr()``.
+
+Page regions (``pool.get_page_buffer_meta(indices)``, one page = page_size slots):
+- MHA page_first / page_first_direct: [K, V] per page, each
+  layers*page_size*heads*dim*itemsize bytes; V = K + layers*size*heads*dim*itemsize.
+- MHA layer_first: [K_l0, V_l0, K_l1, V_l1, ...], each page_size*heads*dim*itemsize.
+- MLA page_first / page_first_direct: one region per page; layer_first: one per layer.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from array import array
+from typing import List
+
+import torch
+import xxhash
+
+MHA_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+MLA_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+ALLOCATORS = ("default", "shm")
+
+# Integer views of each float width; clearing the second-highest bit keeps the
+# exponent below its all-ones value, so random bits never form Inf or NaN.
+_BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _check(layout: str, layouts, allocator: str, pages: int, page_size: int) -> None:
+    if layout not in layouts:
+        raise ValueError(f"layout {layout!r} not in {layouts}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r} not in {ALLOCATORS}")
+    if pages <= 0 or page_size <= 0:
+        raise ValueError("pages and page_size must be positive")
+
+
+def build_mha_host_pool(layout: str = "page_first", allocator: str = "default", layers: int = 32,
+                        kv_heads: int = 8, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                        page_size: int = 64, pages: int = 256):
+    """A real MHATokenToKVPoolHost of exactly `pages` pages on CPU."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    _check(layout, MHA_LAYOUTS, allocator, pages, page_size)
+    # One page of device slots is enough: the harness never moves device<->host.
+    device = MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=kv_heads,
+                              head_dim=head_dim, layer_num=layers, device="cpu",
+                              enable_memory_saver=False, enable_alt_stream=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    pool = get_mha_host_pool_cls(info)(
+        info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+        device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
+        host_token_capacity=pages * page_size)
+    pool.harness_device_pool = device
+    return pool
+
+
+def build_mla_host_pool(layout: str = "page_first", allocator: str = "default", layers: int = 61,
+                        kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
+                        dtype: torch.dtype = torch.bfloat16, page_size: int = 64, pages: int = 64):
+    """A real MLATokenToKVPoolHost of exactly `pages` pages on CPU."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    _check(layout, MLA_LAYOUTS, allocator, pages, page_size)
+    device = MLATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, kv_lora_rank=kv_lora_rank,
+                              qk_rope_head_dim=qk_rope_head_dim, layer_num=layers, device="cpu",
+                              enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    pool = MLATokenToKVPoolHost(
+        info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+        override_kv_cache_dim=device.kv_cache_dim, device_capacity_tokens=device.size,
+        start_layer=device.start_layer, end_layer=device.end_layer, target_layer_num=layers,
+        host_token_capacity=pages * page_size)
+    pool.harness_device_pool = device
+    return pool
+
+
+def host_indices_for_pages(pool, first_page: int, n_pages: int) -> torch.Tensor:
+    """The int64 token slots of pages [first_page, first_page + n_pages)."""
+    ps = pool.page_size
+    if first_page < 0 or n_pages < 0 or (first_page + n_pages) * ps > pool.size:
+        raise ValueError(f"pages [{first_page}, {first_page + n_pages}) outside a pool of "
+                         f"{pool.size // ps} pages")
+    return torch.arange(first_page * ps, (first_page + n_pages) * ps, dtype=torch.int64)
+
+
+def page_regions(pool, host_indices: torch.Tensor) -> List[List[tuple]]:
+    """Per page, its (pointer, nbytes) regions from SGLang's get_page_buffer_meta."""
+    n = _page_count(pool, host_indices)
+    if n == 0:
+        return []
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    if len(ptrs) % n:
+        raise ValueError("page buffer meta does not split evenly into pages")
+    per = len(ptrs) // n
+    return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+
+
+def _page_count(pool, host_indices: torch.Tensor) -> int:
+    if len(host_indices) % pool.page_size:
+        raise ValueError(f"{len(host_indices)} slots is not a whole number of {pool.page_size}-slot pages")
+    return len(host_indices) // pool.page_size
+
+
+def _page_views(pool, host_indices: torch.Tensor) -> List[torch.Tensor]:
+    # get_data_page(flat=False) is a view into kv_buffer for every layout we build.
+    ps = pool.page_size
+    return [pool.get_data_page(int(host_indices[i * ps]), flat=False)
+            for i in range(_page_count(pool, host_indices))]
+
+
+def fill_pages(pool, host_indices: torch.Tensor, seed: int) -> None:
+    """Write deterministic finite pseudo-random values into each page (one stream per seed)."""
+    bits_dtype = _BITS_DTYPES.get(pool.dtype.itemsize)
+    if bits_dtype is None:
+        raise ValueError(f"no fill for {pool.dtype}")
+    gen = torch.Generator().manual_seed(seed)
+    top = 1 << (8 * pool.dtype.itemsize - 2)  # the second-highest bit
+    for view in _page_views(pool, host_indices):
+        raw = torch.randint(0, 256, (view.numel() * pool.dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        bits = raw.view(bits_dtype)
+        bits.bitwise_and_(~top)
+        view.copy_(bits.view(pool.dtype).view(view.shape))
+
+
+def zero_pages(pool, host_indices: torch.Tensor) -> None:
+    """Zero every region of the pages (what a fresh prefetch target looks like)."""
+    for view in _page_views(pool, host_indices):
+        view.zero_()
+
+
+def page_bytes(pool, host_indices: torch.Tensor) -> List[bytes]:
+    """Each page's bytes: its regions concatenated in get_page_buffer_meta order."""
+    return [b"".join(ctypes.string_at(p, n) for p, n in regions)
+            for regions in page_regions(pool, host_indices)]
+
+
+def page_checksums(pool, host_indices: torch.Tensor) -> List[int]:
+    """xxh3_64 of each page's bytes, hashed in place without a copy."""
+    out = []
+    for regions in page_regions(pool, host_indices):
+        h = xxhash.xxh3_64()
+        for p, n in regions:
+            h.update((ctypes.c_char * n).from_address(p))
+        out.append(h.intdigest())
+    return out
+
+
+def make_tokens(n_pages: int, salt: int, page_size: int = 64, vocab: int = 128_000) -> List[int]:
+    """Deterministic token ids for n_pages pages (torch.Generator seeded with salt)."""
+    gen = torch.Generator().manual_seed(salt)
+    return torch.randint(0, vocab, (n_pages * page_size,), generator=gen).tolist()
+
+
+def chain_keys(tokens: List[int], page_size: int, prior_hash: str | None = None) -> List[str]:
+    """SGLang's storage keys: key_i = sha256(key_{i-1} bytes || page i tokens as uint32 LE)."""
+    # Mirrors mem_cache/cpp_utils/hash_binding.cpp for ids < 2**32 (the test checks
+    # it against sglang's get_hash_str); full pages only, as HiCache stores them.
+    prior = bytes.fromhex(prior_hash) if prior_hash else b""
+    keys = []
+    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+        prior = hashlib.sha256(prior + array("I", tokens[start:start + page_size]).tobytes()).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+def make_keys(n: int, salt: int, page_size: int = 64) -> List[str]:
+    """n SGLang-style 64-hex SHA-256 chain keys for the token stream seeded by salt."""
+    return chain_keys(make_tokens(n, salt, page_size), page_size)
