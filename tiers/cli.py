@@ -13,6 +13,9 @@ from typing import List, Optional
 
 COMMAND_MODULES = [
     "tiers.cli_serve",
+    "tiers.cli_ops",
+    "tiers.cli_demo",
+    "tiers.cli_experiments",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -18,6 +18,6 @@ Contract, exercised by tests/test_policies.py for every registered policy:
 from __future__ import annotations
 
 from tiers.policies.base import EvictionPolicy, POLICIES, make_policy, policy_names, register_policy
-from tiers.policies import basic  # noqa: F401  (registers lru, lfu, fifo)
+from tiers.policies import basic, radix, s3fifo  # noqa: F401  (register lru, lfu, fifo, radix-lru, s3fifo)
 
 __all__ = ["EvictionPolicy", "POLICIES", "make_policy", "policy_names", "register_policy"]

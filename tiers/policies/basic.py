@@ -59,53 +59,71 @@ class LFUPolicy(EvictionPolicy):
     """Least frequently used, ties broken by least recent (O(1) frequency buckets).
 
     Counts start at 1 on insert and grow by one per hit; a key's count is
-    forgotten when it leaves (no ghost history).
+    forgotten when it leaves (no ghost history).  The non-empty counts form a
+    linked list in increasing order, so finding the next minimum is O(1).
     """
 
     name = "lfu"
 
     def __init__(self) -> None:
         self._count: Dict[Hashable, int] = {}
-        # count -> keys at that count, oldest first; dicts keep insertion order.
-        self._buckets: Dict[int, Dict[Hashable, None]] = {}
+        # count -> keys at that count, oldest first (OrderedDict: a plain dict's
+        # first key costs a scan over the holes left by deletions at its front).
+        self._buckets: Dict[int, "OrderedDict[Hashable, None]"] = {}
+        self._higher: Dict[int, int] = {}  # non-empty count -> next larger non-empty count (0: none)
+        self._lower: Dict[int, int] = {}  # non-empty count -> next smaller non-empty count (0: none)
         self._min = 0
+
+    def _join(self, low: int, high: int) -> None:
+        """Link non-empty counts low < high as neighbours (0 stands for the ends of the list)."""
+        if low:
+            self._higher[low] = high
+        else:
+            self._min = high
+        if high:
+            self._lower[high] = low
+
+    def _enter(self, key: Hashable, count: int, below: int) -> None:
+        """Put key in bucket count, linking a new bucket just above count below (0: at the bottom)."""
+        bucket = self._buckets.get(count)
+        if bucket is None:
+            bucket = self._buckets[count] = OrderedDict()
+            above = self._higher[below] if below else self._min
+            self._join(below, count)
+            self._join(count, above)
+        bucket[key] = None
+        self._count[key] = count
+
+    def _leave(self, key: Hashable, count: int) -> int:
+        """Take key out of bucket count; return the count a new bucket would link above."""
+        bucket = self._buckets[count]
+        del bucket[key]
+        if bucket:
+            return count
+        del self._buckets[count]
+        below, above = self._lower.pop(count), self._higher.pop(count)
+        self._join(below, above)
+        return below
 
     def insert(self, key, parent=None) -> None:
         if key in self._count:
             raise ValueError(f"key already present: {key!r}")
-        self._count[key] = 1
-        self._buckets.setdefault(1, {})[key] = None
-        self._min = 1
+        self._enter(key, 1, 0)
 
     def touch(self, key) -> None:
         count = self._count.get(key)
-        if count is None:
-            return
-        bucket = self._buckets[count]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[count]
-            if self._min == count:
-                self._min = count + 1
-        self._count[key] = count + 1
-        self._buckets.setdefault(count + 1, {})[key] = None
+        if count is not None:
+            self._enter(key, count + 1, self._leave(key, count))
 
     def remove(self, key) -> None:
         count = self._count.pop(key, None)
-        if count is None:
-            return
-        bucket = self._buckets[count]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[count]
-            if self._min == count:
-                self._min = min(self._buckets, default=0)  # rare: O(distinct counts)
+        if count is not None:
+            self._leave(key, count)
 
     def pop_victim(self) -> Optional[Hashable]:
         if not self._count:
             return None
-        bucket = self._buckets[self._min]
-        key = next(iter(bucket))
+        key = next(iter(self._buckets[self._min]))
         self.remove(key)
         return key
 

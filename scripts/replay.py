@@ -1,0 +1,11 @@
+#!/usr/bin/env python3
+"""Thin wrapper: `python scripts/replay.py ...` is `hicache-tiers replay ...`."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiers.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["replay", *sys.argv[1:]]))

@@ -1,0 +1,1 @@
+"""Trace-driven experiments: replay request traces through the daemons' eviction policies."""
