@@ -13,6 +13,7 @@ from typing import List, Optional
 
 COMMAND_MODULES = [
     "tiers.cli_serve",
+    "tiers.cli_ops",
     "tiers.cli_experiments",
 ]
 

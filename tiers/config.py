@@ -74,6 +74,16 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return check
 
 
+def _port(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
+        return value
+    raise ConfigError(f"{where}: {value!r} is not a TCP port (0 turns metrics off, 1-65535)")
+
+
+def _tier_port(value: Any, where: str) -> int:
+    return -1 if value == -1 and not isinstance(value, bool) else _port(value, where)  # -1: node.metrics_port + index
+
+
 def _list_of(parser: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
     def check(value: Any, where: str) -> list:
         if isinstance(value, list):
@@ -109,6 +119,7 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "policy": (_policy, "lru", "eviction policy"),
     "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
+    "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
 }
 # The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
 TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
@@ -167,6 +178,7 @@ class TierConfig:
     max_page_bytes: int
     endpoint: str
     options: Dict[str, Any] = field(default_factory=dict)
+    metrics_port: int = 0  # 0: no Prometheus endpoint
 
     def fd_socket(self, runtime_dir: str) -> str:
         """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
@@ -183,6 +195,8 @@ class NodeConfig:
     max_dirty_pages: int = 1024
     node_name: str = ""
     source: str = "<embedded default>"
+    metrics_port: int = 0  # base port: tier i serves metrics on metrics_port + i (0: off)
+    metrics_address: str = "127.0.0.1"
 
     def tier(self, name: str) -> TierConfig:
         for tier in self.tiers:
@@ -192,16 +206,21 @@ class NodeConfig:
 
 
 def default_runtime_dir() -> str:
+    if os.environ.get("RUNTIME_DIRECTORY"):  # set by systemd for RuntimeDirectory=
+        return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hicache-tiers-{os.getuid()}"
     return os.path.join(base, "hicache-tiers") if os.environ.get("XDG_RUNTIME_DIR") else base
 
 
 def default_data_dir() -> str:
+    if os.environ.get("STATE_DIRECTORY"):  # set by systemd for StateDirectory=
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "hicache-tiers")
 
 
-NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages"}
+NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
+             "metrics_port", "metrics_address"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -233,6 +252,8 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         node_name=_str(node.get("name", socket.gethostname()), f"{source}: node.name"),
         max_dirty_pages=_int(node.get("max_dirty_pages", 1024), f"{source}: node.max_dirty_pages"),
         source=source,
+        metrics_port=_port(node.get("metrics_port", 0), f"{source}: node.metrics_port"),
+        metrics_address=_str(node.get("metrics_address", "127.0.0.1"), f"{source}: node.metrics_address"),
     )
     tiers = raw.get("tiers", [])
     if not isinstance(tiers, list) or not tiers:
@@ -242,7 +263,22 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
     names = [t.name for t in config.tiers]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: tier names must be unique, got {', '.join(names)}")
+    _resolve_metrics_ports(config)
     return config
+
+
+def _resolve_metrics_ports(config: NodeConfig) -> None:
+    """Tiers without metrics_port take node.metrics_port + their index (node 0: off); no port twice."""
+    used: Dict[int, str] = {}
+    for index, tier in enumerate(config.tiers):
+        if tier.metrics_port < 0:
+            tier.metrics_port = config.metrics_port + index if config.metrics_port else 0
+        if tier.metrics_port > 65535:
+            raise ConfigError(f"{config.source}: tiers[{index}].metrics_port: node.metrics_port + {index} is over 65535")
+        if tier.metrics_port and tier.metrics_port in used:
+            raise ConfigError(f"{config.source}: tiers[{index}].metrics_port: {tier.metrics_port} is already used by "
+                              f"tier {used[tier.metrics_port]}; each daemon needs a port of its own")
+        used[tier.metrics_port] = tier.name
 
 
 def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
@@ -266,7 +302,7 @@ def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
     endpoint = values.pop("endpoint") or f"ipc://{os.path.join(node.runtime_dir, name)}.sock"
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
-    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes")}
+    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port")}
     if kind == "nvme" and not values.get("path"):
         values["path"] = os.path.join(node.data_dir, name)
     return TierConfig(endpoint=endpoint, options=values, **common)

@@ -130,7 +130,7 @@ class TierDaemon:
         if self._regions is not None:
             self._regions.close()
         if self._router is not None:
-            self._router.close(linger=0)
+            self._router.close(linger=1000)  # let the last replies of a graceful stop out
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self.endpoint.startswith("ipc://"):
@@ -304,6 +304,10 @@ class TierDaemon:
 
     def handle_stats(self, header: dict, frames) -> list:
         self._namespace(header)
+        return [P.reply_ok(header["id"], tier=self.name, stats=self.stats())]
+
+    def stats(self) -> dict:
+        """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""
         stats = self.store.stats().as_dict()
         stats.update(self.metrics.snapshot())
         stats["sessions"] = len(self._sessions)
@@ -312,7 +316,7 @@ class TierDaemon:
         stats["demotion_failures"] = self.lower.failed if self.lower else 0
         stats["lower_tier"] = self.lower.name if self.lower else ""
         stats["regions"] = len(self._regions) if self._regions is not None else 0
-        return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
+        return stats
 
     def _page_views(self, header: dict, n_pages: int) -> Optional[List[List[memoryview]]]:
         region_id = header.get("region")

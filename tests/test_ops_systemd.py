@@ -1,0 +1,201 @@
+"""systemd integration: notify messages on a fake NOTIFY_SOCKET, SIGHUP reload, graceful SIGTERM, the units."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from tiers import protocol as P
+from tiers.cli import main
+from tiers.node_runner import ping
+from tests.test_ops_support import REPO, DaemonProcess, dram_tier
+
+UNITS = os.path.join(REPO, "scripts", "systemd")
+
+
+def test_ready_after_bind_watchdog_pings_and_stopping(tmp_path):
+    daemon = DaemonProcess(str(tmp_path), dram_tier(), watchdog_usec=300_000)
+    try:
+        ready = daemon.wait_ready()  # asserts the ZeroMQ socket answers once READY=1 is in
+        assert "STATUS=serving dram tier dram on ipc://" in ready
+        assert not any("WATCHDOG=1" in m for m in daemon.notify.messages[:-1]), "watchdog before READY"
+        for _ in range(3):  # every WATCHDOG_USEC/2
+            daemon.notify.wait_for("WATCHDOG=1", timeout=5.0)
+        daemon.signal(signal.SIGTERM)
+        daemon.notify.wait_for("STOPPING=1", timeout=10.0)
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
+    assert not os.path.exists(daemon.endpoint[len("ipc://"):])
+
+
+def test_sighup_reloads_log_level_and_names_what_needs_a_restart(tmp_path):
+    config = '[node]\nlog_level = "info"\n' + dram_tier()
+    daemon = DaemonProcess(str(tmp_path), config)
+    try:
+        daemon.wait_ready()
+        daemon.write_config('[node]\nlog_level = "warning"\n' + dram_tier(capacity="64MiB"))
+        daemon.signal(signal.SIGHUP)
+        reloading = daemon.notify.wait_for("RELOADING=1", timeout=10.0)
+        assert re.search(r"^MONOTONIC_USEC=\d+$", reloading, re.M)
+        ready = daemon.notify.wait_for("READY=1", timeout=10.0)
+        assert "restart to apply: tier dram: capacity" in ready
+        # A broken file: the daemon says so and keeps serving with what it has.
+        daemon.write_config('[node]\nlog_level = "loud"\n' + dram_tier())
+        daemon.signal(signal.SIGHUP)
+        daemon.notify.wait_for("RELOADING=1", timeout=10.0)
+        ready = daemon.notify.wait_for("READY=1", timeout=10.0)
+        assert "last reload failed" in ready and "node.log_level" in ready
+        assert daemon.proc.poll() is None
+    finally:
+        assert daemon.stop() == 0
+    log = daemon.log()
+    assert "log level info -> warning" in log
+    assert "reload: tier dram: capacity changed; restart the daemon (hicache-tier@dram) to apply" in log
+    assert "reload failed, keeping the running configuration" in log
+    assert "tier dram stopped" not in log  # the new level took effect: no more info lines
+
+
+def test_serving_every_tier_is_ready_when_each_answers(tmp_path):
+    daemon = DaemonProcess(str(tmp_path), dram_tier("spare", "8MiB") + dram_tier("dram", "8MiB"), tier=None)
+    try:
+        ready = daemon.wait_ready()  # pings dram; the supervisor pinged both before READY=1
+        assert "STATUS=serving tiers spare, dram" in ready
+        assert ping(f"ipc://{daemon.runtime_dir}/spare.sock", 5.0)
+        daemon.signal(signal.SIGTERM)
+        daemon.notify.wait_for("STOPPING=1", timeout=10.0)
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
+    assert len([m for m in daemon.notify.messages if "READY=1" in m]) == 1  # children do not speak to systemd
+
+
+def _send_big_put(endpoint, pages=48, page_bytes=4 << 20):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([P.request("hello", 1, ns="drain", client="test")])
+    assert sock.poll(5000)
+    session = P.unpack(sock.recv_multipart()[0])["session"]
+    payload = [os.urandom(1024) * (page_bytes // 1024)] * pages
+    sock.send_multipart([P.request("put", 2, session=session, keys=[f"k{i}" for i in range(pages)]), *payload],
+                        copy=False)
+    # Replies come in order of completion: once the stats reply is in, the put has been taken up.
+    sock.send_multipart([P.request("stats", 3, session=session)])
+    assert sock.poll(10000)
+    assert P.unpack(sock.recv_multipart()[0])["id"] == 3
+    return sock
+
+
+def test_sigterm_finishes_requests_in_flight_then_exits_0(tmp_path):
+    daemon = DaemonProcess(str(tmp_path), dram_tier(capacity="256MiB", extra='max_page_bytes = "8MiB"'))
+    try:
+        daemon.wait_ready()
+        sock = _send_big_put(daemon.endpoint)
+        in_flight = not sock.poll(0)  # the put's reply has not come yet
+        daemon.signal(signal.SIGTERM)
+        assert sock.poll(20000), "the request in flight at SIGTERM got no reply"
+        reply = P.unpack(sock.recv_multipart()[0])
+        sock.close(linger=0)
+        assert reply["id"] == 2 and reply["ok"] and reply["stored"] == b"\x01" * 48
+        assert daemon.proc.wait(20) == 0, daemon.log()
+    finally:
+        daemon.stop()
+    assert in_flight, "the put finished before SIGTERM: the test did not exercise draining"
+    assert "finishing in-flight requests" in daemon.log()
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    daemon = DaemonProcess(str(tmp_path), dram_tier(capacity="256MiB", extra='max_page_bytes = "8MiB"'))
+    try:
+        daemon.wait_ready()
+        sock = _send_big_put(daemon.endpoint, pages=64)
+        daemon.signal(signal.SIGTERM)
+        daemon.notify.wait_for("STOPPING=1", timeout=10.0)
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(10) == 1
+        sock.close(linger=0)
+    finally:
+        daemon.stop()
+
+
+# ------------------------------------------------------------------- units
+
+def _analyze(*args):
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd) and cannot be run here")
+    return subprocess.run(["systemd-analyze", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_install_units_and_systemd_analyze_verify(tmp_path, capsys):
+    fake = tmp_path / "bin" / "hicache-tiers"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -m tiers.cli \"$@\"\n")
+    fake.chmod(0o755)
+    prefix, etc = tmp_path / "units", tmp_path / "etc"
+    args = ["install-units", "--prefix", str(prefix), "--config-dir", str(etc), "--exec", str(fake)]
+    assert main(args) == 0
+    unit = (prefix / "hicache-tier@.service").read_text()
+    assert f"ExecStart={fake} serve --config {etc}/node.toml --tier %i" in unit
+    assert f"ExecStart={fake} serve --config {etc}/pool.toml --tier pool" in (prefix / "hicache-pool.service").read_text()
+    for directive in ("Type=notify", "WatchdogSec=", "RuntimeDirectory=hicache-tiers", "RuntimeDirectoryPreserve=yes",
+                      "StateDirectory=hicache-tiers", "LimitMEMLOCK=infinity", "NoNewPrivileges=yes",
+                      "ProtectSystem=strict", "ReadWritePaths=", "ProtectHome=yes", "PrivateTmp=yes",
+                      "Restart=on-failure", "ExecReload=/bin/kill -HUP $MAINPID"):
+        assert directive in unit, directive
+    # The example configuration is valid and is never overwritten.
+    assert main(["config", "check", str(etc / "node.toml")]) == 0
+    assert main(["config", "check", str(etc / "pool.toml")]) == 0
+    (etc / "node.toml").write_text("# mine\n")
+    assert main(args) == 0
+    assert (etc / "node.toml").read_text() == "# mine\n"
+    assert "kept" in capsys.readouterr().out
+    proc = _analyze("verify", str(prefix / "hicache-tier@.service"), str(prefix / "hicache-pool.service"))
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    # Instances of the template verify too.
+    shutil.copy(prefix / "hicache-tier@.service", prefix / "hicache-tier@nvme.service")
+    proc = _analyze("verify", str(prefix / "hicache-tier@nvme.service"))
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+
+
+def test_install_units_without_sources_fails_with_1(tmp_path):
+    assert main(["install-units", "--prefix", str(tmp_path / "u"), "--config-dir", str(tmp_path / "e"),
+                 "--source", str(tmp_path / "nowhere"), "--exec", "/bin/true"]) == 1
+
+
+def _expand(group: str, seen=None) -> set:
+    """Every system call a SystemCallFilter group allows (nested groups expanded)."""
+    seen = seen if seen is not None else set()
+    out = set()
+    lines = _analyze("syscall-filter", group).stdout.splitlines()
+    for line in lines[1:]:
+        item = line.strip()
+        if not item or item.startswith("#"):
+            continue
+        if item.startswith("@"):
+            if item not in seen:
+                seen.add(item)
+                out |= _expand(item, seen)
+        else:
+            out.add(item)
+    return out
+
+
+def test_syscall_filter_keeps_shared_memory_and_fd_passing(tmp_path):
+    unit = open(os.path.join(UNITS, "hicache-tier@.service"), encoding="utf-8").read()
+    groups = re.search(r"^SystemCallFilter=(.*)$", unit, re.M).group(1).split()
+    allowed = set()
+    for group in groups:
+        allowed |= _expand(group)
+    needed = {"memfd_create", "mmap", "munmap", "ftruncate", "sendmsg", "recvmsg", "socket", "bind", "connect",
+              "accept4", "mlock", "madvise", "pread64", "pwrite64", "preadv", "pwritev", "fsync", "fdatasync",
+              "epoll_wait", "eventfd2", "pipe2", "clone", "futex", "rename", "renameat2", "unlink", "unlinkat"}
+    assert needed <= allowed, f"the filter would refuse: {sorted(needed - allowed)}"
+    assert "AF_UNIX" in re.search(r"^RestrictAddressFamilies=(.*)$", unit, re.M).group(1)
+    for dangerous in ("PrivateDevices=yes", "MemoryDenyWriteExecute=yes", "PrivateNetwork=yes"):
+        assert dangerous not in unit, f"{dangerous} would break RDMA or the remote tier"
