@@ -136,3 +136,29 @@ def test_compiled_and_python_stack_distances_agree():
     compiled = simulate.stack_distances(trace)
     assert np.array_equal(compiled, simulate.python_stack_distances(trace.keys.tolist(), trace.n_keys))
     assert simulate.python_stack_distances([7, 8, 7, 9, 8, 8], 3).tolist() == [3, 3, 1, 3, 2, 0]
+
+
+# --------------------------------------------------- the daemon's own store
+@pytest.mark.parametrize("policy", policy_names())
+def test_dram_store_hits_equal_the_simulation(policy):
+    """DramStore (the DRAM daemon's store) driven by the trace hits exactly where the simulator says."""
+    from tiers.dram import DramStore
+
+    trace = conversation_like(requests=120)
+    capacity, page = 24, 4096
+    store = DramStore(capacity=capacity * page, policy=policy, block_size=page)
+    payload = memoryview(bytearray(page))
+    try:
+        store_hits = []
+        keys, parents = trace.keys.tolist(), trace.parents().tolist()
+        for key, parent in zip(keys, parents):
+            name = ("trace", str(key))
+            hit = store.get_bytes(name) is not None
+            if not hit:
+                store.put(name, [payload], parent=None if parent < 0 else str(parent))
+            store_hits.append(hit)
+    finally:
+        store.close()
+    simulated = simulate.access_hits(trace, policy, capacity, engine="policy")
+    assert store_hits == simulated.tolist()
+    assert np.array_equal(simulated, simulate.access_hits(trace, policy, capacity))  # and the fast engine

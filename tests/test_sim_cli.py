@@ -97,3 +97,14 @@ def test_model_command_prints_curve_and_plots(tmp_path, capsys):
     assert run(["model", "--model", "llama-3-8b", "--layers", "40", "--dtype-bytes", "1", "--points", "3"]) == 0
     assert "80 KiB/token" in capsys.readouterr().out  # 2 x 40 x 8 x 128 x 1
     assert run(["model", "--read-gbps", "0"]) == 2
+
+
+def test_replay_kernel_engine_without_a_compiler_fails_cleanly(hand_trace, monkeypatch, capsys):
+    from tiers.sim import kernels
+
+    def unavailable():
+        raise kernels.KernelUnavailable("no C compiler (cc/gcc) on PATH")
+
+    monkeypatch.setattr(kernels, "load", unavailable)
+    assert run(["replay", hand_trace, "--policy", "fifo", "--capacity", "4b", "--engine", "kernel", "--quiet"]) == 1
+    assert "no C compiler" in capsys.readouterr().err

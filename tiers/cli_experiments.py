@@ -39,7 +39,7 @@ def _split(text: str) -> list:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run the sweep and print/write its results."""
-    from tiers.sim import report, sweep
+    from tiers.sim import kernels, report, sweep
     from tiers.sim.trace import read_traces
 
     policies = policy_names() if args.policy == "all" else [p.lower() for p in _split(args.policy)]
@@ -62,7 +62,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     with tqdm(total=trace.n_accesses * len(policies) * len(capacities), unit="acc", unit_scale=True,
               disable=args.quiet or None, leave=False, file=sys.stderr) as bar:
-        rows = sweep.run_sweep(trace, policies, capacities, flat=args.flat, engine=args.engine, progress=bar.update)
+        try:
+            rows = sweep.run_sweep(trace, policies, capacities, flat=args.flat, engine=args.engine,
+                                   progress=bar.update)
+        except kernels.KernelUnavailable as exc:
+            print(f"replay: compiled kernels unavailable ({exc}); use --engine auto or policy", file=sys.stderr)
+            return EXIT_FAILED
     print(report.hit_rate_table(rows, best, "token_hit_rate"))
     print(report.hit_rate_table(rows, best, "block_hit_rate"))
     meta = {"traces": args.traces, "block_tokens": args.block_tokens, "flat": args.flat,
