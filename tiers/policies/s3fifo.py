@@ -22,8 +22,8 @@ class S3FIFOPolicy(EvictionPolicy):
       the ghost queue (at most ``ghost_ratio`` x resident names, oldest dropped);
       otherwise from main, as a CLOCK: the oldest key with a frequency above
       zero is reinserted with one less, the first at zero is the victim.
-    Every key moves to main at most once and is reinserted at most three times
-    per read, so pop_victim is O(1) amortised.
+    A key moves to main at most once per insert and is reinserted in main at
+    most once per read, so pop_victim is O(1) amortised.
     """
 
     name = "s3fifo"

@@ -66,7 +66,12 @@ def load() -> ctypes.CDLL:
         digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
         target = _cache_dir() / f"kernels-{digest}.so"
         if not target.exists():
-            _build(target)
+            try:
+                _build(target)
+            except OSError:  # an unwritable home: build in the temp folder instead
+                target = Path(tempfile.gettempdir()) / f"hicache-tiers-{os.getuid()}" / target.name
+                if not target.exists():
+                    _build(target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError, KernelUnavailable) as exc:
         _state["error"] = str(exc)
