@@ -44,7 +44,7 @@ def test_status_shows_each_tier_and_exits_1_when_one_is_down(node, capsys):
     assert cli(node, "status") == 1
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["TIER", "KIND", "STATE"]
+    assert lines[0].split()[:3] == ["TIER", "KIND", "STATE"] and lines[0].split()[-1] == "PEERS"
     dram = next(line for line in lines if line.startswith("dram")).split()
     assert dram[:4] == ["dram", "dram", "up", "16.0"]
     assert "%" in out and "down: spare" in err

@@ -2,6 +2,7 @@
 import os
 import re
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import zmq
 from tiers import protocol as P
 from tiers.cli import main
 from tiers.node_runner import ping
+from tiers.regions import MAX_REGIONS
 from tests.test_ops_support import REPO, DaemonProcess, dram_tier
 
 UNITS = os.path.join(REPO, "scripts", "systemd")
@@ -73,6 +75,25 @@ def test_serving_every_tier_is_ready_when_each_answers(tmp_path):
         code = daemon.stop()
     assert code == 0, daemon.log()
     assert len([m for m in daemon.notify.messages if "READY=1" in m]) == 1  # children do not speak to systemd
+
+
+def test_repeated_failures_do_not_flood_the_log(tmp_path):
+    daemon = DaemonProcess(str(tmp_path), dram_tier())
+    conns = []
+    try:
+        daemon.wait_ready()
+        fd_socket = os.path.join(daemon.runtime_dir, "dram.fd.sock")
+        for _ in range(MAX_REGIONS + 40):  # the last 40 are refused, each with a warning
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(fd_socket)
+            conns.append(conn)
+        assert ping(daemon.endpoint, 5.0)  # the loop has accepted (and refused) them all by now
+        time.sleep(0.5)
+    finally:
+        for conn in conns:
+            conn.close()
+        assert daemon.stop() == 0
+    assert daemon.log().count("refused a region connection") == 1, daemon.log()[-2000:]
 
 
 def _send_big_put(endpoint, pages=48, page_bytes=4 << 20):

@@ -112,6 +112,13 @@ def human(nbytes: float) -> str:
     return str(nbytes)
 
 
+def peers(stats: dict) -> str:
+    """Pools a remote tier reaches ('2/3 pools up'), '-' for tiers without peers."""
+    if "pools" not in stats:
+        return "-"
+    return f"{stats['pools'] - stats.get('pools_down', 0)}/{stats['pools']} pools up"
+
+
 def admin_client(tier: TierConfig, timeout: float) -> TierClient:
     """A session in the _admin namespace: may act on every namespace."""
     deadlines = Deadlines(base=timeout, lookup=timeout, connect_wait=min(timeout, 1.0))
@@ -161,12 +168,13 @@ def admin_call(args, op: str, **fields) -> Tuple[int, dict]:
 def cmd_status(args) -> int:
     tiers = selected_tiers(args)
     results = query_stats(tiers, args.timeout)
-    header = ("TIER", "KIND", "STATE", "CAPACITY", "USED", "PAGES", "HIT RATE", "EVICTIONS", "DIRTY", "SESSIONS", "REGIONS")
+    header = ("TIER", "KIND", "STATE", "CAPACITY", "USED", "PAGES", "HIT RATE", "EVICTIONS", "DIRTY", "SESSIONS", "REGIONS",
+              "PEERS")
     rows = [header]
     for tier in tiers:
         s = results[tier.name]
         if s is None:
-            rows.append((tier.name, tier.kind, "down", human(tier.capacity)) + ("-",) * 7)
+            rows.append((tier.name, tier.kind, "down", human(tier.capacity)) + ("-",) * (len(header) - 4))
             continue
         lookups = s.get("hits", 0) + s.get("misses", 0)
         capacity = s.get("capacity_bytes", 0)
@@ -175,7 +183,7 @@ def cmd_status(args) -> int:
                      f"{human(used)} ({100 * used / capacity:.0f}%)" if capacity else human(used),
                      str(s.get("pages", 0)), f"{100 * s.get('hits', 0) / lookups:.1f}%" if lookups else "-",
                      str(s.get("evictions", 0)), str(s.get("dirty_pages", 0)), str(s.get("sessions", 0)),
-                     str(s.get("regions", 0))))
+                     str(s.get("regions", 0)), peers(s)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
