@@ -161,3 +161,39 @@ def eventually(check, within: float = 10.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@pytest.mark.parametrize("fields, code", [
+    (dict(op="alloc", keys=["a"], sizes=b"\x01"), "bad_request"),                   # sizes of the wrong length
+    (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([-5])), "bad_request"),
+    (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([1 << 40])), "too_large"),
+    (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([10]), ttl="soon"), "bad_request"),
+    (dict(op="commit", keys=["a"], lease="x"), "bad_request"),
+    (dict(op="locate", keys=["a"], done="all"), "bad_request"),
+    (dict(op="locate", keys=["../x"]), "bad_request"),
+    (dict(op="release", lease=None), "bad_request"),
+])
+def test_pools_answer_malformed_requests_with_errors(cluster, fields, code):
+    from tests.nodes import RawPeer
+    _pools, _nodes, _placement, endpoints = cluster
+    peer = RawPeer(endpoints[0])
+    try:
+        session = peer.hello()
+        op = fields.pop("op")
+        reply, _ = peer.call(op, s=session, **fields)
+        assert reply["ok"] is False and reply["code"] == code, reply
+        reply, _ = peer.call("commit", s=session, keys=["a"], lease=12345)  # an unknown lease: nothing committed
+        assert reply["ok"] and reply["committed"] == b"\x00"
+    finally:
+        peer.close()
+
+
+def test_pool_operations_sent_to_a_node_tier_are_unknown(cluster):
+    from tests.nodes import RawPeer
+    _pools, (a, _b), _placement, _endpoints = cluster
+    peer = RawPeer(a.runner.config.tier("remote").endpoint)
+    try:
+        reply, _ = peer.call("alloc", s=peer.hello(), keys=["a"], sizes=P.encode_sizes([1]))
+        assert reply["ok"] is False and reply["code"] == "unknown_op"
+    finally:
+        peer.close()

@@ -31,7 +31,7 @@ one-sided through the Mooncake Transfer Engine, never through ZeroMQ):
 - alloc    keys, sizes [, parents, ttl]
                                 -> lease, seg, granted (one byte a key), desc, regions_per_page
 - commit   lease, keys          -> committed (one byte a key)
-- locate   keys [, ttl]         -> lease, seg, found (one byte a key), sizes, desc, regions_per_page
+- locate   keys [, ttl, done]   -> lease, seg, found (one byte a key), sizes, desc, regions_per_page
 - release  lease                -> released
 ``sizes`` is a little-endian int64 array (one a key; in a reply, one a found key); ``desc`` and
 ``regions_per_page`` are encoded as below but hold absolute addresses in the
@@ -40,7 +40,9 @@ pool's Transfer Engine segment name.  An ``alloc`` reserves space invisible to
 lookups until ``commit`` (keys of the lease not committed are freed); a
 ``locate`` pins the found pages against eviction and reuse until ``release``.
 Leases end by themselves ``ttl`` seconds later (bounded by the pool), so a
-crashed client pins nothing for long.
+crashed client pins nothing for long.  ``done`` (a list of at most
+``MAX_DONE_LEASES`` lease ids) releases earlier read leases in the same round
+trip, so a read costs one control round trip, not two.
 The ``desc`` of a shared-memory transfer is a little-endian int64 array of
 (offset, length) pairs into the registered region, ``regions_per_page``
 (int32, one per key) says how many pairs make each page.
@@ -83,6 +85,7 @@ MAX_HEADER_BYTES = 4 << 20
 MAX_KEY_CHARS = 256
 MAX_NAMESPACE_CHARS = 512
 MAX_BATCH = 4096
+MAX_DONE_LEASES = 256  # read leases a locate may release on the way
 # Keys reach file names in the NVMe tier: a conservative alphabet, no separators.
 _KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
 

@@ -11,6 +11,7 @@ to MC_TRANSFER_TIMEOUT (30 s by default) instead.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -91,8 +92,20 @@ class Engine:
         self.rpc_port = int(self._te.get_rpc_port())
         # Peers name this engine by host:port under P2P handshake, by hostname with a metadata server.
         self.segment = f"{config.hostname}:{self.rpc_port}" if config.metadata_server == P2P else config.hostname
-        self._registered: Dict[int, int] = {}  # base address -> length
-        log.info("transfer engine up: segment %s, protocol %s", self.segment, config.protocol)
+        self.transport = "rdma" if config.protocol == "rdma" and self._hcas() else "tcp"
+        if config.protocol == "rdma" and self.transport == "tcp":
+            log.warning("protocol is rdma but the engine found no RDMA device: pages move over TCP "
+                        "(set require_rdma = true to refuse to start instead)")
+        log.info("transfer engine up: segment %s, transport %s", self.segment, self.transport)
+
+    def _hcas(self) -> List[str]:
+        """RDMA devices the engine discovered (its topology: {location: [[preferred], [others]]})."""
+        try:
+            topology = json.loads(self._te.get_local_topology(self.config.device_name or None))
+        except (ValueError, TypeError, RuntimeError):
+            return []
+        return sorted({hca for lists in topology.values() if isinstance(lists, list)
+                       for group in lists if isinstance(group, list) for hca in group if isinstance(hca, str)})
 
     # ------------------------------------------------------------- memory
     def register(self, base: int, length: int) -> None:
@@ -100,18 +113,9 @@ class Engine:
         ret = self._te.register_memory(base, length)
         if ret != 0:
             raise EngineError(f"register_memory of {length} bytes at {base:#x} failed ({ret})")
-        self._registered[base] = length
 
     def unregister(self, base: int) -> None:
-        if self._registered.pop(base, None) is not None:
-            self._te.unregister_memory(base)
-
-    def registered(self, addr: int, length: int) -> bool:
-        """True when [addr, addr+length) lies inside one registered buffer."""
-        for base, size in self._registered.items():
-            if base <= addr and addr + length <= base + size:
-                return True
-        return False
+        self._te.unregister_memory(base)
 
     # ----------------------------------------------------------- transfers
     def transfer(self, segment: str, write: bool, pieces: Sequence[Tuple[int, int, int]], timeout: float) -> bool:
@@ -152,7 +156,7 @@ class Engine:
                 log.debug("%d transfers still running at the deadline; abandoned", len(pending))
                 return False
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 200e-6)  # a late wake-up costs as much as the poll it saves
         return ok
 
     def raw(self):

@@ -9,6 +9,7 @@ back-off says hello again, so a restarted pool rejoins by itself.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -39,6 +40,8 @@ class PoolClient:
         deadlines = Deadlines(base=timeout, lookup=timeout, margin=min(0.05, timeout / 4),
                               connect_wait=min(0.05, timeout), backoff_min=min(0.2, retry_max),
                               backoff_max=retry_max)
+        self._done: List[int] = []  # read leases to release with the next locate
+        self._done_lock = threading.Lock()
         self._client = TierClient(f"pool {endpoint}", endpoint, namespace, client_name=client_name,
                                   deadlines=deadlines)
 
@@ -99,11 +102,25 @@ class PoolClient:
         return [b != 0 for b in raw]
 
     def locate(self, keys: List[str], ttl: float) -> Optional[Grant]:
-        header = self._ok(self._client.call("locate", self.timeout, keys=keys, ttl=ttl), "locate")
+        """Pin and find pages; read leases released with release_later go along."""
+        with self._done_lock:
+            done, self._done = self._done[:P.MAX_DONE_LEASES], self._done[P.MAX_DONE_LEASES:]
+        header = self._ok(self._client.call("locate", self.timeout, keys=keys, ttl=ttl, done=done), "locate")
         return self._grant(header, "found", len(keys), None)
 
     def release(self, lease: int) -> None:
         self._client.call("release", self.timeout, lease=lease)
+
+    def release_later(self, lease: int) -> None:
+        """Release a read lease with the next locate (it ends by itself at its ttl otherwise)."""
+        with self._done_lock:
+            self._done.append(lease)
+            overflow = len(self._done) > 4 * P.MAX_DONE_LEASES
+        if overflow:  # no locate for a long while: say it now
+            with self._done_lock:
+                done, self._done = self._done, []
+            for lease_id in done:
+                self.release(lease_id)
 
     def lookup(self, keys: List[str]) -> Optional[bytes]:
         return self._client.lookup(keys)

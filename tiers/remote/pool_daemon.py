@@ -74,6 +74,12 @@ class PoolDaemon(TierDaemon):
     def handle_locate(self, header: dict, frames) -> list:
         ns = self._namespace(header)
         keys = P.keys_field(header)
+        done = header.get("done", [])
+        if not isinstance(done, list) or len(done) > P.MAX_DONE_LEASES:
+            raise P.ProtocolError("bad_request", f"done must be a list of at most {P.MAX_DONE_LEASES} leases")
+        for lease in done:
+            if isinstance(lease, int) and not isinstance(lease, bool):
+                self.pool.release(header["s"], lease)
         lease, found = self.pool.locate(header["s"], [(ns, k) for k in keys], self._ttl(header))
         held = [f for f in found if f is not None]
         desc, counts = P.encode_descriptors([extents for _size, extents in held])

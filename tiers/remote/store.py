@@ -13,8 +13,6 @@ costs its keys a miss, not a hang, and rejoins after its back-off.
 from __future__ import annotations
 
 import logging
-import mmap
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -22,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import Engine, EngineConfig, address_of, pair_extents
 from tiers.remote.placement import Rendezvous
+from tiers.remote.staging import Registrations, Staging
 from tiers.remote.pool_client import PoolClient
 from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreIOError, StoreStats,
                          total_size)
@@ -53,14 +52,8 @@ class RemoteStore(PageStore):
         self._lock = threading.Lock()
         self._stats = StoreStats()
         self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-fan")
-        # Staging for pages that are not in a registered host pool (frames path).
-        self._staging_map = mmap.mmap(-1, max(1, staging_slots) * max_page_bytes)
-        self._staging = memoryview(self._staging_map)
-        self._staging_base = address_of(self._staging)
-        engine.register(self._staging_base, self._staging.nbytes)
-        self._slots: "queue.Queue[int]" = queue.Queue()
-        for i in range(max(1, staging_slots)):
-            self._slots.put(i)
+        self._registrations = Registrations(engine.register, engine.unregister)
+        self._staging = Staging(self._registrations, staging_slots, max_page_bytes)
 
     # ---------------------------------------------------------- plumbing
     def _client(self, pool: str, namespace: str) -> PoolClient:
@@ -82,36 +75,13 @@ class RemoteStore(PageStore):
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
-    def _local_extents(self, views: Sequence[memoryview]) -> Optional[List[Tuple[int, int]]]:
-        """(address, length) of each buffer when all lie in registered memory, else None."""
-        out: List[Tuple[int, int]] = []
-        for view in views:
-            addr = address_of(view)
-            if not self.engine.registered(addr, view.nbytes):
-                return None
-            if out and out[-1][0] + out[-1][1] == addr:
-                out[-1] = (out[-1][0], out[-1][1] + view.nbytes)
-            else:
-                out.append((addr, view.nbytes))
-        return out
-
-    def _take_slot(self, nbytes: int) -> int:
-        try:
-            return self._slots.get(timeout=self._timeout(nbytes))
-        except queue.Empty:
-            raise StoreIOError("every staging slot is busy") from None
-
-    def _slot_view(self, slot: int, nbytes: int) -> memoryview:
-        start = slot * self.max_page_bytes
-        return self._staging[start:start + nbytes]
-
     # ------------------------------------------------ host pool mappings
     def region_mapped(self, view: memoryview) -> None:
         """Register a host-pool mapping with the engine (called by the daemon)."""
-        self.engine.register(address_of(view), view.nbytes)
+        self._registrations.add(view)
 
     def region_unmapped(self, view: memoryview) -> None:
-        self.engine.unregister(address_of(view))
+        self._registrations.remove(view)
 
     # --------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
@@ -124,12 +94,12 @@ class RemoteStore(PageStore):
         client = self._client(pool, namespace)
         if client.is_down():
             raise StoreIOError(f"pool {pool} is down")
-        local = self._local_extents(src)
+        local = self._registrations.extents(src)
         slot = None
         try:
             if local is None:
-                slot = self._take_slot(size)
-                staged = self._slot_view(slot, size)
+                slot = self._staging.take(self._timeout(size))
+                staged = self._staging.view(slot, size)
                 scatter_copy([staged], src)
                 local = [(address_of(staged), size)]
             timeout = self._timeout(size)
@@ -146,7 +116,7 @@ class RemoteStore(PageStore):
                 raise StoreIOError(f"pool {pool} did not commit the page")
         finally:
             if slot is not None:
-                self._slots.put(slot)
+                self._staging.give(slot)
         self._count(inserts=1, bytes_written=size)
 
     def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
@@ -164,10 +134,10 @@ class RemoteStore(PageStore):
             if dst is not None and size != total_size(dst):
                 self._count(misses=1)
                 return None
-            local = self._local_extents(dst) if dst is not None else None
+            local = self._registrations.extents(dst) if dst is not None else None
             if local is None:
-                slot = self._take_slot(size)
-                local = [(address_of(self._slot_view(slot, size)), size)]
+                slot = self._staging.take(self._timeout(size))
+                local = [(address_of(self._staging.view(slot, size)), size)]
             ok = self.engine.transfer(grant.segment, False, pair_extents(local, remote), self._timeout(size))
             if not ok:
                 self._count(misses=1)
@@ -175,13 +145,13 @@ class RemoteStore(PageStore):
             out = b""
             if slot is not None:
                 if dst is not None:
-                    scatter_copy(dst, [self._slot_view(slot, size)])
+                    scatter_copy(dst, [self._staging.view(slot, size)])
                 else:
-                    out = bytes(self._slot_view(slot, size))
+                    out = bytes(self._staging.view(slot, size))
         finally:
-            client.release(grant.lease)
+            client.release_later(grant.lease)  # rides on the next locate: one round trip a read
             if slot is not None:
-                self._slots.put(slot)
+                self._staging.give(slot)
         self._count(hits=1, bytes_read=size)
         return out
 
@@ -247,7 +217,7 @@ class RemoteStore(PageStore):
             clients = list(self._clients.values())
         down = {c.endpoint for c in clients if c.is_down()}
         snap.extra = {"pools": len(self.placement.pools), "pools_down": len(down),
-                      "staging_slots_free": self._slots.qsize()}
+                      "staging_slots_free": self._staging.free_slots()}
         return snap
 
     def close(self) -> None:
@@ -257,12 +227,7 @@ class RemoteStore(PageStore):
         for client in clients:
             client.close()
         self._fan_out.shutdown(wait=False)
-        self.engine.unregister(self._staging_base)
-        try:
-            self._staging.release()
-            self._staging_map.close()
-        except BufferError:
-            pass
+        self._staging.close()
 
     @classmethod
     def from_config(cls, tier) -> "RemoteStore":
