@@ -74,4 +74,8 @@ def derive_namespace(storage_config, pool) -> str:
     if pool is not None:
         dtype = str(getattr(pool, "dtype", "")).replace("torch.", "")
         parts += [f"pg{pool.page_size}", _clean(dtype), _clean(getattr(pool, "layout", "layout"))]
+    if not (storage_config.extra_config or {}).get("interface_v1"):
+        # The legacy path stores SGLang's flat page (all K layers, then all V), a
+        # different byte order from v1's regions for layer_first: never mix them.
+        parts.append("flat")
     return ".".join(parts)[:400]

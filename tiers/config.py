@@ -132,6 +132,7 @@ TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
 KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     "dram": {
         "block_size": (parse_size, "64KiB", "arena allocation unit; pages span whole blocks"),
+        "prefault": (_bool, True, "fault the whole arena in at start (first touches are ~10x slower than copies)"),
     },
     "nvme": {
         "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),

@@ -7,15 +7,21 @@ lowest-first, so a fresh arena gives contiguous runs and one memcpy a page.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.policies import make_policy
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreStats, total_size
+
+log = logging.getLogger("hicache.dram")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 @dataclass
@@ -30,7 +36,7 @@ class DramStore(PageStore):
     """Pages in a memfd arena of fixed-size blocks."""
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
-                 max_page_bytes: int = 64 << 20, name: str = "dram"):
+                 max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True):
         if block_size <= 0 or capacity < block_size:
             raise ValueError("capacity must hold at least one block")
         self.block_size = block_size
@@ -41,6 +47,8 @@ class DramStore(PageStore):
         os.ftruncate(self._fd, self.capacity)  # sparse: memory is used only when written
         self._map = mmap.mmap(self._fd, self.capacity)
         self._arena = memoryview(self._map)
+        if prefault:
+            self._prefault()
         self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
         self._index: Dict[PageKey, _Entry] = {}
         self._policy = make_policy(policy)
@@ -49,6 +57,21 @@ class DramStore(PageStore):
         # Called with (key, page views, reads) before an evicted page's blocks are
         # reused: the write-back router demotes it to the next tier here.
         self.on_evict: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
+
+    def _prefault(self) -> None:
+        """Fault the whole arena in now: a first touch costs ~10x a warm copy (0.5 vs 3-7 GB/s here)."""
+        started = time.perf_counter()
+        try:
+            self._map.madvise(_MADV_HUGEPAGE)  # where shmem THP is enabled; harmless elsewhere
+        except (OSError, ValueError):
+            pass
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE)  # Linux 5.14+
+        except (OSError, ValueError):
+            step = mmap.PAGESIZE
+            for offset in range(0, self.capacity, step):
+                self._map[offset] = 0
+        log.info("prefaulted %d MiB of arena in %.2fs", self.capacity >> 20, time.perf_counter() - started)
 
     # ------------------------------------------------------------- helpers
     def _views(self, entry: _Entry) -> List[memoryview]:

@@ -13,6 +13,7 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -21,6 +22,20 @@ from tiers import protocol as P
 log = logging.getLogger("hicache.regions")
 
 MAX_REGIONS = 256
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Build the mapping's page tables once, off the loop thread.
+
+    Otherwise the first batches through a fresh mapping run at minor-fault
+    speed (0.3 instead of 2+ GB/s here); populating a large pool inline would
+    stall the daemon for seconds.
+    """
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass  # older kernels: pages fault in on first use
 
 
 @dataclass
@@ -147,6 +162,7 @@ class RegionRegistry:
             raise P.ProtocolError("bad_request", f"cannot map the fd: {exc}") from None
         finally:
             os.close(memfd)  # the mapping keeps the memory alive
+        threading.Thread(target=_populate, args=(mapping,), name="populate", daemon=True).start()
         return Region(secrets.randbits(62), session, size, mapping, memoryview(mapping), conn)
 
     def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:

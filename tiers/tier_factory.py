@@ -12,7 +12,7 @@ def build_store(tier: TierConfig) -> PageStore:
     if tier.kind == "dram":
         from tiers.dram import DramStore
         return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
-                         max_page_bytes=tier.max_page_bytes, name=tier.name)
+                         max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"])
     if tier.kind == "nvme":
         from tiers.nvme import NvmeStore
         return NvmeStore.from_config(tier)
