@@ -1,6 +1,5 @@
 """The operator CLI against a real daemon: status, stats, evict, clear; config check and show; exit codes."""
 import json
-import os
 import subprocess
 import sys
 import tomllib

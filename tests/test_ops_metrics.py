@@ -26,7 +26,7 @@ def value(samples: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     port = free_port()
-    config = f'[node]\nmetrics_address = "127.0.0.1"\n' + dram_tier(capacity="1MiB", extra=f"metrics_port = {port}")
+    config = '[node]\nmetrics_address = "127.0.0.1"\n' + dram_tier(capacity="1MiB", extra=f"metrics_port = {port}")
     proc = DaemonProcess(str(tmp_path_factory.mktemp("metrics")), config)
     proc.port = port
     proc.wait_ready()
@@ -78,3 +78,14 @@ def test_metrics_are_off_unless_configured(tmp_path):
     base = parse_config("[node]\nmetrics_port = 9470\n" + dram_tier("a") + dram_tier("b", extra="metrics_port = 0")
                         + dram_tier("c"), "node.toml")
     assert [t.metrics_port for t in base.tiers] == [9470, 0, 9472]
+
+
+def test_a_metrics_port_in_use_fails_the_start_with_1(daemon, tmp_path):
+    config = dram_tier(capacity="1MiB", extra=f"metrics_port = {daemon.port}")
+    second = DaemonProcess(str(tmp_path), config)
+    try:
+        assert second.proc.wait(30) == 1
+    finally:
+        second.stop()
+    assert "tier dram cannot start" in second.log() and "Address already in use" in second.log()
+    assert not second.notify.messages  # never READY=1

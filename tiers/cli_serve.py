@@ -239,6 +239,7 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
     """Run one tier's daemon in this process until SIGTERM/SIGINT; SIGHUP reloads."""
     from tiers.notify import sd_notify, watchdog_interval
     from tiers.prometheus import start_exporter
+    from tiers.store import StoreError
     from tiers.tier_factory import build_daemon
 
     tier = config.tier(tier_name)
@@ -247,8 +248,8 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
         daemon = build_daemon(config, tier)
         exporter = start_exporter(daemon, tier.kind, tier.metrics_port, config.metrics_address)
         daemon.bind()
-    except (OSError, ValueError) as exc:
-        log.error("tier %s cannot start: %s", tier_name, exc)
+    except Exception as exc:  # one line for what an operator can fix, a traceback for a bug
+        log.error("tier %s cannot start: %s", tier_name, exc, exc_info=not isinstance(exc, (OSError, ValueError, StoreError)))
         if exporter is not None:
             exporter.close()
         return 1
@@ -308,8 +309,8 @@ def reload(config: NodeConfig, tier_name: str, reload_config: Optional[Callable[
         sd_notify(f"READY=1\nSTATUS={status} (last reload failed: {str(exc)[:200]})")
         return
     if new.log_level != config.log_level:
+        log.warning("log level %s -> %s", config.log_level, new.log_level)  # said before a stricter level hides it
         logging.getLogger().setLevel(new.log_level.upper())
-        log.warning("log level %s -> %s", config.log_level, new.log_level)
         config.log_level = new.log_level
     changed = restart_needed(config, config.tier(tier_name), new, new_tier)
     if changed:
