@@ -4,12 +4,14 @@
 A pool daemon runs as a real process (``hicache-tiers serve``, TCP loopback).
 This process is the inference node: it holds an engine, a host-pool buffer
 registered with it, and a RemoteStore.  Per repetition, interleaved:
-- raw write / read: the engine alone moves the pages between the host buffer
-  and arena addresses the pool granted once (no control messages), both with
-  the engine's own blocking call (transfer_sync_*) and with the submit-and-poll
-  loop the tier uses; the better of the two is the baseline;
-- tier write / read: RemoteStore.put / get_into of the same pages (alloc,
-  one-sided transfer, commit; locate, transfer, release).
+- raw write / read: the engine alone moves the batch of pages between the
+  host buffer and arena addresses the pool granted once (no control
+  messages), both with the engine's own blocking batch call
+  (batch_transfer_sync_*) and with every page submitted at once and polled as
+  the tier polls; the better of the two is the baseline;
+- tier write / read: RemoteStore.put_many / get_many_into of the same pages,
+  the path the tier daemon takes for a batch (one alloc, all transfers, one
+  commit a pool; one locate, all transfers), and page by page (put / get_into).
 Then end to end: a remote tier daemon process serving an engine-side client
 whose host pool is a memfd (put_region / get_region), against the same
 baseline.  Prints medians over repetitions and tier/raw.
@@ -74,15 +76,17 @@ def main(argv=None) -> int:
         pools.stop()
     base_w = max(results["raw_sync_write_gbps"], results["raw_poll_write_gbps"])
     base_r = max(results["raw_sync_read_gbps"], results["raw_poll_read_gbps"])
-    results["tier_write_ratio"] = results["tier_write_gbps"] / base_w
-    results["tier_read_ratio"] = results["tier_read_gbps"] / base_r
+    for op, base in (("write", base_w), ("read", base_r)):
+        results[f"tier_{op}_ratio"] = results[f"tier_{op}_gbps"] / base
+        results[f"tier1_{op}_ratio"] = results[f"tier1_{op}_gbps"] / base
     if "daemon_write_gbps" in results:
         results["daemon_write_ratio"] = results["daemon_write_gbps"] / base_w
         results["daemon_read_ratio"] = results["daemon_read_gbps"] / base_r
     print(f"{args.pages} pages of {args.page_mib} MiB, medians of {args.runs} runs (GB/s):")
     for op in ("write", "read"):
         line = (f"  {op:5s}  raw sync {results[f'raw_sync_{op}_gbps']:.2f}  raw poll {results[f'raw_poll_{op}_gbps']:.2f}"
-                f"  tier {results[f'tier_{op}_gbps']:.2f} ({results[f'tier_{op}_ratio']:.2f}x raw)")
+                f"  tier {results[f'tier_{op}_gbps']:.2f} ({results[f'tier_{op}_ratio']:.2f}x raw)"
+                f"  tier page by page {results[f'tier1_{op}_gbps']:.2f} ({results[f'tier1_{op}_ratio']:.2f}x)")
         if f"daemon_{op}_gbps" in results:
             line += f"  via daemon {results[f'daemon_{op}_gbps']:.2f} ({results[f'daemon_{op}_ratio']:.2f}x raw)"
         print(line)
@@ -114,38 +118,51 @@ def in_process(port: int, size: int, args) -> dict:
     if any(len(e) != 1 for e in grant.extents):
         raise SystemExit("raw baseline expects contiguous arena extents")
 
-    def raw_sync(write: bool):
-        call = te.transfer_sync_write if write else te.transfer_sync_read
-        for i in range(args.pages):
-            if call(grant.segment, address_of(src[i] if write else dst[i]), remote[i], size) != 0:
-                raise SystemExit("raw transfer failed")
+    def raw_sync(write: bool):  # the engine's own blocking batch call
+        call = te.batch_transfer_sync_write if write else te.batch_transfer_sync_read
+        local = [address_of(src[i] if write else dst[i]) for i in range(args.pages)]
+        if call(grant.segment, local, remote, [size] * args.pages) != 0:
+            raise SystemExit("raw transfer failed")
 
-    def raw_poll(write: bool):
-        for i in range(args.pages):
-            local = address_of(src[i] if write else dst[i])
-            if not engine.transfer(grant.segment, write, [(local, remote[i], size)], 30.0):
-                raise SystemExit("raw transfer failed")
+    def raw_poll(write: bool):  # every page in flight at once, polled as the tier polls
+        pieces = [[(address_of(src[i] if write else dst[i]), remote[i], size)] for i in range(args.pages)]
+        if not all(engine.transfer_pages(grant.segment, write, pieces, 30.0)):
+            raise SystemExit("raw transfer failed")
+
+    keys = [("bench", f"p{i}") for i in range(args.pages)]
+    halves = lambda views: [[v[:size // 2], v[size // 2:]] for v in views]  # noqa: E731  (K and V regions)
 
     def tier_write():
-        for i in range(args.pages):
-            store.put(("bench", f"p{i}"), [src[i][:size // 2], src[i][size // 2:]])
+        outcomes = store.put_many(keys, halves(src), [None] * args.pages)
+        if any(o is not None for o in outcomes):
+            raise SystemExit(f"tier write failed: {outcomes}")
 
     def tier_read():
-        for i in range(args.pages):
-            if not store.get_into(("bench", f"p{i}"), [dst[i][:size // 2], dst[i][size // 2:]]):
+        if not all(store.get_many_into(keys, halves(dst))):
+            raise SystemExit("tier read missed")
+
+    def tier_write_1():
+        for key, page in zip(keys, halves(src)):
+            store.put(key, page)
+
+    def tier_read_1():
+        for key, page in zip(keys, halves(dst)):
+            if not store.get_into(key, page):
                 raise SystemExit("tier read missed")
 
-    series = {k: [] for k in ("raw_sync_write", "raw_poll_write", "tier_write", "raw_sync_read", "raw_poll_read",
-                              "tier_read")}
+    series = {k: [] for k in ("raw_sync_write", "raw_poll_write", "tier_write", "tier1_write",
+                              "raw_sync_read", "raw_poll_read", "tier_read", "tier1_read")}
     tier_write()  # warm: connections, segment handles, first touches of the arena
     raw_poll(True)
     for _ in range(args.runs):
         series["raw_sync_write"].append(timed(lambda: raw_sync(True)))
         series["tier_write"].append(timed(tier_write))
         series["raw_poll_write"].append(timed(lambda: raw_poll(True)))
+        series["tier1_write"].append(timed(tier_write_1))
         series["raw_sync_read"].append(timed(lambda: raw_sync(False)))
         series["tier_read"].append(timed(tier_read))
         series["raw_poll_read"].append(timed(lambda: raw_poll(False)))
+        series["tier1_read"].append(timed(tier_read_1))
     for i in range(args.pages):
         if dst[i] != src[i]:
             raise SystemExit(f"page {i} read back differs")

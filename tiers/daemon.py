@@ -361,13 +361,18 @@ class TierDaemon:
     def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive) -> list:
         stored = []
         refusal = None
-        for key, page, parent in zip(keys, pages, parents):
+        many = getattr(self.store, "put_many", None)  # a store that moves a whole batch at once (remote tier)
+        outcomes = many([(ns, k) for k in keys], pages, parents, deadline) if many is not None else None
+        for i, (key, page, parent) in enumerate(zip(keys, pages, parents)):
             if deadline is not None and time.time() > deadline:
                 refusal = refusal or ("deadline", "deadline passed during the batch")
                 stored.append(False)
                 continue
             try:
-                self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+                if outcomes is None:
+                    self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+                elif outcomes[i] is not None:
+                    raise outcomes[i]
             except StoreError as exc:
                 refusal = refusal or (exc.code, str(exc))
                 stored.append(False)
@@ -394,6 +399,11 @@ class TierDaemon:
         return self._pool.submit(self._get_pages, header["id"], ns, keys, pages, header.get("dl"))
 
     def _get_pages(self, req_id, ns, keys, pages, deadline) -> list:
+        many = getattr(self.store, "get_many_into", None)  # a store that moves a whole batch at once
+        if many is not None and pages is not None:
+            found = many([(ns, k) for k in keys], pages, deadline)
+            self.metrics.pages("get", sum(found), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, found) if ok))
+            return [P.reply_ok(req_id, found=P.flags(found))]
         found: List[bool] = []
         out_frames = []
         nbytes = 0

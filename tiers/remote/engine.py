@@ -5,7 +5,8 @@ MC_FORCE_TCP; ``rdma`` lets it discover HCAs (``device_name`` filters them)
 and, with ``require_rdma``, sets MC_FORCE_HCA so a node without a usable NIC
 fails at start instead of quietly moving pages over TCP.  Transfers are
 submitted as asynchronous batches of one entry (the binding reports the status
-of a batch's first task only) and polled, so a call returns by its deadline
+of a batch's first task only), all of a request's pages at once, and polled,
+so a call returns by its deadline
 even when the peer stopped answering; the engine's own sync calls spin for up
 to MC_TRANSFER_TIMEOUT (30 s by default) instead.
 """
@@ -124,37 +125,45 @@ class Engine:
         ``write`` copies local -> remote.  False on any failure or when timeout
         passes first; pieces still in flight then are abandoned to the engine.
         """
+        return self.transfer_pages(segment, write, [pieces], timeout)[0]
+
+    def transfer_pages(self, segment: str, write: bool, pages: Sequence[Sequence[Tuple[int, int, int]]],
+                       timeout: float) -> List[bool]:
+        """Several pages' pieces, all in flight at once; per page, True when all its pieces completed in time."""
         submit = self._te.batch_transfer_async_write if write else self._te.batch_transfer_async_read
         deadline = time.monotonic() + timeout
-        batches: List[int] = []
-        for local, remote, length in pieces:
-            batch = submit(segment, [local], [remote], [length])
-            if batch == 0:
-                log.debug("submit to %s failed", segment)
-                self._wait(batches, deadline)
-                return False
-            batches.append(batch)
-        return self._wait(batches, deadline)
-
-    def _wait(self, batches: List[int], deadline: float) -> bool:
+        ok = [True] * len(pages)
+        pending: List[Tuple[int, int]] = []  # (batch id, page)
+        for page, pieces in enumerate(pages):
+            for local, remote, length in pieces:
+                batch = submit(segment, [local], [remote], [length])
+                if batch == 0:  # the peer is unreachable or refused: the rest would fail the same way
+                    log.debug("submit to %s failed", segment)
+                    ok[page] = False
+                    break
+                pending.append((batch, page))
+            if not ok[page]:
+                for rest in range(page + 1, len(pages)):
+                    ok[rest] = False
+                break
         check = self._te.transfer_check_status
-        pending = list(batches)
-        ok = True
         pause = 50e-6
         while pending:
             still = []
-            for batch in pending:
+            for batch, page in pending:
                 status = check(batch)  # 1 done, 0 running, -1 failed, -2 timed out in the engine
                 if status == 0:
-                    still.append(batch)
+                    still.append((batch, page))
                 elif status != 1:
-                    ok = False
+                    ok[page] = False
             pending = still
             if not pending:
                 break
             if time.monotonic() > deadline:
                 log.debug("%d transfers still running at the deadline; abandoned", len(pending))
-                return False
+                for _batch, page in pending:
+                    ok[page] = False
+                break
             time.sleep(pause)
             pause = min(pause * 2, 200e-6)  # a late wake-up costs as much as the poll it saves
         return ok

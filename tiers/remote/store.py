@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -162,40 +163,147 @@ class RemoteStore(PageStore):
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
         return self._read(key, None)
 
-    def _per_pool(self, keys: Sequence[PageKey], call) -> List[Optional[object]]:
-        """Run call(client, names) for each (pool, namespace) group in parallel; results in key order."""
+    def _per_pool(self, keys: Sequence[PageKey], call) -> List[object]:
+        """call(client, pool, namespace, positions) for each (pool, namespace) group, in parallel.
+
+        Returns one result a key, in key order; None for keys of a pool that is down.
+        """
         groups: Dict[Tuple[str, str], List[int]] = {}
         for i, (namespace, name) in enumerate(keys):
             groups.setdefault((self.placement.pick(name), namespace), []).append(i)
         futures = {}
         for (pool, namespace), positions in groups.items():
             client = self._client(pool, namespace)
-            if client.is_down():
-                continue
-            names = [keys[i][1] for i in positions]
-            futures[(pool, namespace)] = self._fan_out.submit(call, client, names)
-        out: List[Optional[object]] = [None] * len(keys)
+            if not client.is_down():
+                futures[(pool, namespace)] = self._fan_out.submit(call, client, pool, namespace, positions)
+        out: List[object] = [None] * len(keys)
         for group, future in futures.items():
             result = future.result()
-            if result is None:
+            if result is not None:
+                for i, value in zip(groups[group], result):
+                    out[i] = value
+        return out
+
+    @staticmethod
+    def _budget(timeout: float, deadline: Optional[float]) -> float:
+        """A transfer's timeout, cut at the request's absolute deadline (Unix seconds)."""
+        return timeout if deadline is None else min(timeout, deadline - time.time())
+
+    def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
+                 deadline: Optional[float] = None) -> List[Optional[StoreError]]:
+        """Store a batch: one alloc and one commit a pool, every transfer in flight at once.
+
+        Returns, per key, None when stored or the StoreError that refused it.
+        Pages outside registered memory (frames) are stored one by one.
+        """
+        views = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
+        parents = [p if isinstance(p, str) else None for p in parents]
+
+        def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
+            return self._put_group(client, pool, namespace, [keys[i][1] for i in positions],
+                                   [views[i] for i in positions], [parents[i] for i in positions], deadline)
+        return [StoreIOError("pool is down") if r is None else (None if r is True else r)
+                for r in self._per_pool(keys, group)]
+
+    def _put_group(self, client: PoolClient, pool: str, namespace: str, names: List[str],
+                   views: List[List[memoryview]], parents: List[Optional[str]], deadline: Optional[float]) -> list:
+        out: list = [None] * len(names)
+        todo, sizes, local = [], [], []
+        for j, page in enumerate(views):
+            size = total_size(page)
+            extents = self._registrations.extents(page) if 0 < size <= self.max_page_bytes else None
+            if extents is None:  # too large, empty or not in registered memory: the one-page path says which
+                try:
+                    self.put((namespace, names[j]), page, parents[j])
+                    out[j] = True
+                except StoreError as exc:
+                    out[j] = exc
                 continue
-            for i, value in zip(groups[group], result):
-                out[i] = value
+            todo.append(j)
+            sizes.append(size)
+            local.append(extents)
+        if not todo:
+            return out
+        timeout = self._budget(self._timeout(sum(sizes)), deadline)
+        grant = client.alloc([names[j] for j in todo], sizes, [parents[j] for j in todo],
+                             ttl=max(timeout, 0.01) + self.lease_margin) if timeout > 0 else None
+        if grant is None:
+            for j in todo:
+                out[j] = StoreIOError(f"pool {pool} did not answer an alloc in time")
+            return out
+        moving = [k for k, e in enumerate(grant.extents) if e is not None]
+        for k, e in enumerate(grant.extents):
+            if e is None:
+                out[todo[k]] = StoreFull(f"pool {pool} refused the page")
+        oks = self.engine.transfer_pages(grant.segment, True,
+                                         [pair_extents(local[k], grant.extents[k]) for k in moving], timeout)
+        done = [todo[k] for k, ok in zip(moving, oks) if ok]
+        for k, ok in zip(moving, oks):
+            if not ok:
+                out[todo[k]] = StoreIOError(f"transfer to pool {pool} failed or timed out")
+        if done and deadline is not None and time.time() > deadline:
+            # The engine may have reused its buffers: what was read after the deadline may be torn.
+            for j in done:
+                out[j] = StoreIOError("deadline passed during the transfer")
+            done = []
+        if not done:
+            client.release(grant.lease)
+            return out
+        committed = client.commit(grant.lease, [names[j] for j in done])
+        size_of = dict(zip(todo, sizes))
+        stored = 0
+        for j, ok in zip(done, committed):
+            out[j] = True if ok else StoreIOError(f"pool {pool} did not commit the page")
+            stored += size_of[j] if ok else 0
+        self._count(inserts=sum(committed), bytes_written=stored)
+        return out
+
+    def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                      deadline: Optional[float] = None) -> List[bool]:
+        """Read a batch into buffers: one locate a pool, every transfer in flight at once; found flags."""
+        views = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
+
+        def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
+            return self._get_group(client, namespace, [keys[i][1] for i in positions],
+                                   [views[i] for i in positions], deadline)
+        return [bool(r) for r in self._per_pool(keys, group)]
+
+    def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
+                   deadline: Optional[float]) -> List[bool]:
+        local = [self._registrations.extents(page) for page in views]
+        if any(extents is None for extents in local):  # frames or foreign buffers: staged one by one
+            return [self._read((namespace, n), page) is not None for n, page in zip(names, views)]
+        grant = client.locate(names, ttl=self._timeout(self.max_page_bytes * len(names)) + self.lease_margin)
+        if grant is None:
+            self._count(misses=len(names))
+            return [False] * len(names)
+        moving = [k for k, e in enumerate(grant.extents) if e is not None and grant.sizes[k] == total_size(views[k])]
+        out = [False] * len(names)
+        nbytes = sum(grant.sizes[k] for k in moving)
+        timeout = self._budget(self._timeout(nbytes), deadline)
+        if moving and timeout > 0:
+            oks = self.engine.transfer_pages(grant.segment, False,
+                                             [pair_extents(local[k], grant.extents[k]) for k in moving], timeout)
+            for k, ok in zip(moving, oks):
+                out[k] = ok
+        client.release_later(grant.lease)
+        hits = sum(out)
+        self._count(hits=hits, misses=len(names) - hits, bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
         return out
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         keys = list(keys)
 
-        def lookup(client: PoolClient, names: List[str]):
-            held = client.lookup(names)
+        def lookup(client: PoolClient, pool: str, namespace: str, positions: List[int]):
+            held = client.lookup([keys[i][1] for i in positions])
             return None if held is None else [b != 0 for b in held]
         return [bool(v) for v in self._per_pool(keys, lookup)]
 
     def delete(self, keys: Iterable[PageKey]) -> int:
         keys = list(keys)
 
-        def delete(client: PoolClient, names: List[str]):
-            return [client.delete(names)] + [0] * (len(names) - 1)
+        def delete(client: PoolClient, pool: str, namespace: str, positions: List[int]):
+            return [client.delete([keys[i][1] for i in positions])] + [0] * (len(positions) - 1)
         return sum(v or 0 for v in self._per_pool(keys, delete))
 
     def clear(self, namespace: Optional[str] = None) -> int:
