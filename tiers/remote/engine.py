@@ -81,7 +81,8 @@ class Engine:
             os.environ.pop("MC_FORCE_TCP", None)
             if config.require_rdma:
                 os.environ["MC_FORCE_HCA"] = "1"
-        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine logs every segment it opens at INFO
+        # The engine logs every segment it opens at INFO; its warnings and errors still show.
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING" if log.getEffectiveLevel() > logging.DEBUG else "INFO")
         te_class = _load()
         self._te = te_class()
         ret = self._te.initialize(config.hostname, config.metadata_server, config.protocol, config.device_name)

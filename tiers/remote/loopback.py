@@ -19,7 +19,7 @@ def free_ports(n: int) -> List[int]:
 
 
 def pool_config(ports: List[int], capacity: str = "64MiB", block_size: str = "256KiB",
-                max_page_bytes: str = "16MiB", policy: str = "lru") -> str:
+                max_page_bytes: str = "16MiB", policy: str = "lru", max_lease_ms: int = 30000) -> str:
     """One pool tier a port, all served from one config (each tier is its own process)."""
     return "".join(f"""
 [[tiers]]
@@ -29,7 +29,9 @@ capacity = "{capacity}"
 policy = "{policy}"
 block_size = "{block_size}"
 max_page_bytes = "{max_page_bytes}"
+max_lease_ms = {max_lease_ms}
 endpoint = "tcp://127.0.0.1:{port}"
+allow_insecure_tcp = true
 """ for i, port in enumerate(ports))
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from typing import Iterable, List, Optional, Tuple
 
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import EngineError, address_of
-from tiers.remote.staging import Registrations, Staging
+from tiers.remote.staging import Counters, Registrations, Staging
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreIOError, StoreStats, total_size
 
 log = logging.getLogger("hicache.remote.mooncake_store")
@@ -52,8 +51,7 @@ class MooncakeStoreTier(PageStore):
         self._slot_timeout = slot_timeout
         self._registrations = Registrations(self._register, self._unregister)
         self._staging = Staging(self._registrations, staging_slots, max_page_bytes)
-        self._lock = threading.Lock()
-        self._stats = StoreStats()
+        self._counters = Counters()
 
     @classmethod
     def connect(cls, master: str, hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
@@ -98,11 +96,6 @@ class MooncakeStoreTier(PageStore):
     def _name(key: PageKey) -> str:
         return f"{key[0]}/{key[1]}"  # '/' is outside the key alphabet: no two keys collide
 
-    def _count(self, **deltas) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self._stats, name, getattr(self._stats, name) + delta)
-
     # --------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
@@ -128,7 +121,7 @@ class MooncakeStoreTier(PageStore):
                 self._staging.give(slot)
         if ret != 0:
             raise StoreIOError(f"Mooncake Store refused {name} ({ret})")
-        self._count(inserts=1, bytes_written=size)
+        self._counters.add(inserts=1, bytes_written=size)
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
         dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
@@ -143,27 +136,27 @@ class MooncakeStoreTier(PageStore):
         got = self._client.batch_get_into_multi_buffers([self._name(key)], [[a for a, _n in local]],
                                                         [[n for _a, n in local]])[0]
         if got != size:  # negative: missing, or a size that does not match
-            self._count(misses=1)
+            self._counters.add(misses=1)
             return False
-        self._count(hits=1, bytes_read=size)
+        self._counters.add(hits=1, bytes_read=size)
         return True
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
         name = self._name(key)
         size = self._client.get_size(name)
         if size <= 0 or size > self.max_page_bytes:
-            self._count(misses=1)
+            self._counters.add(misses=1)
             return None
         slot = self._staging.take(self._slot_timeout)
         try:
             staged = self._staging.view(slot, size)
             if self._client.get_into(name, address_of(staged), size) != size:
-                self._count(misses=1)
+                self._counters.add(misses=1)
                 return None
             data = bytes(staged)
         finally:
             self._staging.give(slot)
-        self._count(hits=1, bytes_read=size)
+        self._counters.add(hits=1, bytes_read=size)
         return data
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
@@ -184,11 +177,8 @@ class MooncakeStoreTier(PageStore):
         raise StoreError("a Mooncake Store tier does not evict: the cluster's master does")
 
     def stats(self) -> StoreStats:
-        with self._lock:
-            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
-        snap.extra = {"master_healthy": 1 if self._client.health_check() == 0 else 0,
-                      "staging_slots_free": self._staging.free_slots()}
-        return snap
+        return self._counters.snapshot(master_healthy=1 if self._client.health_check() == 0 else 0,
+                                       staging_slots_free=self._staging.free_slots())
 
     def close(self) -> None:
         self._staging.close()

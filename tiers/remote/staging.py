@@ -1,4 +1,4 @@
-"""Registered memory on the node side: which buffers the engine can use directly, and staging slots for the rest.
+"""Node-side plumbing of the remote stores: registered memory, staging slots for the rest, counters.
 
 Pages normally lie in the engine's host pool, mapped by the tier daemon and
 registered once, so transfers start from their own addresses.  Pages that
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import mmap
 import queue
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tiers.remote.engine import address_of
-from tiers.store import StoreIOError
+from tiers.store import StoreIOError, StoreStats
 
 Extents = List[Tuple[int, int]]
 
@@ -87,3 +88,22 @@ class Staging:
             self._map.close()
         except BufferError:  # a transfer still holds a slot; the process is ending anyway
             pass
+
+
+class Counters:
+    """A node-side remote store's hit, miss and byte counters (the pools keep sizes and evictions)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def snapshot(self, **extra: float) -> StoreStats:
+        with self._lock:
+            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
+        snap.extra = dict(extra)
+        return snap

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import Engine, EngineConfig, address_of, pair_extents
 from tiers.remote.placement import Rendezvous
-from tiers.remote.staging import Registrations, Staging
+from tiers.remote.staging import Counters, Registrations, Staging
 from tiers.remote.pool_client import PoolClient
 from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreIOError, StoreStats,
                          total_size)
@@ -51,7 +51,7 @@ class RemoteStore(PageStore):
         self.name = name
         self._clients: Dict[Tuple[str, str], PoolClient] = {}
         self._lock = threading.Lock()
-        self._stats = StoreStats()
+        self._counters = Counters()
         self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-fan")
         self._registrations = Registrations(engine.register, engine.unregister)
         self._staging = Staging(self._registrations, staging_slots, max_page_bytes)
@@ -70,11 +70,6 @@ class RemoteStore(PageStore):
 
     def _timeout(self, nbytes: int) -> float:
         return self.transfer_timeout + nbytes / self.min_bandwidth
-
-    def _count(self, **deltas) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self._stats, name, getattr(self._stats, name) + delta)
 
     # ------------------------------------------------ host pool mappings
     def region_mapped(self, view: memoryview) -> None:
@@ -118,7 +113,7 @@ class RemoteStore(PageStore):
         finally:
             if slot is not None:
                 self._staging.give(slot)
-        self._count(inserts=1, bytes_written=size)
+        self._counters.add(inserts=1, bytes_written=size)
 
     def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
         """Read a page into dst (returns b"") or, with dst None, as bytes; None on a miss."""
@@ -127,13 +122,13 @@ class RemoteStore(PageStore):
         client = self._client(pool, namespace)
         grant = None if client.is_down() else client.locate([name], ttl=self._timeout(self.max_page_bytes) + self.lease_margin)
         if grant is None or grant.extents[0] is None:
-            self._count(misses=1)
+            self._counters.add(misses=1)
             return None
         size, remote = grant.sizes[0], grant.extents[0]
         slot = None
         try:
             if dst is not None and size != total_size(dst):
-                self._count(misses=1)
+                self._counters.add(misses=1)
                 return None
             local = self._registrations.extents(dst) if dst is not None else None
             if local is None:
@@ -141,7 +136,7 @@ class RemoteStore(PageStore):
                 local = [(address_of(self._staging.view(slot, size)), size)]
             ok = self.engine.transfer(grant.segment, False, pair_extents(local, remote), self._timeout(size))
             if not ok:
-                self._count(misses=1)
+                self._counters.add(misses=1)
                 return None
             out = b""
             if slot is not None:
@@ -153,7 +148,7 @@ class RemoteStore(PageStore):
             client.release_later(grant.lease)  # rides on the next locate: one round trip a read
             if slot is not None:
                 self._staging.give(slot)
-        self._count(hits=1, bytes_read=size)
+        self._counters.add(hits=1, bytes_read=size)
         return out
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
@@ -255,7 +250,7 @@ class RemoteStore(PageStore):
         for j, ok in zip(done, committed):
             out[j] = True if ok else StoreIOError(f"pool {pool} did not commit the page")
             stored += size_of[j] if ok else 0
-        self._count(inserts=sum(committed), bytes_written=stored)
+        self._counters.add(inserts=sum(committed), bytes_written=stored)
         return out
 
     def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
@@ -275,7 +270,7 @@ class RemoteStore(PageStore):
             return [self._read((namespace, n), page) is not None for n, page in zip(names, views)]
         grant = client.locate(names, ttl=self._timeout(self.max_page_bytes * len(names)) + self.lease_margin)
         if grant is None:
-            self._count(misses=len(names))
+            self._counters.add(misses=len(names))
             return [False] * len(names)
         moving = [k for k, e in enumerate(grant.extents) if e is not None and grant.sizes[k] == total_size(views[k])]
         out = [False] * len(names)
@@ -288,7 +283,7 @@ class RemoteStore(PageStore):
                 out[k] = ok
         client.release_later(grant.lease)
         hits = sum(out)
-        self._count(hits=hits, misses=len(names) - hits, bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
+        self._counters.add(hits=hits, misses=len(names) - hits, bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
         return out
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
@@ -321,12 +316,10 @@ class RemoteStore(PageStore):
 
     def stats(self) -> StoreStats:
         with self._lock:
-            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
             clients = list(self._clients.values())
         down = {c.endpoint for c in clients if c.is_down()}
-        snap.extra = {"pools": len(self.placement.pools), "pools_down": len(down),
-                      "staging_slots_free": self._staging.free_slots()}
-        return snap
+        return self._counters.snapshot(pools=len(self.placement.pools), pools_down=len(down),
+                                       staging_slots_free=self._staging.free_slots())
 
     def close(self) -> None:
         with self._lock:
