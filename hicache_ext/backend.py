@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 import os
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+                                                  PoolName, PoolTransfer, PoolTransferResult)
 
 from hicache_ext.host_pool import HostPoolView
+from hicache_ext.hybrid import empty_result, pool_hit_result
 from hicache_ext.router import TierRouter
 from hicache_ext.settings import BackendSettings, derive_namespace
+from tiers import protocol as P
 from tiers.client import Deadlines, TierClient
 from tiers.config import load_config
 from tiers.logs import RateLimitedLog
@@ -60,8 +64,9 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.write_policy = self.settings.write_policy or node.write_policy
         self.is_writer = storage_config.is_storage_writer
         self.mem_pool_host = None
-        self._view: Optional[HostPoolView] = None
-        self._router: Optional[TierRouter] = None
+        self.registered_pools = {}
+        # One route per host pool: KV, and each side pool of a hybrid model.
+        self._routes: Dict[str, _Route] = {}
         self._lock = threading.Lock()
         self._metrics_lock = threading.Lock()
         self._prefetch_pgs: List[int] = []
@@ -78,38 +83,64 @@ class TieredHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         with self._lock:
-            self._view = HostPoolView(mem_pool_host)
-            self._connect_locked()
+            self._replace_route_locked(PoolName.KV, mem_pool_host)
 
-    def _connect_locked(self) -> None:
-        """(Re)build the tier clients for the current namespace."""
-        if self._router is not None:
-            self._router.close()
-        namespace = self.settings.namespace or derive_namespace(self.storage_config, self.mem_pool_host)
-        self.namespace = namespace
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        with self._lock:
+            current = self._routes.get(name)
+            if current is None or current.view is None or current.view.pool is not host_pool:
+                self._replace_route_locked(name, host_pool)
+
+    def _replace_route_locked(self, name: str, pool) -> None:
+        old = self._routes.pop(name, None)
+        if old is not None:
+            old.router.close()
+        self._routes[name] = self._build_route(name, pool)
+
+    def _build_route(self, name: str, pool) -> "_Route":
+        # MLA pages are the same on every rank (one writer); Mamba states are TP-sharded.
+        shared = self.storage_config.is_mla_model and name != PoolName.MAMBA
+        namespace = self.settings.namespace or derive_namespace(self.storage_config, pool, shared)
+        if name != PoolName.KV:
+            namespace = f"{namespace}.{_clean_pool_name(name)}"
+        view = HostPoolView(pool) if pool is not None else None
         client_name = f"sglang-pid{os.getpid()}-tp{self.storage_config.tp_rank}"
         clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines) for t in self.node.tiers]
-        if self._view is not None and self._view.memfd is not None:
+        if view is not None and view.memfd is not None:
             for client in clients:
-                client.attach_region(self._view.memfd, self._view.memfd_size)
-        self._router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
-                                  selective_min_reads=self.settings.selective_min_reads)
+                client.attach_region(view.memfd, view.memfd_size)
+        router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
+                            selective_min_reads=self.settings.selective_min_reads)
+        return _Route(namespace, view, router, writes=(not shared) or self.is_writer)
 
-    def _route(self) -> TierRouter:
-        if self._router is None:
+    def _route(self, name: str = PoolName.KV) -> "_Route":
+        route = self._routes.get(name)
+        if route is None:
             with self._lock:
-                if self._router is None:
-                    self._connect_locked()  # legacy use without a host pool
-        return self._router
+                route = self._routes.get(name)
+                if route is None:
+                    pool = self.registered_pools.get(name) if name != PoolName.KV else self.mem_pool_host
+                    route = self._routes[name] = self._build_route(name, pool)  # legacy use without a pool
+        return route
+
+    @property
+    def namespace(self) -> str:
+        return self._route().namespace
+
+    @property
+    def _router(self) -> TierRouter:
+        return self._route().router
 
     # ------------------------------------------------------------ lookups
     @never_raises(0)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._route().lookup(list(keys))
+        return self._router.lookup(list(keys))
 
     @never_raises(False)
     def exists(self, key: str) -> bool:
-        return self._route().lookup([key]) == 1
+        return self._router.lookup([key]) == 1
 
     # ----------------------------------------------------- v1: host indices
     @never_raises(_all_false)
@@ -118,9 +149,9 @@ class TieredHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         started = time.perf_counter()
-        batch = self._view.batch(list(keys), host_indices)
-        found = self._route().read(batch)
-        self._record(self._prefetch_pgs, self._prefetch_bw, found, batch.nbytes // len(keys), started)
+        route = self._route()
+        found = route.router.read(route.view.batch(list(keys), host_indices))
+        self._record(self._prefetch_pgs, self._prefetch_bw, found, route.view.page_bytes(), started)
         return found
 
     @never_raises(_all_false)
@@ -128,14 +159,12 @@ class TieredHiCacheStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         if not keys:
             return []
-        if not self.is_writer:
+        route = self._route()
+        if not route.writes:
             return [True] * len(keys)  # MLA: another rank writes the shared pages
         started = time.perf_counter()
-        batch = self._view.batch(list(keys), host_indices)
-        parents = [None] + list(keys[:-1])
-        if extra_info is not None and extra_info.prefix_keys:
-            parents[0] = extra_info.prefix_keys[-1]
-        stored = self._route().write(batch, parents)
+        batch = route.view.batch(list(keys), host_indices)
+        stored = route.router.write(batch, _parents(keys, extra_info))
         self._record(self._backup_pgs, self._backup_bw, stored, batch.nbytes // len(keys), started)
         return stored
 
@@ -147,7 +176,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         started = time.perf_counter()
         pages = [[_tensor_view(t)] for t in target_locations]
-        found = self._route().read_buffers(list(keys), pages)
+        found = self._router.read_buffers(list(keys), pages)
         nbytes = pages[0][0].nbytes if pages else 0
         self._record(self._prefetch_pgs, self._prefetch_bw, found, nbytes, started)
         return [t if ok else None for t, ok in zip(target_locations, found)]
@@ -161,12 +190,12 @@ class TieredHiCacheStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> bool:
         if values is None or len(values) != len(keys):
             return False
-        if not self.is_writer:
+        if not self._route().writes:
             return True
         started = time.perf_counter()
         contiguous = [v.contiguous() for v in values]  # keep alive until sent
         pages = [[_tensor_view(v)] for v in contiguous]
-        stored = self._route().write_buffers(list(keys), pages)
+        stored = self._router.write_buffers(list(keys), pages)
         self._record(self._backup_pgs, self._backup_bw, stored, pages[0][0].nbytes if pages else 0, started)
         return all(stored)
 
@@ -175,11 +204,55 @@ class TieredHiCacheStorage(HiCacheStorage):
             target_sizes: Optional[Any] = None) -> bool:
         return self.batch_set([key], [value])
 
+    # ---------------------------------------------- v2: hybrid side pools
+    @never_raises(lambda *a, **k: empty_result())
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        keys = list(keys)
+        kv_held = self._router.held(keys)
+        kv_pages = P.leading_run(kv_held)
+        pool_held = {}
+        for transfer in pool_transfers or []:
+            if kv_pages and transfer.name not in pool_held:
+                pool_held[transfer.name] = self._route(str(transfer.name)).router.held(keys[:kv_pages])
+        return pool_hit_result(kv_held, pool_transfers or [], pool_held)
+
+    @never_raises(lambda transfers, *a, **k: {t.name: [False] * len(t.keys or []) for t in transfers})
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return {t.name: self._transfer_v2(t, write=False, extra_info=extra_info) for t in transfers}
+
+    @never_raises(lambda transfers, *a, **k: {t.name: [False] * len(t.keys or []) for t in transfers})
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        return {t.name: self._transfer_v2(t, write=True, extra_info=extra_info) for t in transfers}
+
+    def _transfer_v2(self, transfer: PoolTransfer, write: bool, extra_info) -> List[bool]:
+        keys = list(transfer.keys or [])
+        route = self._route(str(transfer.name))
+        if not keys:
+            return []
+        if route.view is None or transfer.host_indices is None:
+            _warn.warning(f"v2:{transfer.name}", "hicache-tiers: pool %s has no host pool or indices", transfer.name)
+            return [False] * len(keys)
+        if write and not route.writes:
+            return [True] * len(keys)
+        started = time.perf_counter()
+        batch = route.view.batch(keys, transfer.host_indices)
+        if write:
+            flags = route.router.write(batch, _parents(keys, extra_info))
+            self._record(self._backup_pgs, self._backup_bw, flags, route.view.page_bytes(), started)
+        else:
+            flags = route.router.read(batch)
+            self._record(self._prefetch_pgs, self._prefetch_bw, flags, route.view.page_bytes(), started)
+        return flags
+
     # ------------------------------------------------------- housekeeping
     @never_raises(None)
     def clear(self) -> None:
-        for client in self._route().clients:
-            client.clear()
+        for route in list(self._routes.values()) or [self._route()]:
+            for client in route.router.clients:
+                client.clear()
 
     def _record(self, pages: list, bandwidth: list, flags: List[bool], page_bytes: int, started: float) -> None:
         done = sum(flags)
@@ -199,14 +272,34 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     def tier_stats(self) -> dict:
         """Each tier daemon's stats (None for a tier that does not answer)."""
-        return {c.name: c.stats() for c in self._route().clients}
+        return {c.name: c.stats() for c in self._router.clients}
 
     def close(self) -> None:
-        try:
-            if self._router is not None:
-                self._router.close()
-        except Exception as exc:
-            log.warning("hicache-tiers close: %s", exc)
+        for route in list(self._routes.values()):
+            try:
+                route.router.close()
+            except Exception as exc:
+                log.warning("hicache-tiers close: %s", exc)
+
+
+@dataclass
+class _Route:
+    """Where one host pool's pages go: its namespace, address view and tier router."""
+
+    namespace: str
+    view: Optional[HostPoolView]
+    router: TierRouter
+    writes: bool  # False on MLA ranks that are not the storage writer
+
+
+def _parents(keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> List[Optional[str]]:
+    """Each page's predecessor in its prefix (prefix-aware eviction uses it)."""
+    first = extra_info.prefix_keys[-1] if extra_info is not None and extra_info.prefix_keys else None
+    return [first] + list(keys[:-1])
+
+
+def _clean_pool_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in name)
 
 
 def _tensor_view(tensor: torch.Tensor) -> memoryview:

@@ -62,6 +62,7 @@ class HostPoolView:
         self.memfd: Optional[int] = None
         self.memfd_base = 0
         self.memfd_size = 0
+        self._page_bytes: Optional[int] = None
         self._find_memfd()
 
     def _find_memfd(self) -> None:
@@ -78,6 +79,14 @@ class HostPoolView:
         except (TypeError, ValueError, BufferError):
             return
         self.memfd, self.memfd_base, self.memfd_size = fds[0], base, len(mm)
+
+    def page_bytes(self) -> int:
+        """Bytes of one page of this pool (all its regions)."""
+        if self._page_bytes is None:
+            import torch
+            _, sizes = self.pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+            self._page_bytes = int(sum(sizes))
+        return self._page_bytes
 
     def batch(self, keys: List[str], host_indices) -> PageBatch:
         """The regions of len(keys) pages starting at host_indices[i * page_size]."""

@@ -36,20 +36,23 @@ class TierRouter:
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
 
     # ---------------------------------------------------------------- lookup
-    def lookup(self, keys: List[str]) -> int:
-        """Leading keys held by some tier (0 when no tier answers); every tier asked at once."""
+    def held(self, keys: List[str]) -> bytes:
+        """One byte per key: held by some tier (every tier asked at once)."""
         if not keys:
-            return 0
+            return b""
         if len(self.clients) == 1:
-            flags = self.clients[0].lookup(keys)
-            return 0 if flags is None else P.leading_run(flags)
+            return self.clients[0].lookup(keys) or bytes(len(keys))
         held = bytearray(len(keys))
         for flags in lookup_all(self.clients, keys):
             if flags is not None:
                 for i, flag in enumerate(flags):
                     if flag:
                         held[i] = 1
-        return P.leading_run(bytes(held))
+        return bytes(held)
+
+    def lookup(self, keys: List[str]) -> int:
+        """Leading keys held by some tier (0 when no tier answers)."""
+        return P.leading_run(self.held(keys))
 
     # --------------------------------------------------------------- writes
     def _write_targets(self) -> List[TierClient]:

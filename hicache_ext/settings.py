@@ -53,15 +53,19 @@ def _clean(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "x"
 
 
-def derive_namespace(storage_config, pool) -> str:
+def derive_namespace(storage_config, pool, shared: Optional[bool] = None) -> str:
     """Model, shard and page format: pages under one namespace are interchangeable.
 
     MHA ranks each hold their own shard (tp rank and size in the name); MLA
     pages are the same on every rank, so the name leaves the TP rank out.
+    ``shared`` overrides that for pools sharded differently from the KV pool
+    (a Mamba state is per TP rank even in an MLA model).
     """
     model = _clean(storage_config.model_name or "model")
     parts = [model]
-    if storage_config.is_mla_model:
+    if shared is None:
+        shared = storage_config.is_mla_model
+    if shared:
         parts.append("mla")
         if getattr(storage_config, "dcp_size", 1) > 1:
             parts.append(f"dcp{storage_config.dcp_rank}-{storage_config.dcp_size}")
