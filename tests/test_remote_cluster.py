@@ -104,6 +104,9 @@ def test_pages_cross_nodes_byte_for_byte(cluster):
     found, frames = a.client.get_frames(["fr-0", "fr-1", "fr-none"], 3 * PAGE)
     assert found == [True, True, False]
     assert [bytes(f.buffer) for f in frames] == [page(100), page(101)]
+    stats = a.client.stats()  # the tier sums what its pools hold
+    assert stats["pools"] == 3 and stats["pools_down"] == 0
+    assert stats["capacity_bytes"] == 3 * (64 << 20) and stats["pages"] >= 14
 
 
 def test_overwrite_and_delete(cluster):
@@ -139,6 +142,7 @@ def test_a_lost_pool_costs_only_its_keys_and_rejoins(cluster, fault):
             assert all(g == page(200 + i) for i, (g, ok) in enumerate(zip(got, found)) if ok)
             stored = timed(node.put, [f"{k}-new" for k in keys], range(300, 318))
             assert stored == [placement.pick(f"{k}-new") != endpoints[victim] for k in keys]
+            assert timed(node.client.stats)["pools_down"] == 1
     finally:
         if fault == "freeze":
             os.kill(pid, signal.SIGCONT)

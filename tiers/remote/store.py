@@ -315,11 +315,21 @@ class RemoteStore(PageStore):
                          "(run `evict` against the pool daemons)")
 
     def stats(self) -> StoreStats:
+        """This node's hits, misses and bytes; capacity, use, pages and evictions summed over the pools that answer."""
+        admins = [self._client(pool, ADMIN_NAMESPACE) for pool in self.placement.pools]
+        pool_stats = list(self._fan_out.map(lambda c: None if c.is_down() else c.stats(), admins))
         with self._lock:
             clients = list(self._clients.values())
-        down = {c.endpoint for c in clients if c.is_down()}
-        return self._counters.snapshot(pools=len(self.placement.pools), pools_down=len(down),
+        down = {c.endpoint for c in clients if c.is_down()} | {p for p, st in zip(self.placement.pools, pool_stats)
+                                                               if st is None}
+        snap = self._counters.snapshot(pools=len(self.placement.pools), pools_down=len(down),
                                        staging_slots_free=self._staging.free_slots())
+        for st in pool_stats:
+            for name in ("capacity_bytes", "used_bytes", "pages", "evictions"):
+                value = st.get(name) if isinstance(st, dict) else None
+                if isinstance(value, int) and not isinstance(value, bool):
+                    setattr(snap, name, getattr(snap, name) + value)
+        return snap
 
     def close(self) -> None:
         with self._lock:
