@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "tiers.cli_ops",
     "tiers.cli_demo",
     "tiers.cli_experiments",
+    "tiers.cli_keys",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import zmq
 
 from tiers import protocol as P
+from tiers import security
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
@@ -81,6 +82,7 @@ class TierClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+            security.apply_client(sock, self.endpoint)  # CurveZMQ keys for a tcp:// endpoint that has them
             sock.connect(self.endpoint)
             self._local.sock = sock
             with self._lock:

@@ -54,6 +54,10 @@ def _bool(value: Any, where: str) -> bool:
     raise ConfigError(f"{where}: {value!r} is not true or false")
 
 
+def _node_default_bool(value: Any, where: str) -> Optional[bool]:
+    return None if value == "node" else _bool(value, where)  # "node": inherit the [node] setting
+
+
 def _str(value: Any, where: str) -> str:
     if isinstance(value, str):
         return value
@@ -120,6 +124,7 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
     "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
+    "allow_insecure_tcp": (_node_default_bool, "node", "serve this tier's tcp:// endpoint without CurveZMQ; default node.allow_insecure_tcp"),
 }
 # The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
 TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
@@ -156,6 +161,7 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         **TRANSFER_ENGINE_OPTIONS,
         "block_size": (parse_size, "1MiB", "arena allocation unit; a page is at most ceil(size/block) transfers"),
         "max_lease_ms": (_int, 30000, "longest a client may pin or reserve pages for one transfer"),
+        "prefault": (_bool, True, "fault the arena in, in the background from start (first writes are otherwise slow)"),
     },
     "mooncake_store": {
         "master_server_address": (_str, "127.0.0.1:50051", "the Mooncake Store master (HOST:PORT)"),
@@ -180,6 +186,7 @@ class TierConfig:
     endpoint: str
     options: Dict[str, Any] = field(default_factory=dict)
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    allow_insecure_tcp: bool = False  # serve a tcp:// endpoint without CurveZMQ (default: the node's setting)
 
     def fd_socket(self, runtime_dir: str) -> str:
         """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
@@ -198,6 +205,11 @@ class NodeConfig:
     source: str = "<embedded default>"
     metrics_port: int = 0  # base port: tier i serves metrics on metrics_port + i (0: off)
     metrics_address: str = "127.0.0.1"
+    # CurveZMQ on tcp:// endpoints (tiers/security.py): certificate files and the insecure opt-out.
+    curve_server_key: str = ""
+    curve_client_key: str = ""
+    curve_authorized_keys: str = ""
+    allow_insecure_tcp: bool = False
 
     def tier(self, name: str) -> TierConfig:
         for tier in self.tiers:
@@ -221,7 +233,8 @@ def default_data_dir() -> str:
 
 
 NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
-             "metrics_port", "metrics_address"}
+             "metrics_port", "metrics_address", "curve_server_key", "curve_client_key", "curve_authorized_keys",
+             "allow_insecure_tcp"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -255,6 +268,11 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         source=source,
         metrics_port=_port(node.get("metrics_port", 0), f"{source}: node.metrics_port"),
         metrics_address=_str(node.get("metrics_address", "127.0.0.1"), f"{source}: node.metrics_address"),
+        curve_server_key=_key_path(node.get("curve_server_key", ""), f"{source}: node.curve_server_key", source),
+        curve_client_key=_key_path(node.get("curve_client_key", ""), f"{source}: node.curve_client_key", source),
+        curve_authorized_keys=_key_path(node.get("curve_authorized_keys", ""), f"{source}: node.curve_authorized_keys",
+                                        source),
+        allow_insecure_tcp=_bool(node.get("allow_insecure_tcp", False), f"{source}: node.allow_insecure_tcp"),
     )
     tiers = raw.get("tiers", [])
     if not isinstance(tiers, list) or not tiers:
@@ -265,7 +283,28 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: tier names must be unique, got {', '.join(names)}")
     _resolve_metrics_ports(config)
+    _register_curve(config)
     return config
+
+
+def _key_path(value: Any, where: str, source: str) -> str:
+    """A key file or directory path; relative paths are taken from the configuration file's directory."""
+    path = _str(value, where)
+    if path and not os.path.isabs(path) and not source.startswith("<"):
+        path = os.path.join(os.path.dirname(os.path.abspath(source)), path)
+    return path
+
+
+def _register_curve(config: NodeConfig) -> None:
+    """Tell tiers/security which keys this configuration's tcp:// endpoints use."""
+    from tiers.security import CurveSettings, register
+    if config.curve_client_key and not config.curve_server_key:
+        raise ConfigError(f"{config.source}: node.curve_client_key needs node.curve_server_key (the server's public key)")
+    for tier in config.tiers:
+        pools = tier.options.get("pools", []) if tier.kind == "remote" else []
+        settings = CurveSettings(config.curve_server_key, config.curve_client_key, config.curve_authorized_keys,
+                                 tier.allow_insecure_tcp)
+        register([tier.endpoint], list(pools), settings)
 
 
 def _resolve_metrics_ports(config: NodeConfig) -> None:
@@ -303,7 +342,10 @@ def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
     endpoint = values.pop("endpoint") or f"ipc://{os.path.join(node.runtime_dir, name)}.sock"
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
-    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port")}
+    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port",
+                                         "allow_insecure_tcp")}
+    if common["allow_insecure_tcp"] is None:
+        common["allow_insecure_tcp"] = node.allow_insecure_tcp
     if kind == "nvme" and not values.get("path"):
         values["path"] = os.path.join(node.data_dir, name)
     return TierConfig(endpoint=endpoint, options=values, **common)

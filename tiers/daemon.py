@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import zmq
 
 from tiers import protocol as P
+from tiers import security
 from tiers.demotion import MODES, DemotionLink, DirtySet, should_demote
 from tiers.metrics import DaemonMetrics
 from tiers.regions import RegionRegistry
@@ -30,6 +31,16 @@ log = logging.getLogger("hicache.daemon")
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
+
+
+def private_dir(path: str) -> None:
+    """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        log.info("runtime directory %s was mode %o; now 0700 (sockets are for this account only)",
+                 path, st.st_mode & 0o777)
+        os.chmod(path, 0o700)
 
 
 class TierDaemon:
@@ -45,6 +56,7 @@ class TierDaemon:
         self.metrics = DaemonMetrics(name)
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
+        self._zap: Optional[security.ZapHandler] = None  # CurveZMQ admission on tcp:// endpoints
         self._regions = RegionRegistry(fd_socket) if fd_socket else None
         if self._regions is not None:  # a store that moves pages by DMA registers each host pool mapping
             self._regions.on_map = getattr(store, "region_mapped", None)
@@ -65,10 +77,15 @@ class TierDaemon:
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
-        """Bind sockets (after this, clients can connect; then READY=1)."""
+        """Bind sockets (after this, clients can connect; then READY=1).
+
+        ipc:// sockets are created 0600 in a 0700 directory; a tcp:// endpoint
+        needs CurveZMQ keys (or allow_insecure_tcp), else ValueError: the
+        daemon refuses to start (tiers/security.py).
+        """
         if self.endpoint.startswith("ipc://"):
             path = self.endpoint[len("ipc://"):]
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            private_dir(os.path.dirname(path))
             if os.path.exists(path):
                 os.unlink(path)  # a stale socket from a killed daemon
         router = self._ctx.socket(zmq.ROUTER)
@@ -76,7 +93,19 @@ class TierDaemon:
         router.setsockopt(zmq.MAXMSGSIZE, self.max_page_bytes + (P.MAX_HEADER_BYTES))
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
-        router.bind(self.endpoint)
+        try:
+            self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name)
+            old_umask = os.umask(0o077)  # no moment where the socket file is open to others
+            try:
+                router.bind(self.endpoint)
+            finally:
+                os.umask(old_umask)
+        except BaseException:
+            router.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
+                self._zap = None
+            raise
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint[len("ipc://"):], 0o600)
         self._router = router
@@ -100,9 +129,15 @@ class TierDaemon:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._regions is not None:
             self._regions.register(poller)
+        zap = self._zap.sockets() if self._zap is not None else []
+        for sock in zap:
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stopping.is_set() or self._in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
+                if zap and any(sock in events for sock in zap):
+                    self._zap.handle()
+                    self._zap.handle_monitor()
                 if self._wake_r in events:
                     self._drain_wake()
                 self._send_done()
@@ -131,6 +166,8 @@ class TierDaemon:
             self._regions.close()
         if self._router is not None:
             self._router.close(linger=1000)  # let the last replies of a graceful stop out
+        if self._zap is not None:
+            self._zap.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self.endpoint.startswith("ipc://"):

@@ -68,7 +68,11 @@ class RegionRegistry:
         if os.path.exists(self.path):
             os.unlink(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
+        old_umask = os.umask(0o077)  # created 0600: no window where another account could connect
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old_umask)
         os.chmod(self.path, 0o600)
         listener.listen(64)
         listener.setblocking(False)
