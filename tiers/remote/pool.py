@@ -44,11 +44,24 @@ class _Lease:
     parents: Dict[PageKey, Optional[str]] = field(default_factory=dict)
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+_POPULATE_STEP = 8 << 20  # about 20 ms of faults here: the loop waits at most that long for the interpreter
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Fault an arena in, a slice at a time so the daemon's loop keeps the interpreter between slices."""
+    try:
+        for start in range(0, len(mapping), _POPULATE_STEP):
+            mapping.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, len(mapping) - start))
+    except (OSError, ValueError):
+        pass  # an older kernel, or the arena closed meanwhile: pages fault in on first use
+
+
 class PoolStore(PageStore):
     """Pages in a registered arena of fixed blocks, with write and read leases."""
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 1 << 20,
-                 max_page_bytes: int = 64 << 20, max_lease: float = 30.0):
+                 max_page_bytes: int = 64 << 20, max_lease: float = 30.0, prefault: bool = False):
         if block_size <= 0 or capacity < block_size:
             raise ValueError("capacity must hold at least one block")
         self.block_size = block_size
@@ -68,6 +81,8 @@ class PoolStore(PageStore):
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
         self._reserved_bytes = 0
+        if prefault:  # page tables built in the background, not as faults under the first remote writes
+            threading.Thread(target=_populate, args=(self._map,), name="pool-prefault", daemon=True).start()
 
     # ------------------------------------------------------------- blocks
     def _take_blocks_locked(self, size: int) -> Tuple[List[int], Extents]:
