@@ -141,11 +141,14 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     },
     "nvme": {
         "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),
-        "fsync": (_bool, True, "fsync each chunk file and its directory before acknowledging"),
-        "compression": (_choice("none", "zstd", "zstd-shuffle"), "none", "chunk codec"),
-        "compression_level": (_int, 1, "zstd level"),
+        "fsync": (_bool, True, "fdatasync each chunk file before its rename and fsync the directory after, "
+                               "before acknowledging (false: a power loss may drop recent pages, never return bad ones)"),
+        "compression": (_choice("none", "zstd", "zstd-shuffle"), "none",
+                        "chunk codec; zstd-shuffle splits bf16 byte planes first; capacity counts on-disk bytes"),
+        "compression_level": (_int, 1, "zstd level (1 is fastest; higher levels gained nothing on bf16 KV data)"),
         "io_threads": (_int, 4, "blocking I/O threads (several reads in flight)"),
-        "direct_io": (_bool, False, "O_DIRECT reads and writes where the file system allows"),
+        "direct_io": (_bool, False, "O_DIRECT for uncompressed pages in 4 KiB-aligned buffers where the file "
+                                    "system allows; other pages use buffered I/O"),
     },
     "remote": {
         **TRANSFER_ENGINE_OPTIONS,

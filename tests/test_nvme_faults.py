@@ -1,0 +1,228 @@
+"""NvmeStore under damage: corrupt files, full disks, interrupted writes, O_DIRECT fallbacks."""
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tiers.nvme import NvmeStore
+from tiers.nvme.chunkfile import HEADER_SIZE, write_file
+from tiers.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
+from tiers.store import StoreFull
+
+PAGE = 8192
+
+
+def page(seed: int, size: int = PAGE) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def path_of(store, key):
+    return chunk_path(store.root, namespace_hash(key[0]), key_digest(*key))
+
+
+def leftovers(root):
+    return [f for _d, _s, files in os.walk(root) for f in files if f.endswith(".tmp")]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = NvmeStore(str(tmp_path / "nvme"), 1 << 20, fsync=True)
+    for i in range(4):
+        s.put(("ns", f"k{i}"), [memoryview(page(i))])
+    yield s
+    s.close()
+
+
+def flip(path, offset):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "payload", "header", "magic", "grow"])
+def test_corrupt_file_is_a_miss_and_removed(store, damage):
+    key = ("ns", "k1")
+    path = path_of(store, key)
+    if damage == "truncate":
+        os.truncate(path, HEADER_SIZE + PAGE // 2)
+    elif damage == "grow":
+        with open(path, "ab") as fh:
+            fh.write(b"junk")
+    else:
+        flip(path, {"payload": HEADER_SIZE + 1234, "header": 60, "magic": 0}[damage])
+    assert not store.get_into(key, [memoryview(bytearray(PAGE))])
+    assert not os.path.exists(path)
+    st = store.stats()
+    assert (st.pages, st.extra["corrupt_removed"], st.used_bytes) == (3, 1, 3 * (HEADER_SIZE + PAGE))
+    assert store.contains([key]) == [False]
+    assert bytes(store.get_bytes(("ns", "k2"))) == page(2)
+
+
+def test_swapped_files_are_misses(store):
+    a, b = path_of(store, ("ns", "k0")), path_of(store, ("ns", "k3"))
+    tmp = a + ".swap"
+    os.rename(a, tmp)
+    os.rename(b, a)
+    os.rename(tmp, b)
+    assert store.get_bytes(("ns", "k0")) is None
+    assert not store.get_into(("ns", "k3"), [memoryview(bytearray(PAGE))])
+    assert not os.path.exists(a) and not os.path.exists(b)
+    assert store.stats().extra["corrupt_removed"] == 2
+
+
+def test_corruption_found_after_restart(store):
+    path = path_of(store, ("ns", "k2"))
+    store.close()
+    flip(path, HEADER_SIZE + 5)
+    reopened = NvmeStore(store.root, 1 << 20)
+    try:
+        assert reopened.stats().pages == 4  # names are trusted at start, content on read
+        assert reopened.get_bytes(("ns", "k2")) is None
+        assert reopened.stats().pages == 3 and not os.path.exists(path)
+    finally:
+        reopened.close()
+
+
+def test_crash_between_temp_write_and_rename(store):
+    """A killed writer leaves a temp file: the old page stays, the temp goes at restart."""
+    key = ("ns", "k0")
+    final = path_of(store, key)
+    tmp = temp_path(final)
+    write_file(tmp, [memoryview(b"\0" * (HEADER_SIZE + PAGE // 3))], fsync=False, direct=False)
+    assert bytes(store.get_bytes(key)) == page(0)
+    store.close()
+    reopened = NvmeStore(store.root, 1 << 20)
+    try:
+        assert not os.path.exists(tmp) and reopened.stats().extra["temp_removed"] == 1
+        assert bytes(reopened.get_bytes(key)) == page(0)
+    finally:
+        reopened.close()
+
+
+def test_kill_during_puts_never_exposes_partial_pages(tmp_path):
+    """kill -9 a process in the middle of a stream of puts; every visible page is whole."""
+    root = tmp_path / "killed"
+    code = f"""
+import sys, random
+sys.path.insert(0, {os.getcwd()!r})
+from tiers.nvme import NvmeStore
+s = NvmeStore({str(root)!r}, 64 << 20, fsync=False)
+print("ready", flush=True)
+i = 0
+while True:
+    s.put(("ns", f"k{{i % 50}}"), [memoryview(random.Random(i % 50).randbytes(256 << 10))])
+    i += 1
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    while not any(f.endswith(".kv") for _d, _s, fs in os.walk(root) for f in fs):
+        pass
+    proc.kill()
+    proc.wait()
+    store = NvmeStore(str(root), 64 << 20)
+    try:
+        assert leftovers(root) == []
+        present = [i for i in range(50) if store.contains([("ns", f"k{i}")])[0]]
+        assert present
+        for i in present:
+            assert bytes(store.get_bytes(("ns", f"k{i}"))) == random.Random(i).randbytes(256 << 10)
+        assert store.stats().extra["corrupt_removed"] == 0
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {result.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_enospc_evicts_and_retries(small_fs):
+    store = NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=True)  # capacity far above the device
+    try:
+        size = 512 << 10
+        for i in range(30):
+            store.put(("ns", f"k{i}"), [memoryview(page(i, size))])
+        st = store.stats()
+        assert st.extra["enospc_retries"] >= 1 and st.evictions >= 1
+        assert bytes(store.get_bytes(("ns", "k29"))) == page(29, size)
+        assert leftovers(small_fs) == []
+    finally:
+        store.close()
+
+
+def test_enospc_clean_refusal_keeps_serving(small_fs):
+    store = NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=False)
+    try:
+        for i in range(3):
+            store.put(("ns", f"k{i}"), [memoryview(page(i, 256 << 10))])
+        with pytest.raises(StoreFull):
+            store.put(("ns", "huge"), [memoryview(page(9, 5 << 20))])  # larger than the device
+        assert leftovers(small_fs) == [] and store.contains([("ns", "huge")]) == [False]
+        assert all(bytes(store.get_bytes(("ns", f"k{i}"))) == page(i, 256 << 10) for i in range(3))
+        # Someone else fills the device: nothing left of ours to evict -> refusal, not a crash.
+        store.clear()
+        with open(small_fs / "hog", "wb") as fh:
+            try:
+                fh.write(b"\0" * (4 << 20))
+            except OSError:
+                pass
+        with pytest.raises(StoreFull):
+            store.put(("ns", "k"), [memoryview(page(1, 512 << 10))])
+        assert leftovers(small_fs) == [] and store.stats().pages == 0
+    finally:
+        store.close()
+
+
+def aligned(nbytes):
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+def test_direct_io_round_trip_and_fallback(tmp_path):
+    store = NvmeStore(str(tmp_path / "d"), 1 << 20, direct_io=True, fsync=False)
+    try:
+        if not store.stats().extra["direct_io"]:
+            pytest.skip("this file system refuses O_DIRECT")
+        data = page(5, 16384)
+        src = aligned(16384)
+        src[:] = data
+        store.put(("ns", "a"), [src[:8192], src[8192:]])
+        dst = aligned(16384)
+        assert store.get_into(("ns", "a"), [dst]) and bytes(dst) == data
+        store.put(("ns", "b"), [memoryview(data)[1:], memoryview(data)[:1]])  # unaligned: buffered
+        assert bytes(store.get_bytes(("ns", "b"))) == data[1:] + data[:1]
+    finally:
+        store.close()
+
+
+def test_direct_io_on_tmpfs_either_way(small_fs):
+    # tmpfs accepts O_DIRECT from Linux 6.6 on and refuses it before: both must work.
+    store = NvmeStore(str(small_fs / "nvme"), 1 << 20, direct_io=True)
+    try:
+        store.put(("ns", "k"), [memoryview(page(1))])
+        assert bytes(store.get_bytes(("ns", "k"))) == page(1)
+    finally:
+        store.close()
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench_nvme.py", "--dir", str(tmp_path / "b"), "--pages", "2",
+                             "--page-mib", "0.25", "--reps", "1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert out.exists() and "store/raw" in result.stdout
+    shutil.rmtree(tmp_path / "b", ignore_errors=True)

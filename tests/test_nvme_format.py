@@ -1,0 +1,99 @@
+"""The pieces under NvmeStore: chunk header, names and fan-out, codecs, the rebuild scan, group commit."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from tiers.nvme import chunkfile as cf
+from tiers.nvme.codec import Codec, shuffle, unshuffle
+from tiers.nvme.dirsync import DirSyncer
+from tiers.nvme.index import scan
+from tiers.nvme.layout import chunk_path, is_temp, key_digest, namespace_hash, parse_name, temp_path
+
+
+def test_header_round_trip_and_every_byte_checked():
+    block = memoryview(bytearray(cf.HEADER_SIZE))
+    cf.pack_header(block, "ns.a", "key:1", 2, 1000, 700, 12345)
+    hdr = cf.parse_header(block)
+    assert (hdr.codec, hdr.raw_len, hdr.payload_len, hdr.payload_hash, hdr.namespace, hdr.key) == \
+        (2, 1000, 700, 12345, "ns.a", "key:1")
+    assert bytes(block[:8]) == cf.MAGIC
+    for offset in (0, 9, 30, 50, 2000, cf.HEADER_SIZE - 1):  # fields, names, padding, checksum
+        damaged = bytearray(block)
+        damaged[offset] ^= 1
+        with pytest.raises(cf.CorruptChunk):
+            cf.parse_header(damaged)
+
+
+def test_names_are_hashes_under_a_two_level_fanout(tmp_path):
+    digest, ns_hash = key_digest("ns", "../../etc/passwd"), namespace_hash("ns")
+    path = chunk_path(str(tmp_path), ns_hash, digest)
+    rel = os.path.relpath(path, tmp_path).split(os.sep)
+    assert len(rel) == 3 and all(len(p) == 2 for p in rel[:2]) and "passwd" not in path
+    assert parse_name(rel[2]) == (ns_hash, digest)
+    assert parse_name("0x" + rel[2][2:]) is None and parse_name("LOCK") is None
+    assert key_digest("a", "b:c") != key_digest("a:b", "c")
+    tmp = temp_path(path)
+    assert is_temp(os.path.basename(tmp)) and os.path.dirname(tmp) == os.path.dirname(path)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4097])
+def test_shuffle_inverts(n):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert (unshuffle(shuffle(data)) == data).all()
+
+
+def test_codec_rejects_garbage():
+    codec = Codec("zstd")
+    with pytest.raises(ValueError):
+        codec.decode(1, b"not zstd", [memoryview(bytearray(10))], 10)
+    with pytest.raises(ValueError):
+        Codec("lz4")
+
+
+def test_scan_keeps_foreign_files_and_drops_misplaced(tmp_path):
+    root = str(tmp_path)
+    good = chunk_path(root, 1, key_digest("ns", "good"))
+    os.makedirs(os.path.dirname(good))
+    with open(good, "wb") as fh:
+        fh.write(bytes(cf.HEADER_SIZE + 10))
+    other = next(k for k in (f"k{i}" for i in range(100))
+                 if os.path.dirname(chunk_path(root, 1, key_digest("ns", k))) != os.path.dirname(good))
+    # A chunk file moved out of its fan-out directory can never be found: removed.
+    misplaced = os.path.join(os.path.dirname(good), os.path.basename(chunk_path(root, 1, key_digest("ns", other))))
+    with open(misplaced, "wb") as fh:
+        fh.write(bytes(cf.HEADER_SIZE + 10))
+    with open(os.path.join(os.path.dirname(good), "README"), "w") as fh:
+        fh.write("operator notes")
+    found = scan(root)
+    assert [c[1] for c in found.chunks] == [key_digest("ns", "good")]
+    assert found.foreign_files == 1 and os.path.exists(os.path.join(os.path.dirname(good), "README"))
+    assert not os.path.exists(misplaced) and found.torn_removed == 1
+
+
+def test_dirsync_group_commit(tmp_path):
+    syncer = DirSyncer()
+    dirs = [tmp_path / f"d{i}" for i in range(4)]
+    for d in dirs:
+        d.mkdir()
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(20):
+                syncer.sync(str(dirs[i % 4]))
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and 4 <= syncer.syncs <= 160
+    with pytest.raises(OSError):
+        syncer.sync(str(tmp_path / "missing"))
+    syncer.sync(str(dirs[0]))  # a failed round does not poison the next one

@@ -1,0 +1,297 @@
+"""NvmeStore on real files in temporary directories: contract, eviction, restart, concurrency."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from tiers.config import parse_config
+from tiers.nvme import NvmeStore
+from tiers.nvme.chunkfile import HEADER_SIZE
+from tiers.policies import policy_names
+from tiers.store import PageTooLarge, StoreIOError
+
+PAGE = 1000
+CHUNK = HEADER_SIZE + PAGE  # on-disk bytes of an uncompressed PAGE
+
+
+def page(seed: int, size: int = PAGE) -> bytes:
+    """Deterministic page bytes."""
+    return random.Random(seed).randbytes(size)
+
+
+def split(data, cuts):
+    """memoryviews of data cut at the given offsets."""
+    view = memoryview(data)
+    bounds = [0, *cuts, len(data)]
+    return [view[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def chunk_files(root):
+    """Every file under the fan-out directories (chunks and leftovers)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        if dirpath != str(root):
+            out.extend(os.path.join(dirpath, f) for f in files)
+    return sorted(out)
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    stores = []
+
+    def make(capacity=1 << 20, **kw):
+        kw.setdefault("fsync", False)  # durability has its own tests; keep the rest fast
+        store = NvmeStore(str(kw.pop("path", tmp_path / "nvme")), capacity, **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def test_round_trip_with_odd_splits(make_store):
+    store = make_store()
+    data = page(1, 10007)
+    store.put(("ns", "k"), split(data, [3, 5000, 5001]))
+    out = bytearray(len(data))
+    assert store.get_into(("ns", "k"), split(out, [1, 2, 9000]))
+    assert out == data
+    assert bytes(store.get_bytes(("ns", "k"))) == data
+    assert store.contains([("ns", "k"), ("ns", "x"), ("other", "k")]) == [True, False, False]
+    st = store.stats()
+    assert (st.pages, st.hits, st.inserts, st.used_bytes) == (1, 2, 1, HEADER_SIZE + len(data))
+
+
+def test_miss_and_wrong_size(make_store):
+    store = make_store()
+    store.put(("ns", "k"), [memoryview(page(1))])
+    assert not store.get_into(("ns", "k"), [memoryview(bytearray(PAGE - 1))])
+    assert not store.get_into(("ns", "absent"), [memoryview(bytearray(PAGE))])
+    assert store.get_bytes(("ns", "absent")) is None
+    assert store.stats().misses == 3
+    assert store.contains([("ns", "k")]) == [True]  # a size mismatch is not corruption
+
+
+def test_refusals(make_store):
+    store = make_store(capacity=3 * CHUNK, max_page_bytes=4096)
+    with pytest.raises(PageTooLarge):
+        store.put(("ns", "big"), [memoryview(bytes(4097))])
+    with pytest.raises(PageTooLarge):
+        store.put(("ns", "empty"), [memoryview(b"")])
+    assert chunk_files(store.root) == []
+
+
+def test_overwrite_replaces(make_store):
+    store = make_store()
+    store.put(("ns", "k"), [memoryview(page(1))])
+    store.put(("ns", "k"), [memoryview(page(2, 1500))])
+    assert bytes(store.get_bytes(("ns", "k"))) == page(2, 1500)
+    st = store.stats()
+    assert (st.pages, st.used_bytes) == (1, HEADER_SIZE + 1500)
+    assert len(chunk_files(store.root)) == 1
+
+
+EXPECTED_VICTIMS = {"lru": ["k0", "k2"], "fifo": ["k0", "k1"], "lfu": ["k1", "k4"]}
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_eviction_order_by_policy(make_store, policy):
+    store = make_store(capacity=4 * CHUNK + 100, policy=policy)
+    for i in range(4):
+        store.put(("ns", f"k{i}"), [memoryview(page(i))])
+    for _ in range(3):
+        store.get_bytes(("ns", "k0"))
+    for k in ("k1", "k2", "k3"):
+        store.get_bytes(("ns", k))
+    present = lambda: {f"k{i}" for i in range(6) if store.contains([("ns", f"k{i}")])[0]}  # noqa: E731
+    before = present()
+    store.put(("ns", "k4"), [memoryview(page(4))])
+    first = before - present()
+    store.get_bytes(("ns", "k1"))
+    before = present()
+    store.put(("ns", "k5"), [memoryview(page(5))])
+    second = before - present()
+    assert len(first) == len(second) == 1
+    if policy in EXPECTED_VICTIMS:
+        assert [*first, *second] == EXPECTED_VICTIMS[policy]
+    st = store.stats()
+    assert (st.evictions, st.pages, st.used_bytes) == (2, 4, 4 * CHUNK)
+    assert len(chunk_files(store.root)) == 4
+
+
+def test_byte_limit_holds_on_disk(make_store):
+    store = make_store(capacity=10 * CHUNK)
+    rng = random.Random(7)
+    for i in range(60):
+        store.put(("ns", f"k{i}"), [memoryview(page(i, rng.randint(1, 3 * PAGE)))])
+        on_disk = sum(os.path.getsize(p) for p in chunk_files(store.root))
+        assert on_disk == store.stats().used_bytes <= 10 * CHUNK
+
+
+def test_restart_rebuilds_index_and_recency(make_store, tmp_path):
+    store = make_store(capacity=5 * CHUNK)
+    for i in range(5):
+        store.put(("ns", f"k{i}"), [memoryview(page(i))])
+    store.close()
+    # Recency comes from mtimes: make k3 the oldest and k0 the newest.
+    paths = {}
+    for p in chunk_files(store.root):
+        with open(p, "rb") as fh:
+            key = fh.read(HEADER_SIZE)[48:].split(b"\0")[0].decode()[len("ns"):]
+        paths[key] = p
+    for age, key in enumerate(["k0", "k4", "k2", "k1", "k3"]):
+        os.utime(paths[key], ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    store = make_store(capacity=5 * CHUNK)
+    st = store.stats()
+    assert (st.pages, st.used_bytes, st.extra["rebuild_files"]) == (5, 5 * CHUNK, 5)
+    assert all(bytes(store.get_bytes(("ns", f"k{i}"))) == page(i) for i in (0, 2, 4))
+    store.put(("ns", "new"), [memoryview(page(9))])  # evicts the oldest untouched: k3
+    assert store.contains([("ns", f"k{i}") for i in range(5)]) == [True, True, True, False, True]
+
+
+def test_restart_lowered_capacity_evicts_oldest(make_store):
+    store = make_store(capacity=4 * CHUNK)
+    for i in range(4):
+        store.put(("ns", f"k{i}"), [memoryview(page(i))])
+    store.close()
+    store = make_store(capacity=2 * CHUNK)
+    assert store.stats().pages == 2 and len(chunk_files(store.root)) == 2
+
+
+def test_temp_files_cleaned_on_restart(make_store):
+    store = make_store()
+    store.put(("ns", "k"), [memoryview(page(1))])
+    leaf = os.path.dirname(chunk_files(store.root)[0])
+    store.close()
+    # What a kill -9 between write and rename leaves: a complete or partial temp file.
+    with open(os.path.join(leaf, ".x.kv.123.0.tmp"), "wb") as fh:
+        fh.write(b"partial")
+    with open(os.path.join(store.root, ".direct-probe.tmp"), "wb") as fh:
+        fh.write(b"x")
+    with open(os.path.join(leaf, "0" * 16 + "-" + "1" * 32 + ".kv"), "wb") as fh:
+        fh.write(b"short")  # shorter than a header: a torn file
+    store = make_store()
+    st = store.stats()
+    assert (st.extra["temp_removed"], st.extra["torn_removed"], st.pages) == (2, 1, 1)
+    assert len(chunk_files(store.root)) == 1
+    assert bytes(store.get_bytes(("ns", "k"))) == page(1)
+
+
+def test_second_store_on_same_dir_refused(make_store):
+    make_store()
+    with pytest.raises(StoreIOError):
+        make_store()
+
+
+def test_delete_and_clear_after_restart(make_store):
+    store = make_store()
+    for ns in ("a", "b"):
+        for i in range(3):
+            store.put((ns, f"k{i}"), [memoryview(page(i))])
+    store.close()
+    store = make_store()
+    assert store.delete([("a", "k0"), ("a", "nope")]) == 1
+    assert store.clear("a") == 2
+    assert store.contains([("b", "k0"), ("a", "k1")]) == [True, False]
+    assert store.clear() == 3
+    assert chunk_files(store.root) == [] and store.stats().used_bytes == 0
+
+
+def test_on_evict_receives_page(make_store):
+    store = make_store(capacity=2 * CHUNK)
+    seen = []
+    store.on_evict = lambda key, views, reads: seen.append((key, b"".join(views), reads))
+    store.put(("ns", "k0"), [memoryview(page(0))])
+    store.get_bytes(("ns", "k0"))
+    store.put(("ns", "k1"), [memoryview(page(1))])
+    store.put(("ns", "k2"), [memoryview(page(2))])
+    assert seen == [(("ns", "k0"), page(0), 1)]
+
+
+def test_concurrent_puts_and_gets(make_store):
+    store = make_store(capacity=12 * (HEADER_SIZE + 4096))
+    keys = [f"k{i}" for i in range(20)]
+
+    def content(key, version):
+        return (f"{key}:{version}:".encode() * 400)[:4096]
+
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        buf = bytearray(4096)
+        for n in range(60):
+            key = rng.choice(keys)
+            try:
+                if rng.random() < 0.5:
+                    store.put(("ns", key), split(content(key, seed * 1000 + n), [rng.randint(1, 4095)]))
+                elif store.get_into(("ns", key), split(buf, [rng.randint(1, 4095)])):
+                    tag = bytes(buf[:20]).split(b":")
+                    if tag[0].decode() != key or bytes(buf) != content(key, int(tag[1])):
+                        errors.append((key, bytes(buf[:20])))
+            except Exception as exc:  # noqa: BLE001  (any failure fails the test below)
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    st = store.stats()
+    files = chunk_files(store.root)
+    assert st.pages == len(files) and st.used_bytes == sum(os.path.getsize(p) for p in files)
+    assert st.used_bytes <= store.capacity and st.extra["reserved_bytes"] == 0
+
+
+def bf16_like(seed: int, n_bytes: int) -> bytes:
+    """KV-like data: normal floats truncated to bf16 (the top 16 bits of float32)."""
+    f32 = np.random.default_rng(seed).normal(0, 1, n_bytes // 2).astype(np.float32)
+    return (f32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd", "zstd-shuffle"])
+def test_compression_round_trip(make_store, codec):
+    store = make_store(compression=codec, compression_level=3)
+    data = bf16_like(3, 64 << 10) + b"\x07"  # odd length exercises the shuffle tail
+    store.put(("ns", "k"), split(data, [5, 40000]))
+    out = bytearray(len(data))
+    assert store.get_into(("ns", "k"), split(out, [77]))
+    assert out == data
+    ratio = store.stats().extra["compression_ratio"]
+    assert ratio == 1.0 if codec == "none" else ratio > 1.1
+    assert store.stats().used_bytes == sum(os.path.getsize(p) for p in chunk_files(store.root))
+    store.close()
+    store = make_store(compression="none")  # a restarted store reads any codec
+    assert bytes(store.get_bytes(("ns", "k"))) == data
+
+
+def test_incompressible_page_stored_raw(make_store):
+    store = make_store(compression="zstd")
+    store.put(("ns", "k"), [memoryview(page(1, 8192))])
+    assert store.stats().used_bytes == HEADER_SIZE + 8192
+    assert bytes(store.get_bytes(("ns", "k"))) == page(1, 8192)
+
+
+def test_from_config(tmp_path):
+    config = parse_config(f"""
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "1MiB"
+policy = "fifo"
+path = "{tmp_path / 'cfg'}"
+compression = "zstd-shuffle"
+""", "test.toml")
+    store = NvmeStore.from_config(config.tier("nvme"))
+    try:
+        assert (store.capacity, store.fsync, store.root) == (1 << 20, True, str(tmp_path / "cfg"))
+        store.put(("ns", "k"), [memoryview(bf16_like(1, 8192))])
+        assert bytes(store.get_bytes(("ns", "k"))) == bf16_like(1, 8192)
+    finally:
+        store.close()

@@ -1,0 +1,68 @@
+"""Where a chunk lives: hashed file names under a two-level directory fan-out.
+
+A chunk of ``(namespace, key)`` is ``DIR/ab/cd/<ns16>-<digest32>.kv``: the
+128-bit xxh3 digest of the pair names the file and its low bytes pick one of
+256 x 256 leaf directories, so a directory holds ~15 files at a million chunks.
+The 64-bit namespace hash in the name lets ``clear(namespace)`` work on an
+index rebuilt from names alone.  Key text never reaches a path (keys are
+validated upstream, but a path built from a hash needs no trust).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from typing import Optional, Tuple
+
+import xxhash
+
+SUFFIX = ".kv"
+TEMP_SUFFIX = ".tmp"
+_NAME_RE = re.compile(r"([0-9a-f]{16})-([0-9a-f]{32})\.kv")
+_temp_counter = itertools.count()
+
+
+def key_digest(namespace: str, key: str) -> int:
+    """The 128-bit identity of a chunk (the index and policy key)."""
+    # NUL cannot occur in a validated namespace, so the pair encoding is unambiguous.
+    return xxhash.xxh3_128_intdigest(namespace.encode() + b"\0" + key.encode())
+
+
+def namespace_hash(namespace: str) -> int:
+    """The 64-bit namespace tag carried in file names."""
+    return xxhash.xxh3_64_intdigest(namespace.encode())
+
+
+def leaf_dir(root: str, digest: int) -> str:
+    """The fan-out directory of a digest."""
+    return os.path.join(root, f"{digest & 0xFF:02x}", f"{(digest >> 8) & 0xFF:02x}")
+
+
+def file_name(ns_hash: int, digest: int) -> str:
+    """The final file name of a chunk."""
+    return f"{ns_hash:016x}-{digest:032x}{SUFFIX}"
+
+
+def chunk_path(root: str, ns_hash: int, digest: int) -> str:
+    """Full path of a chunk file."""
+    return os.path.join(leaf_dir(root, digest), file_name(ns_hash, digest))
+
+
+def temp_path(final_path: str) -> str:
+    """A unique temp name next to final_path (same directory, so rename is atomic)."""
+    head, tail = os.path.split(final_path)
+    # A leading dot and the .tmp suffix keep temp files out of the name pattern.
+    return os.path.join(head, f".{tail}.{os.getpid()}.{next(_temp_counter)}{TEMP_SUFFIX}")
+
+
+def parse_name(name: str) -> Optional[Tuple[int, int]]:
+    """(ns_hash, digest) of a chunk file name, or None for any other name."""
+    m = _NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    return int(m.group(1), 16), int(m.group(2), 16)
+
+
+def is_temp(name: str) -> bool:
+    """True for leftovers of an interrupted write."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
