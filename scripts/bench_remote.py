@@ -209,7 +209,8 @@ def main(argv=None) -> int:
           "better raw engine call):")
     for op in ("write", "read"):
         base = max(results[f"raw_sync_{op}_gbps"], results[f"raw_poll_{op}_gbps"])
-        line = f"  {op:5s}  raw sync {results[f'raw_sync_{op}_gbps']:.2f}  raw poll {results[f'raw_poll_{op}_gbps']:.2f}"
+        line = (f"  {op:5s}  raw sync {results[f'raw_sync_{op}_gbps']:.2f}"
+                f"  raw poll {results[f'raw_poll_{op}_gbps']:.2f}")
         for name, label in (("tier", "tier"), ("tier1", "tier page by page"), ("daemon", "via daemon")):
             if f"{name}_{op}_gbps" in results:
                 results[f"{name}_{op}_ratio"] = results[f"{name}_{op}_gbps"] / base

@@ -6,6 +6,8 @@
   eviction by the shared policies); pool_daemon.py serves it over ZeroMQ.
 - placement.py: rendezvous hashing of keys onto pools.
 - pool_client.py: one inference node's calls to one pool.
+- staging.py: node-side registered memory, staging slots, counters.
 - store.py: RemoteStore, the PageStore of a node's remote tier daemon.
 - mooncake_store.py: a remote tier backed by an existing Mooncake Store cluster.
+- loopback.py: pool and node configurations on 127.0.0.1 for tests and benchmarks.
 """

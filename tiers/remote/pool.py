@@ -89,7 +89,8 @@ class PoolStore(PageStore):
         needed = -(-size // self.block_size)
         while len(self._free) < needed:
             if not self._evict_one_locked():
-                raise StoreFull(f"pool full: {len(self._free)} free blocks, {needed} needed, the rest pinned or reserved")
+                raise StoreFull(f"pool full: {len(self._free)} free blocks, {needed} needed, "
+                                "the rest pinned or reserved")
         blocks = [self._free.pop() for _ in range(needed)]
         extents: Extents = []
         remaining = size

@@ -61,7 +61,8 @@ class PoolClient:
         if header is None:
             return None
         lease, segment, flags = header.get("lease"), header.get("seg"), header.get(flag_name)
-        if not isinstance(lease, int) or not isinstance(segment, str) or not isinstance(flags, bytes) or len(flags) != n:
+        if (not isinstance(lease, int) or not isinstance(segment, str) or not isinstance(flags, bytes)
+                or len(flags) != n):
             return None
         held = [b != 0 for b in flags]
         if sizes is None:  # locate: the pool says how large each found page is

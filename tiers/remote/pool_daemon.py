@@ -109,5 +109,6 @@ def build_pool_daemon(node: NodeConfig, tier: TierConfig) -> PoolDaemon:
         raise ValueError(f"tier {tier.name}: te_hostname is needed when the endpoint {tier.endpoint} names no host")
     engine = Engine(EngineConfig.from_options(options, default_host=host))
     store = PoolStore(tier.capacity, tier.policy, block_size=options["block_size"],
-                      max_page_bytes=tier.max_page_bytes, max_lease=options["max_lease_ms"] / 1000.0, prefault=options["prefault"])
+                      max_page_bytes=tier.max_page_bytes, max_lease=options["max_lease_ms"] / 1000.0,
+                      prefault=options["prefault"])
     return PoolDaemon(tier.name, store, tier.endpoint, engine, max_page_bytes=tier.max_page_bytes)

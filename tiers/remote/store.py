@@ -2,7 +2,10 @@
 
 Each key lives on the pool rendezvous hashing picks.  A put is alloc (one
 round trip), a one-sided engine write from the page's own buffers into the
-pool's arena, commit (one round trip); a get is locate, engine read, release.
+pool's arena, commit (one round trip); a get is locate (one round trip, which
+also releases earlier reads' pins) and an engine read.  A batch (put_many,
+get_many_into, which the tier daemon calls when a store has them) makes those
+round trips once a pool and keeps every transfer in flight at once.
 When the page's buffers lie in a host-pool mapping the daemon registered with
 the engine (``region_mapped``, called when an engine hands over its memfd),
 bytes move straight between host pool and arena with no staging copy.  Pages
@@ -21,8 +24,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import Engine, EngineConfig, address_of, pair_extents
 from tiers.remote.placement import Rendezvous
-from tiers.remote.staging import Counters, Registrations, Staging
 from tiers.remote.pool_client import PoolClient
+from tiers.remote.staging import Counters, Registrations, Staging
 from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreIOError, StoreStats,
                          total_size)
 
@@ -52,7 +55,11 @@ class RemoteStore(PageStore):
         self._clients: Dict[Tuple[str, str], PoolClient] = {}
         self._lock = threading.Lock()
         self._counters = Counters()
-        self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-fan")
+        # Lookups and stats run on the daemon's loop thread: they get workers of their own, never
+        # queued behind a batch's transfers (which fan out over the other pool).
+        self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-ctl")
+        self._movers = ThreadPoolExecutor(max_workers=len(self.placement.pools) * max(1, staging_slots),
+                                          thread_name_prefix=f"{name}-move")
         self._registrations = Registrations(engine.register, engine.unregister)
         self._staging = Staging(self._registrations, staging_slots, max_page_bytes)
 
@@ -120,7 +127,8 @@ class RemoteStore(PageStore):
         namespace, name = key
         pool = self.placement.pick(name)
         client = self._client(pool, namespace)
-        grant = None if client.is_down() else client.locate([name], ttl=self._timeout(self.max_page_bytes) + self.lease_margin)
+        ttl = self._timeout(self.max_page_bytes) + self.lease_margin
+        grant = None if client.is_down() else client.locate([name], ttl=ttl)
         if grant is None or grant.extents[0] is None:
             self._counters.add(misses=1)
             return None
@@ -158,7 +166,7 @@ class RemoteStore(PageStore):
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
         return self._read(key, None)
 
-    def _per_pool(self, keys: Sequence[PageKey], call) -> List[object]:
+    def _per_pool(self, keys: Sequence[PageKey], call, executor: Optional[ThreadPoolExecutor] = None) -> List[object]:
         """call(client, pool, namespace, positions) for each (pool, namespace) group, in parallel.
 
         Returns one result a key, in key order; None for keys of a pool that is down.
@@ -170,7 +178,8 @@ class RemoteStore(PageStore):
         for (pool, namespace), positions in groups.items():
             client = self._client(pool, namespace)
             if not client.is_down():
-                futures[(pool, namespace)] = self._fan_out.submit(call, client, pool, namespace, positions)
+                futures[(pool, namespace)] = (executor or self._fan_out).submit(call, client, pool, namespace,
+                                                                                positions)
         out: List[object] = [None] * len(keys)
         for group, future in futures.items():
             result = future.result()
@@ -198,7 +207,7 @@ class RemoteStore(PageStore):
             return self._put_group(client, pool, namespace, [keys[i][1] for i in positions],
                                    [views[i] for i in positions], [parents[i] for i in positions], deadline)
         return [StoreIOError("pool is down") if r is None else (None if r is True else r)
-                for r in self._per_pool(keys, group)]
+                for r in self._per_pool(keys, group, self._movers)]
 
     def _put_group(self, client: PoolClient, pool: str, namespace: str, names: List[str],
                    views: List[List[memoryview]], parents: List[Optional[str]], deadline: Optional[float]) -> list:
@@ -261,7 +270,7 @@ class RemoteStore(PageStore):
         def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
             return self._get_group(client, namespace, [keys[i][1] for i in positions],
                                    [views[i] for i in positions], deadline)
-        return [bool(r) for r in self._per_pool(keys, group)]
+        return [bool(r) for r in self._per_pool(keys, group, self._movers)]
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
                    deadline: Optional[float]) -> List[bool]:
@@ -283,7 +292,8 @@ class RemoteStore(PageStore):
                 out[k] = ok
         client.release_later(grant.lease)
         hits = sum(out)
-        self._counters.add(hits=hits, misses=len(names) - hits, bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
+        self._counters.add(hits=hits, misses=len(names) - hits,
+                           bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
         return out
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
@@ -338,6 +348,7 @@ class RemoteStore(PageStore):
         for client in clients:
             client.close()
         self._fan_out.shutdown(wait=False)
+        self._movers.shutdown(wait=False)
         self._staging.close()
 
     @classmethod
