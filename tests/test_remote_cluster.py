@@ -201,3 +201,29 @@ def test_pool_operations_sent_to_a_node_tier_are_unknown(cluster):
         assert reply["ok"] is False and reply["code"] == "unknown_op"
     finally:
         peer.close()
+
+
+def test_adding_a_pool_moves_only_its_share(cluster, tmp_path):
+    pools, (a, _b), placement, endpoints = cluster
+    (port,) = free_ports(1)
+    extra = NodeRunner(pool_config([port]).replace('"pool0"', '"pool3"'), str(tmp_path / "p3" / "run"),
+                       str(tmp_path / "p3" / "data"))
+    extra.start()
+    bigger = [int(e.rsplit(":", 1)[1]) for e in endpoints] + [port]
+    c = None
+    try:
+        c = Node(tmp_path, "node-c", bigger)
+        keys = [f"grow-{i}" for i in range(24)]
+        assert a.put(keys, range(500, 524)) == [True] * 24
+        grown = Rendezvous(pool_endpoints(bigger))
+        stays = [placement.pick(k) == grown.pick(k) for k in keys]
+        assert not all(stays) and all(grown.pick(k) == pool_endpoints(bigger)[3] for k, s in zip(keys, stays) if not s)
+        assert [h == 1 for h in c.client.lookup(keys)] == stays  # moved keys miss once...
+        moved = [k for k, s in zip(keys, stays) if not s]
+        assert c.put(moved, [500 + keys.index(k) for k in moved]) == [True] * len(moved)  # ...and are written again
+        found, got = c.get(keys)
+        assert found == [True] * 24 and got == [page(500 + i) for i in range(24)]
+    finally:
+        if c is not None:
+            c.close()
+        extra.stop()
