@@ -17,6 +17,20 @@ SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "all
                "tp_lcm_size"}
 
 
+# One line per key, for the README's reference (scripts/readme_reference.py).
+SETTINGS_HELP = {
+    "tiers_config": "node configuration file the daemons run with; default: the embedded default",
+    "runtime_dir": "directory of the daemons' sockets; default: the node configuration's",
+    "write_policy": "write_through, write_back or selective; default: the node's write_policy",
+    "namespace": "use this namespace instead of the derived one (deployments that share daemons on purpose)",
+    "deadline_base_s": "seconds any call may take, plus its bytes at deadline_min_gbps",
+    "deadline_min_gbps": "bandwidth (GB/s) below which a transfer is given up",
+    "lookup_timeout_s": "seconds a prefix lookup may take",
+    "promote": "copy pages served by a lower tier into the top tier",
+    "selective_min_reads": "selective policy: reads before a page is written below",
+}
+
+
 @dataclass
 class BackendSettings:
     tiers_config: Optional[str] = None  # node TOML; None: the embedded default
