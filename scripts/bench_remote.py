@@ -133,9 +133,11 @@ class ViaDaemon:
         self.host = mmap.mmap(self.fd, 2 * self.nbytes)
         self.host[:] = np.random.default_rng(2).integers(0, 256, 2 * self.nbytes, dtype=np.uint8).tobytes()
         self.client.attach_region(self.fd, 2 * self.nbytes)
-        self.client.lookup(["warm"])
-        if self.client.region_id is None:
-            raise SystemExit("the remote tier refused the host pool region")
+        end = time.monotonic() + 30  # a loaded machine may miss the first connect: the client backs off, retry
+        while self.client.lookup(["warm"]) is None or self.client.region_id is None:
+            if time.monotonic() > end:
+                raise SystemExit("the remote tier did not take the host pool region")
+            time.sleep(0.2)
         self.keys = [f"e{i}" for i in range(pages)]
         half = size // 2
         self.put_desc, self.counts = P.encode_descriptors([[(i * size, half), (i * size + half, half)]

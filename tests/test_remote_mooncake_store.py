@@ -64,7 +64,9 @@ def client_with_host_pool(runner):
     os.ftruncate(fd, 8 << 20)
     host = mmap.mmap(fd, 8 << 20)
     client.attach_region(fd, 8 << 20)
-    client.lookup(["warmup"])
+    end = time.monotonic() + 10  # a loaded machine may miss the first connect: ask until it answers
+    while (client.lookup(["warmup"]) is None or client.region_id is None) and time.monotonic() < end:
+        time.sleep(0.1)
     assert client.region_id is not None
     return client, host, fd
 
