@@ -24,8 +24,8 @@ from typing import Iterable, List, Optional, Tuple
 
 from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import EngineError, address_of
-from tiers.remote.staging import Counters, Registrations, Staging
-from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreIOError, StoreStats, total_size
+from tiers.remote.staging import Counters, HostPoolStore, Registrations, Staging, page_views
+from tiers.store import Buffers, PageKey, PageStore, StoreError, StoreIOError, StoreStats, total_size
 
 log = logging.getLogger("hicache.remote.mooncake_store")
 
@@ -40,7 +40,7 @@ def _load():
     return MooncakeDistributedStore
 
 
-class MooncakeStoreTier(PageStore):
+class MooncakeStoreTier(HostPoolStore, PageStore):
     """Pages in a Mooncake Store cluster, through one MooncakeDistributedStore client."""
 
     parallel_io = True
@@ -86,39 +86,20 @@ class MooncakeStoreTier(PageStore):
     def _unregister(self, base: int) -> None:
         self._client.unregister_buffer(base)
 
-    def region_mapped(self, view: memoryview) -> None:
-        self._registrations.add(view)
-
-    def region_unmapped(self, view: memoryview) -> None:
-        self._registrations.remove(view)
-
     @staticmethod
     def _name(key: PageKey) -> str:
         return f"{key[0]}/{key[1]}"  # '/' is outside the key alphabet: no two keys collide
 
     # --------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
-        src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
-        size = total_size(src)
-        if size == 0 or size > self.max_page_bytes:
-            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
+        src, size = page_views(buffers, self.max_page_bytes)
         name = self._name(key)
-        local = self._registrations.extents(src)
-        slot = None
-        try:
-            if local is None:
-                slot = self._staging.take(self._slot_timeout)
-                staged = self._staging.view(slot, size)
-                scatter_copy([staged], src)
-                local = [(address_of(staged), size)]
+        with self.source_extents(src, size, self._slot_timeout) as local:
             if len(local) == 1:
                 ret = self._client.upsert_from(name, local[0][0], size)
             else:
                 ret = self._client.batch_put_from_multi_buffers([name], [[a for a, _n in local]],
                                                                 [[n for _a, n in local]])[0]
-        finally:
-            if slot is not None:
-                self._staging.give(slot)
         if ret != 0:
             raise StoreIOError(f"Mooncake Store refused {name} ({ret})")
         self._counters.add(inserts=1, bytes_written=size)

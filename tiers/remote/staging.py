@@ -10,10 +10,12 @@ from __future__ import annotations
 import mmap
 import queue
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import address_of
-from tiers.store import StoreIOError, StoreStats
+from tiers.store import Buffers, PageTooLarge, StoreIOError, StoreStats, total_size
 
 Extents = List[Tuple[int, int]]
 
@@ -107,3 +109,44 @@ class Counters:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
         snap.extra = dict(extra)
         return snap
+
+
+def page_views(buffers: Buffers, max_page_bytes: int) -> Tuple[List[memoryview], int]:
+    """A page's non-empty byte views and its size; PageTooLarge when empty or over max_page_bytes."""
+    views = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+    size = total_size(views)
+    if size == 0 or size > max_page_bytes:
+        raise PageTooLarge(f"page of {size} bytes not accepted (max {max_page_bytes})")
+    return views, size
+
+
+class HostPoolStore:
+    """Mixin of the node-side remote stores: host-pool mappings, and where a page's bytes leave from.
+
+    The subclass sets ``_registrations`` and ``_staging``.
+    """
+
+    _registrations: Registrations
+    _staging: Staging
+
+    def region_mapped(self, view: memoryview) -> None:
+        """Register a host-pool mapping with the engine (the tier daemon calls this when it maps one)."""
+        self._registrations.add(view)
+
+    def region_unmapped(self, view: memoryview) -> None:
+        self._registrations.remove(view)
+
+    @contextmanager
+    def source_extents(self, views: Sequence[memoryview], size: int, timeout: float) -> Iterator[Extents]:
+        """Addresses to send a page from: its own when registered, else a staging slot holding a copy."""
+        local = self._registrations.extents(views)
+        if local is not None:
+            yield local
+            return
+        slot = self._staging.take(timeout)
+        try:
+            staged = self._staging.view(slot, size)
+            scatter_copy([staged], views)
+            yield [(address_of(staged), size)]
+        finally:
+            self._staging.give(slot)

@@ -25,16 +25,15 @@ from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import Engine, EngineConfig, address_of, pair_extents
 from tiers.remote.placement import Rendezvous
 from tiers.remote.pool_client import PoolClient
-from tiers.remote.staging import Counters, Registrations, Staging
-from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreIOError, StoreStats,
-                         total_size)
+from tiers.remote.staging import Counters, HostPoolStore, Registrations, Staging, page_views
+from tiers.store import Buffers, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats, total_size
 
 log = logging.getLogger("hicache.remote.store")
 
 ADMIN_NAMESPACE = "_admin"
 
 
-class RemoteStore(PageStore):
+class RemoteStore(HostPoolStore, PageStore):
     """Pages on remote pools, moved by the Transfer Engine."""
 
     parallel_io = True
@@ -78,34 +77,16 @@ class RemoteStore(PageStore):
     def _timeout(self, nbytes: int) -> float:
         return self.transfer_timeout + nbytes / self.min_bandwidth
 
-    # ------------------------------------------------ host pool mappings
-    def region_mapped(self, view: memoryview) -> None:
-        """Register a host-pool mapping with the engine (called by the daemon)."""
-        self._registrations.add(view)
-
-    def region_unmapped(self, view: memoryview) -> None:
-        self._registrations.remove(view)
-
     # --------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         namespace, name = key
-        src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
-        size = total_size(src)
-        if size == 0 or size > self.max_page_bytes:
-            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
+        src, size = page_views(buffers, self.max_page_bytes)
         pool = self.placement.pick(name)
         client = self._client(pool, namespace)
         if client.is_down():
             raise StoreIOError(f"pool {pool} is down")
-        local = self._registrations.extents(src)
-        slot = None
-        try:
-            if local is None:
-                slot = self._staging.take(self._timeout(size))
-                staged = self._staging.view(slot, size)
-                scatter_copy([staged], src)
-                local = [(address_of(staged), size)]
-            timeout = self._timeout(size)
+        timeout = self._timeout(size)
+        with self.source_extents(src, size, timeout) as local:
             grant = client.alloc([name], [size], [parent], ttl=timeout + self.lease_margin)
             if grant is None:
                 raise StoreIOError(f"pool {pool} did not answer an alloc")
@@ -117,9 +98,6 @@ class RemoteStore(PageStore):
                 raise StoreIOError(f"transfer to pool {pool} failed or timed out")
             if not client.commit(grant.lease, [name])[0]:
                 raise StoreIOError(f"pool {pool} did not commit the page")
-        finally:
-            if slot is not None:
-                self._staging.give(slot)
         self._counters.add(inserts=1, bytes_written=size)
 
     def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
