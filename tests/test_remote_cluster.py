@@ -170,7 +170,7 @@ def eventually(check, within: float = 10.0) -> bool:
 @pytest.mark.parametrize("fields, code", [
     (dict(op="alloc", keys=["a"], sizes=b"\x01"), "bad_request"),                   # sizes of the wrong length
     (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([-5])), "bad_request"),
-    (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([1 << 40])), "too_large"),
+    (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([1 << 41])), "too_large"),
     (dict(op="alloc", keys=["a"], sizes=P.encode_sizes([10]), ttl="soon"), "bad_request"),
     (dict(op="commit", keys=["a"], lease="x"), "bad_request"),
     (dict(op="locate", keys=["a"], done="all"), "bad_request"),
@@ -188,6 +188,19 @@ def test_pools_answer_malformed_requests_with_errors(cluster, fields, code):
         assert reply["ok"] is False and reply["code"] == code, reply
         reply, _ = peer.call("commit", s=session, keys=["a"], lease=12345)  # an unknown lease: nothing committed
         assert reply["ok"] and reply["committed"] == b"\x00"
+    finally:
+        peer.close()
+
+
+def test_pools_refuse_oversized_pages_one_by_one(cluster):
+    from tests.nodes import RawPeer
+    _pools, _nodes, _placement, endpoints = cluster
+    peer = RawPeer(endpoints[0])
+    try:
+        session = peer.hello()
+        reply, _ = peer.call("alloc", s=session, keys=["small", "huge"], sizes=P.encode_sizes([10, 1 << 30]))
+        assert reply["ok"] and reply["granted"] == b"\x01\x00" and reply["refusal"][0] == "too_large"
+        peer.call("release", s=session, lease=reply["lease"])
     finally:
         peer.close()
 

@@ -20,6 +20,8 @@ from tiers.remote.pool import PoolStore
 
 log = logging.getLogger("hicache.remote.pool")
 
+MAX_SANE_PAGE = 1 << 40  # larger is a malformed request, not a page to refuse
+
 
 class PoolDaemon(TierDaemon):
     """Serves a PoolStore whose arena is registered with this process's Transfer Engine."""
@@ -54,7 +56,8 @@ class PoolDaemon(TierDaemon):
     def handle_alloc(self, header: dict, frames) -> list:
         ns = self._namespace(header)
         keys = P.keys_field(header)
-        sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)
+        # Sizes over max_page_bytes are refused page by page (refusal), not the whole batch.
+        sizes = P.decode_sizes(header.get("sizes"), len(keys), MAX_SANE_PAGE)
         lease, grants, refusal = self.pool.allocate(header["s"], [(ns, k) for k in keys], sizes,
                                                     self._parents(header, len(keys)), self._ttl(header))
         desc, counts = P.encode_descriptors([g for g in grants if g is not None])
