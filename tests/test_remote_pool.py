@@ -105,3 +105,18 @@ def test_overwrite_replaces_at_commit(store):
     store.commit(S, lease, [("ns", "k")])
     assert store.get_bytes(("ns", "k")) == b"2" * 200
     assert store.stats().pages == 1
+
+
+def test_a_node_treats_malformed_pool_replies_as_misses():
+    from tiers import protocol as P
+    from tiers.remote.pool_client import PoolClient
+    client = PoolClient("tcp://127.0.0.1:9", "ns", timeout=0.1, retry_max=0.1)  # never called: replies are fed in
+    desc, counts = P.encode_descriptors([[(4096, 100)], [(8192, 50), (16384, 50)]])
+    good = {"lease": 7, "seg": "127.0.0.1:15001", "found": b"\x01\x00\x01", "sizes": P.encode_sizes([100, 100]),
+            "desc": desc, "regions_per_page": counts}
+    grant = client._grant(good, "found", 3, None)
+    assert grant.extents == [[(4096, 100)], None, [(8192, 50), (16384, 50)]] and grant.sizes == [100, 0, 100]
+    for bad in ({"sizes": P.encode_sizes([100, -1])}, {"sizes": P.encode_sizes([100, 99])},  # lengths disagree
+                {"sizes": b"\x00"}, {"found": b"\x01"}, {"lease": "7"}, {"desc": desc[:-8]}, {"seg": None}):
+        assert client._grant({**good, **bad}, "found", 3, None) is None, bad
+    client.close()

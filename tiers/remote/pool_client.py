@@ -67,9 +67,11 @@ class PoolClient:
         held = [b != 0 for b in flags]
         if sizes is None:  # locate: the pool says how large each found page is
             raw = header.get("sizes")
-            if not isinstance(raw, bytes) or len(raw) != 8 * sum(held):
+            try:
+                found_sizes = P.decode_sizes(raw, sum(held), 1 << 40)
+            except P.ProtocolError:
+                _warn.warning(f"{self.endpoint}:malformed", "pool %s sent malformed sizes", self.endpoint)
                 return None
-            found_sizes = P.decode_sizes(raw, sum(held), 1 << 40) if sum(held) else []
         else:
             found_sizes = [s for s, h in zip(sizes, held) if h]
         pages = P.decode_pool_extents(header.get("desc"), header.get("regions_per_page"), found_sizes)
