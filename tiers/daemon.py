@@ -378,8 +378,15 @@ class TierDaemon:
         for page in pages:
             if sum(v.nbytes for v in page) > self.max_page_bytes:
                 raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
+        mode = header.get("mode", "through")
+        min_reads = header.get("min_reads", 2)
+        if mode not in MODES or not isinstance(min_reads, int) or isinstance(min_reads, bool) or min_reads < 1:
+            raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
+        if header.get("promote") is True:
+            self.metrics.promotions += len(keys)
         deadline = header.get("dl")
-        return self._pool.submit(self._put_pages, header["id"], ns, keys, pages, parents, deadline, frames)
+        return self._pool.submit(self._put_pages, header["id"], ns, keys, pages, parents, deadline, frames,
+                                 mode, min_reads)
 
     @staticmethod
     def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
@@ -395,7 +402,8 @@ class TierDaemon:
             start += n
         return pages
 
-    def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive) -> list:
+    def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive, mode="through",
+                   min_reads=2) -> list:
         stored = []
         refusal = None
         many = getattr(self.store, "put_many", None)  # a store that moves a whole batch at once (remote tier)

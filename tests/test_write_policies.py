@@ -1,0 +1,139 @@
+"""Each write policy's promise, checked by stopping tiers of a real DRAM -> NVMe chain."""
+import time
+
+import pytest
+
+from hicache_ext.sglang_harness import make_keys
+from tests.backend_env import Engine
+from tests.nodes import start_node
+from tiers.client import TierClient
+
+PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
+
+
+def chain_config(dram_pages: int, max_dirty: int = 1024, write_policy: str = "write_through") -> str:
+    return f"""
+[node]
+write_policy = "{write_policy}"
+max_dirty_pages = {max_dirty}
+
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = {dram_pages * PAGE_BYTES}
+policy = "lru"
+block_size = "4KiB"
+
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "64MiB"
+policy = "lru"
+fsync = true
+"""
+
+
+def nvme_held(runner, engine, keys):
+    """Which keys the NVMe tier itself holds, asked directly."""
+    client = TierClient("nvme", runner.config.tier("nvme").endpoint, engine.backend.namespace)
+    try:
+        return [b == 1 for b in client.lookup(keys)]
+    finally:
+        client.close()
+
+
+def tier_stats(engine):
+    return engine.backend.tier_stats()
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    runners = []
+
+    def make(**kw):
+        runner = start_node(tmp_path / f"n{len(runners)}", chain_config(**kw))
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        runner.stop()
+
+
+def test_write_through_survives_the_loss_of_the_dram_tier(make_node):
+    runner = make_node(dram_pages=64)
+    engine = Engine(runner, write_policy="write_through", model="wt")
+    try:
+        keys = make_keys(6, salt=1, page_size=16)
+        written, sums = engine.write(keys, 0, seed=1)
+        assert written == 6 and nvme_held(runner, engine, keys) == [True] * 6
+        runner.kill("dram")
+        done, got = engine.read(keys, 8)
+        assert done == 6 and got == sums  # served by NVMe while DRAM is gone
+        runner.start("dram")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and tier_stats(engine)["dram"] is None:
+            time.sleep(0.2)
+        done, got = engine.read(keys, 16)  # DRAM came back empty: NVMe serves and promotes
+        assert done == 6 and got == sums
+        assert tier_stats(engine)["dram"]["promotions"] == 6
+        assert engine.driver.exists(keys) == 6
+    finally:
+        engine.close()
+
+
+def test_write_back_reaches_nvme_on_eviction_and_on_graceful_stop(make_node):
+    runner = make_node(dram_pages=8)
+    engine = Engine(runner, write_policy="write_back", model="wb")
+    try:
+        keys = make_keys(12, salt=2, page_size=16)
+        sums = []
+        for first in range(0, 12, 4):
+            written, batch_sums = engine.write(keys[first:first + 4], first, seed=first)
+            assert written == 4
+            sums += batch_sums
+        # Acknowledged in DRAM only; the 4 oldest were evicted and demoted.
+        assert nvme_held(runner, engine, keys) == [True] * 4 + [False] * 8
+        stats = tier_stats(engine)
+        assert stats["dram"]["dirty_pages"] == 8 and stats["dram"]["demotions"] == 4
+        assert runner.stop("dram") == {"dram": 0}  # graceful: flushes the dirty pages
+        assert nvme_held(runner, engine, keys) == [True] * 12
+        done, got = engine.read(keys, 12)
+        assert done == 12 and got == sums
+    finally:
+        engine.close()
+
+
+def test_selective_writes_only_hot_pages_below(make_node):
+    runner = make_node(dram_pages=8)
+    engine = Engine(runner, write_policy="selective", selective_min_reads=2, model="sel")
+    try:
+        cold_and_hot = make_keys(8, salt=3, page_size=16)
+        assert engine.write(cold_and_hot, 0, seed=3)[0] == 8
+        hot = cold_and_hot[:3]
+        for _ in range(2):
+            assert engine.read(hot, 10)[0] == 3
+        assert nvme_held(runner, engine, cold_and_hot) == [False] * 8  # nothing below yet
+        newer = make_keys(8, salt=4, page_size=16)
+        assert engine.write(newer, 0, seed=4)[0] == 8  # evicts all of the first 8
+        assert nvme_held(runner, engine, cold_and_hot) == [True] * 3 + [False] * 5
+        assert runner.stop("dram") == {"dram": 0}
+        assert nvme_held(runner, engine, newer) == [False] * 8  # never read: never written below
+    finally:
+        engine.close()
+
+
+def test_the_dirty_set_is_bounded_and_visible(make_node):
+    runner = make_node(dram_pages=64, max_dirty=4)
+    engine = Engine(runner, write_policy="write_back", model="bound")
+    try:
+        keys = make_keys(12, salt=5, page_size=16)
+        assert engine.write(keys, 0, seed=5)[0] == 12
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and tier_stats(engine)["dram"]["dirty_pages"] > 4:
+            time.sleep(0.1)
+        stats = tier_stats(engine)["dram"]
+        assert stats["dirty_pages"] == 4
+        assert nvme_held(runner, engine, keys) == [True] * 8 + [False] * 4  # oldest flushed first
+    finally:
+        engine.close()
