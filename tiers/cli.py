@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "tiers.cli_demo",
     "tiers.cli_experiments",
     "tiers.cli_keys",
+    "tiers.cli_bench",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

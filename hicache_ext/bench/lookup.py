@@ -1,0 +1,58 @@
+"""Prefix-lookup latency through the real backend (``batch_exists``), and the ZeroMQ round trip under it."""
+from __future__ import annotations
+
+import os
+import time
+
+from hicache_ext.bench.rig import MiB, Node, Rank, node_toml, tier_toml
+from tiers.bench import limits
+from tiers.bench.stats import Figures, Progress, percentile
+
+KEY_COUNTS = (1, 128, 1024)
+
+
+def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> None:
+    """p50/p99 of batch_exists for 1, 128 and 1,024 held keys on a DRAM tier over an ipc socket."""
+    node = Node(os.path.join(args.work_dir, "lookup"), node_toml([tier_toml("dram", 64 * MiB, MiB)]))
+    try:
+        rank = Rank.tiered(node, 1, max(KEY_COUNTS), tiny=True)
+        keys = rank.keys(11)
+        if rank.write(keys) != len(keys):
+            figs.failures.append("lookup: could not store the pages to look up")
+            return
+        calls = max(20, calls // (4 if args.quick else 1))
+        for n in KEY_COUNTS:
+            progress.step(f"lookup: {n} keys x {calls} calls")
+            batch = keys[:n]
+            for _ in range(20):
+                rank.backend.batch_exists(batch)
+            samples = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                hits = rank.backend.batch_exists(batch)
+                samples.append(time.perf_counter() - start)
+                if hits != n:
+                    figs.failures.append(f"lookup: {hits} of {n} keys found")
+                    return
+            figs.set(f"lookup.{n}.p50", percentile(samples, 50) * 1e6, "us")
+            figs.set(f"lookup.{n}.p99", percentile(samples, 99) * 1e6, "us")
+        rank.close()
+    finally:
+        node.close()
+
+
+def run_zmq(figs: Figures, args, progress: Progress) -> None:
+    """The 64-byte ZeroMQ round trip to another process, ipc and tcp (the floor under any lookup)."""
+    calls = 500 if args.quick else 2000
+    for transport, endpoint in (("ipc", f"ipc://{os.path.join(args.work_dir, 'echo.sock')}"),
+                                ("tcp", "tcp://127.0.0.1:%d" % _port())):
+        progress.step(f"zmq: {transport} round trips")
+        os.makedirs(args.work_dir, exist_ok=True)
+        samples = limits.zmq_round_trips(endpoint, calls)
+        figs.set(f"limit.zmq_rtt.{transport}.p50", percentile(samples, 50) * 1e6, "us")
+        figs.set(f"limit.zmq_rtt.{transport}.p99", percentile(samples, 99) * 1e6, "us")
+
+
+def _port() -> int:
+    from tiers.remote.loopback import free_ports
+    return free_ports(1)[0]

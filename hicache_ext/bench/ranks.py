@@ -1,0 +1,102 @@
+"""1, 2 and 4 concurrent rank processes on one DRAM tier: aggregate write and read GB/s.
+
+Each rank is its own process (``python -m hicache_ext.bench.ranks``) with its
+own host pool and backend (TP rank i of N, so its own namespace).  The parent
+releases every rank at once for each step and takes the slowest rank's time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from hicache_ext.bench.rig import MiB, Node, node_toml, tier_toml
+from tiers.bench.stats import Figures, Progress, gbps
+
+RANK_COUNTS = (1, 2, 4)
+PAGE_MIB = 4
+
+
+def run_ranks(figs: Figures, args, progress: Progress) -> None:
+    pages = max(4, args.pages // 4)  # per rank: 4 ranks of 4 MiB pages hold as much as one 128-page batch
+    batch = pages * PAGE_MIB * MiB
+    node = Node(os.path.join(args.work_dir, "ranks"),
+                node_toml([tier_toml("dram", max(RANK_COUNTS) * batch, PAGE_MIB * MiB)]))
+    try:
+        for n in RANK_COUNTS:
+            progress.step(f"ranks: starting {n} rank process(es)")
+            spec = {"runtime_dir": node.runner.runtime_dir, "config": node.runner.config_path, "pages": pages,
+                    "tp_size": n}
+            procs = [subprocess.Popen([sys.executable, "-m", "hicache_ext.bench.ranks", json.dumps({**spec, "tp_rank": i})],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      stderr=subprocess.DEVNULL) for i in range(n)]
+            try:
+                for p in procs:
+                    if p.stdout.readline().strip() != "ready":
+                        raise RuntimeError("a rank process did not start")
+                for rep in range(args.repeat):
+                    progress.step(f"ranks: {n} rank(s), repetition {rep + 1}/{args.repeat}")
+                    for step in ("write", "read"):
+                        for p in procs:
+                            p.stdin.write(step + "\n")
+                            p.stdin.flush()
+                        answers = [json.loads(p.stdout.readline()) for p in procs]
+                        if not all(a["ok"] for a in answers):
+                            figs.failures.append(f"ranks.{n}.{step}: {[a for a in answers if not a['ok']]}")
+                            continue
+                        figs.add(f"ranks.{n}.{step}", gbps(n * batch, max(a["seconds"] for a in answers)))
+            finally:
+                for p in procs:
+                    try:
+                        p.stdin.write("quit\n")
+                        p.stdin.flush()
+                    except OSError:
+                        pass
+                for p in procs:
+                    try:
+                        p.wait(60)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+    finally:
+        node.close()
+
+
+def _worker(spec: dict) -> int:
+    """One rank: set up, say ready, then time each step the parent asks for."""
+    import time
+    from types import SimpleNamespace
+
+    from hicache_ext.bench.rig import Rank
+    node = SimpleNamespace(runner=SimpleNamespace(runtime_dir=spec["runtime_dir"], config_path=spec["config"]))
+    rank = Rank.tiered(node, PAGE_MIB, spec["pages"], tp_rank=spec["tp_rank"], tp_size=spec["tp_size"])
+    rank.write(rank.keys(99))
+    rank.clear()
+    print("ready", flush=True)
+    rep = 0
+    keys = None
+    for line in sys.stdin:
+        step = line.strip()
+        if step == "quit":
+            break
+        if step == "write":
+            rep += 1
+            rank.clear()
+            keys = rank.keys(7000 + rep)
+            start = time.perf_counter()
+            ok = rank.write(keys) == rank.pages
+        else:
+            rank.zero()
+            start = time.perf_counter()
+            ok = rank.read(keys) == rank.pages
+        seconds = time.perf_counter() - start
+        if ok and step == "read":
+            ok = rank.wrong_pages(rank.pages) == 0
+        print(json.dumps({"ok": ok, "seconds": seconds}), flush=True)
+    rank.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(json.loads(sys.argv[1])))

@@ -1,0 +1,71 @@
+"""Run the selected parts of the benchmark, then write the JSON, BENCHMARKS.md and the plot."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+import traceback
+
+from tiers.bench import machine, report
+from tiers.bench.stats import Figures, Progress
+
+PER_SIZE = ("dram", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
+ONCE = ("zmq", "lookup", "ranks")
+PARTS = ONCE[:2] + PER_SIZE + ONCE[2:]
+
+
+def _runner(part: str):
+    from hicache_ext.bench import lookup, peers, project, ranks
+    return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
+            "dram": project.run_dram, "nvme": project.run_nvme, "remote": project.run_remote,
+            "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
+
+
+def run(args) -> int:
+    parts = [p for p in PARTS if p in set(args.only)]
+    progress = Progress(quiet=args.quiet)
+    figs = Figures()
+    meta = {"command": args.command or "hicache-tiers bench " + " ".join(map(shlex.quote, sys.argv[2:])),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine.describe(args.work_dir), "pages": args.pages, "repeat": args.repeat,
+            "page_mib": args.page_mib, "parts": parts}
+    started = time.monotonic()
+    os.makedirs(args.work_dir, exist_ok=True)
+    steps = [(p, None) for p in parts if p in ONCE[:2]]
+    steps += [(p, m) for m in args.page_mib for p in PER_SIZE if p in parts]
+    steps += [(p, None) for p in parts if p in ONCE[2:]]
+    try:
+        for i, (part, page_mib) in enumerate(steps, 1):
+            label = part if page_mib is None else f"{part}, {page_mib} MiB pages"
+            progress.step(f"({i}/{len(steps)}) {label}")
+            try:
+                fn = _runner(part)
+                fn(figs, args, progress) if page_mib is None else fn(figs, args, progress, page_mib)
+            except Exception as exc:  # one part failing must not lose the others' figures
+                figs.failures.append(f"{label}: {type(exc).__name__}: {exc}")
+                progress.done(f"{label} FAILED: {type(exc).__name__}: {exc}")
+                if args.verbose:
+                    traceback.print_exc()
+    finally:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+    meta["seconds"] = time.monotonic() - started
+    progress.done(f"done in {meta['seconds']:.0f} s, {len(figs.failures)} failure(s)")
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        if report.plot(figs, args.page_mib, args.plot):
+            out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else os.getcwd()
+            meta["plot"] = os.path.relpath(os.path.abspath(args.plot), out_dir)
+    text = report.markdown(figs, args.page_mib, meta)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"meta": meta, **figs.as_dict()}, fh, indent=1)
+    if not args.quiet:
+        print(text)
+    return 1 if figs.failures else 0

@@ -1,0 +1,47 @@
+"""`hicache-tiers bench` stays runnable: a smoke-size run of the cheap parts, the report and the exit code."""
+import json
+
+import pytest
+
+from tiers.bench import report
+from tiers.bench.stats import Figures, percentile
+from tiers.cli import main
+
+
+def test_percentile_and_ratios():
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert percentile(list(map(float, range(1, 101))), 99) == 99.0
+    figs = Figures()
+    for v in (1.0, 3.0, 2.0):
+        figs.add("dram.1MiB.write", v)
+        figs.add("limit.memcpy.1MiB", 2 * v)
+    assert figs.median("dram.1MiB.write") == 2.0 and figs.spread("dram.1MiB.write") == (1.0, 3.0)
+    assert figs.ratio("dram.1MiB.write", "limit.memcpy.1MiB") == 0.5
+    rows = report.target_rows(figs, [1])
+    assert rows[0][1] == "0.50x" and rows[0][2] == "**no**"
+
+
+def test_quick_run_writes_report_json_and_plot(tmp_path):
+    pytest.importorskip("sglang")
+    out, data, png = tmp_path / "B.md", tmp_path / "b.json", tmp_path / "b.png"
+    code = main(["bench", "--quick", "--only", "zmq,lookup,dram", "--pages", "4", "--repeat", "1",
+                 "--work-dir", str(tmp_path / "work"), "--out", str(out), "--json", str(data), "--plot", str(png),
+                 "--quiet"])
+    figures = json.loads(data.read_text())["figures"]
+    assert code == 0, json.loads(data.read_text())["failures"]
+    assert figures["dram.1MiB.write"]["median"] > 0 and figures["lookup.128.p50"]["median"] > 0
+    text = out.read_text()
+    assert "## Targets" in text and "cores" in text and "| 128 |" in text
+    assert png.exists() and not (tmp_path / "work").exists()
+
+
+def test_a_failed_part_exits_non_zero(tmp_path, monkeypatch):
+    pytest.importorskip("sglang")
+    from hicache_ext.bench import run as bench_run
+
+    def broken(figs, args, progress):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(bench_run, "_runner", lambda part: broken)
+    code = main(["bench", "--quick", "--only", "zmq", "--work-dir", str(tmp_path / "w"), "--quiet",
+                 "--json", str(tmp_path / "b.json")])
+    assert code == 1 and "boom" in json.loads((tmp_path / "b.json").read_text())["failures"][0]

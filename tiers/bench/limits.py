@@ -1,0 +1,164 @@
+"""This machine's limits for the same bytes: memcpy, raw disk, the raw Transfer Engine, a ZeroMQ round trip.
+
+No torch, no SGLang.  Each function returns one sample (GB/s or seconds) so the
+caller can interleave limits with the measurements they bound.
+"""
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import List
+
+import numpy as np
+
+from tiers.bench.stats import gbps
+from tiers.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all
+
+_COPY_BUFFER = 256 << 20  # source and destination each: far beyond any cache, bounded in memory
+
+
+class Memcpy:
+    """Single-thread memcpy of page-size pieces between two out-of-cache buffers."""
+
+    def __init__(self, page_bytes: int):
+        self.page_bytes = page_bytes
+        slots = max(2, _COPY_BUFFER // page_bytes)
+        self.src = np.empty(slots * page_bytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        self.src[:] = np.random.default_rng(0).integers(0, 255, self.src.size, dtype=np.uint8)
+        self.dst[:] = 1  # fault both in before any timing
+        self.slots = slots
+        self._next = 0  # each sample starts where the last ended, so no sample copies cache-hot pages
+
+    def sample(self, pages: int) -> float:
+        """GB/s copying pages pages, one np.copyto (a plain memcpy) a page."""
+        size, slots = self.page_bytes, self.slots
+        order = [(self._next + i) % slots for i in range(pages)]
+        self._next = (self._next + pages) % slots
+        views = [(self.dst[i * size:(i + 1) * size], self.src[i * size:(i + 1) * size]) for i in order]
+        start = time.perf_counter()
+        for d, s in views:
+            np.copyto(d, s)
+        return gbps(pages * size, time.perf_counter() - start)
+
+
+class RawDisk:
+    """One new file a page with fdatasync (what the NVMe tier acknowledges), then O_DIRECT reads."""
+
+    def __init__(self, directory: str, page_bytes: int, threads: int = 4):
+        self.dir = directory
+        self.size = page_bytes - page_bytes % 4096
+        self.threads = threads
+        os.makedirs(directory, exist_ok=True)
+        buf = mmap.mmap(-1, self.size)  # page aligned, as O_DIRECT needs
+        np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, self.size, dtype=np.uint8)
+        self.src = [memoryview(buf)]
+        self._local = threading.local()
+
+    def _path(self, i: int) -> str:
+        return os.path.join(self.dir, f"raw{i}")
+
+    def _dst(self) -> List[memoryview]:
+        views = getattr(self._local, "views", None)
+        if views is None:
+            views = self._local.views = [memoryview(mmap.mmap(-1, self.size))]
+        return views
+
+    def _write(self, i: int) -> None:
+        fd = os.open(self._path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            pwritev_all(fd, self.src)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _read(self, i: int) -> None:
+        fd = os.open(self._path(i), os.O_RDONLY | O_DIRECT)
+        try:
+            if preadv_all(fd, self._dst()) != self.size:
+                raise RuntimeError("short raw read")
+        finally:
+            os.close(fd)
+
+    def _run(self, fn, pages: int) -> float:
+        with ThreadPoolExecutor(self.threads) as pool:
+            start = time.perf_counter()
+            for _ in pool.map(fn, range(pages)):
+                pass
+            return gbps(pages * self.size, time.perf_counter() - start)
+
+    def write(self, pages: int) -> float:
+        self.clean(pages)
+        os.sync()
+        return self._run(self._write, pages)
+
+    def read(self, pages: int) -> float:
+        return self._run(self._read, pages)
+
+    def clean(self, pages: int) -> None:
+        for i in range(pages):
+            try:
+                os.unlink(self._path(i))
+            except FileNotFoundError:
+                pass
+
+
+_ECHO_SERVER = r"""
+import sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0); s.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    ident, body = s.recv_multipart()
+    if body == b"stop":
+        break
+    s.send_multipart([ident, body])
+"""
+
+
+def zmq_round_trips(endpoint: str, calls: int = 2000) -> List[float]:
+    """Seconds of each 64-byte DEALER->ROUTER round trip to an echo server in another process."""
+    import zmq
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        body = b"x" * 64
+        for _ in range(50):  # connect and warm up
+            sock.send(body)
+            sock.recv()
+        out = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            sock.send(body)
+            sock.recv()
+            out.append(time.perf_counter() - start)
+        sock.send(b"stop")
+        sock.close()
+        return out
+    finally:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def load_bench_remote():
+    """scripts/bench_remote.py as a module (the raw Transfer Engine baseline lives there), or None."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_remote.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("hicache_bench_remote", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

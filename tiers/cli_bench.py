@@ -1,0 +1,57 @@
+"""``bench``: limits, peers and this project measured in one run (registration only; the work is in hicache_ext.bench)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks")
+
+
+def _list(kind, allowed=None):
+    def parse(text: str):
+        items = [kind(p.strip()) for p in text.split(",") if p.strip()]
+        bad = [i for i in items if allowed is not None and i not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(map(str, allowed))}" if allowed else "empty list")
+        return items
+    return parse
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="measure the limits, the peers and every tier on this machine; write BENCHMARKS.md",
+        description="Measure, in one run: this machine's limits (memcpy, raw disk write and O_DIRECT read, the raw "
+                    "Mooncake Transfer Engine, a ZeroMQ round trip), the peers (SGLang's file and mooncake backends "
+                    "through SGLang's own page functions) and this project through the real backend and a real "
+                    "host pool (each tier, each write policy, prefix lookups, 1/2/4 rank processes). Figures are "
+                    "medians of --repeat repetitions with their spread; ratios are within the run. Exits 1 when a "
+                    "run failed (never because a figure is low).")
+    p.add_argument("--only", type=_list(str, PARTS), default=list(PARTS), metavar="PARTS",
+                   help=f"comma-separated parts: {','.join(PARTS)} (default all)")
+    p.add_argument("--page-mib", type=_list(int), default=[1, 4, 8], metavar="SIZES",
+                   help="page sizes in MiB (default 1,4,8)")
+    p.add_argument("--pages", type=int, default=128, help="pages a batch (default 128)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions; figures are medians (default 3)")
+    p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions")
+    p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
+                   "(default /var/tmp/hicache-bench-PID; removed afterwards)")
+    p.add_argument("--json", metavar="FILE", help="write every sample here")
+    p.add_argument("--out", metavar="FILE", help="write the Markdown report here (e.g. BENCHMARKS.md)")
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart here (needs matplotlib)")
+    p.add_argument("--command", help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="no progress lines, no report on stdout")
+    p.add_argument("--verbose", action="store_true", help="tracebacks of failed parts")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    if args.quick:
+        args.pages, args.repeat = min(args.pages, 8), min(args.repeat, 2)
+        if args.page_mib == [1, 4, 8]:
+            args.page_mib = [1]
+    if args.pages < 1 or args.repeat < 1:
+        print("bench: --pages and --repeat must be positive")
+        return 2
+    args.work_dir = args.work_dir or f"/var/tmp/hicache-bench-{os.getpid()}"
+    from hicache_ext.bench.run import run  # torch and sglang load only here
+    return run(args)
