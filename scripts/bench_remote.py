@@ -14,8 +14,9 @@ registered with it, and a RemoteStore.  Per repetition, interleaved:
   commit a pool; one locate, all transfers), and page by page (put / get_into).
 - via daemon: an engine-side client whose host pool is a memfd, a remote tier
   daemon process, the pool (put_region / get_region): the whole path.
-Every path runs once in each repetition, one after the other, so a noisy
-machine slows all of them alike.  Prints medians over repetitions and each
+Every path runs once in each repetition, one after the other and in an
+order rotated from one repetition to the next, so a noisy machine slows all
+of them alike.  Prints medians over repetitions and each
 path's ratio to the raw engine.
 
     python scripts/bench_remote.py --page-mib 8 --pages 8 --runs 7 --json out.json
@@ -69,7 +70,13 @@ class InProcess:
         self.dst = [view[(pages + i) * size:(pages + i + 1) * size] for i in range(pages)]
         # Arena addresses for the raw engine: granted once, kept reserved for the whole run.
         self.control = PoolClient(endpoint, "bench-raw", timeout=1.0, retry_max=1.0)
-        self.grant = self.control.alloc([f"raw-{i}" for i in range(pages)], [size] * pages, [None] * pages, ttl=3600.0)
+        end = time.monotonic() + 30  # a loaded machine may miss the first connect: the client backs off, retry
+        while True:
+            self.grant = self.control.alloc([f"raw-{i}" for i in range(pages)], [size] * pages, [None] * pages,
+                                            ttl=3600.0)
+            if self.grant is not None or time.monotonic() > end:
+                break
+            time.sleep(0.2)
         if self.grant is None or any(e is None or len(e) != 1 for e in self.grant.extents):
             raise SystemExit("the pool did not grant contiguous room for the raw transfers")
         self.remote = [e[0][0] for e in self.grant.extents]
@@ -193,10 +200,12 @@ def main(argv=None) -> int:
             for run in paths.values():
                 run(op)
         series = {f"{name}_{op}": [] for op in ("write", "read") for name in paths}
-        for _ in range(args.runs):
+        names = list(paths)
+        for rep in range(args.runs):
+            order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: no path always runs first
             for write, op in ((True, "write"), (False, "read")):
-                for name, run in paths.items():
-                    series[f"{name}_{op}"].append(timed(lambda: run(write)))
+                for name in order:
+                    series[f"{name}_{op}"].append(timed(lambda: paths[name](write)))
         local.check()
         if daemon is not None:
             daemon.check()
