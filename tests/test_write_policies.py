@@ -37,7 +37,9 @@ def nvme_held(runner, engine, keys):
     """Which keys the NVMe tier itself holds, asked directly."""
     client = TierClient("nvme", runner.config.tier("nvme").endpoint, engine.backend.namespace)
     try:
-        return [b == 1 for b in client.lookup(keys)]
+        flags = client.lookup(keys)
+        assert flags is not None, "the NVMe tier did not answer"
+        return [b == 1 for b in flags]
     finally:
         client.close()
 

@@ -34,7 +34,7 @@ class Deadlines:
     min_bandwidth: float = 200e6  # bytes/s below which a transfer is given up
     lookup: float = 0.5  # seconds for a lookup
     margin: float = 0.1  # the daemon's deadline is this much earlier than ours
-    connect_wait: float = 0.05  # how long a send waits for the connection to come up
+    connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up
     backoff_min: float = 0.2
     backoff_max: float = 5.0
 
@@ -55,6 +55,7 @@ class TierClient:
                  deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None):
         self.name = name
         self.endpoint = endpoint
+        self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
         self.namespace = P.check_namespace(namespace)
         self.client_name = client_name or f"pid{os.getpid()}"
         self.deadlines = deadlines or Deadlines()
@@ -118,8 +119,11 @@ class TierClient:
         header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
         sock = self._socket()
         try:
-            # A fresh socket needs a moment to connect; a missing daemon costs at most connect_wait.
-            if not sock.poll(int(min(timeout, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
+            # A fresh socket needs a moment to connect (longer on a loaded machine); an ipc
+            # daemon whose socket file is gone fails at once instead of waiting.
+            if self._ipc_path and not os.path.exists(self._ipc_path):
+                raise zmq.Again()
+            if not sock.poll(int(min(timeout / 2, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
                 raise zmq.Again()
             big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
             sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=not big)
