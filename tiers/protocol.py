@@ -185,9 +185,30 @@ def keys_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> List[str]:
     keys = field(header, "keys", list)
     if len(keys) > max_batch:
         raise ProtocolError("too_large", f"batch of {len(keys)} keys exceeds {max_batch}")
-    for key in keys:
-        check_key(key)
+    if not _keys_valid(keys):
+        for key in keys:  # the slow path names the first bad key
+            check_key(key)
     return keys
+
+
+# Every byte a key may hold, for the batch check below (the same alphabet as _KEY_RE).
+_KEY_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:=+-"
+
+
+def _keys_valid(keys: list) -> bool:
+    """check_key's rules for a whole batch in a few C-level passes (a regex a key cost ~1 us each)."""
+    if not keys:
+        return True
+    if set(map(type, keys)) != {str}:
+        return False
+    lengths = list(map(len, keys))
+    if min(lengths) < 1 or max(lengths) > MAX_KEY_CHARS:
+        return False
+    joined = "".join(keys)
+    if not joined.isascii():
+        return False
+    # Deleting every allowed byte must leave nothing behind.
+    return not joined.encode("ascii").translate(None, _KEY_BYTES)
 
 
 # ------------------------------------------------------------------ replies
