@@ -38,7 +38,7 @@ class PoolClient:
         self.endpoint = endpoint
         self.timeout = timeout
         deadlines = Deadlines(base=timeout, lookup=timeout, margin=min(0.05, timeout / 4),
-                              connect_wait=min(0.05, timeout), backoff_min=min(0.2, retry_max),
+                              connect_wait=min(0.1, timeout), backoff_min=min(0.2, retry_max),
                               backoff_max=retry_max)
         self._done: List[int] = []  # read leases to release with the next locate
         self._done_lock = threading.Lock()
