@@ -132,6 +132,13 @@ class ViaDaemon:
         self.node = NodeRunner(remote_node_config([port], max_page_bytes=f"{page_mib}MiB", pool_timeout_ms=1000),
                                os.path.join(tmp, "node", "run"), os.path.join(tmp, "node", "data"))
         self.node.start()
+        try:
+            self._connect(size, pages)
+        except BaseException:
+            self.node.stop()  # no daemon outlives a failed start
+            raise
+
+    def _connect(self, size: int, pages: int) -> None:
         self.client = TierClient("remote", self.node.config.tier("remote").endpoint, "bench-e2e",
                                  deadlines=Deadlines(base=10.0, lookup=2.0))
         self.nbytes = size * pages
@@ -139,9 +146,12 @@ class ViaDaemon:
         os.ftruncate(self.fd, 2 * self.nbytes)
         self.host = mmap.mmap(self.fd, 2 * self.nbytes)
         self.host[:] = np.random.default_rng(2).integers(0, 256, 2 * self.nbytes, dtype=np.uint8).tobytes()
-        self.client.attach_region(self.fd, 2 * self.nbytes)
-        end = time.monotonic() + 30  # a loaded machine may miss the first connect: the client backs off, retry
-        while self.client.lookup(["warm"]) is None or self.client.region_id is None:
+        end = time.monotonic() + 30  # a loaded machine may miss the first connect or registration: again
+        while True:
+            if self.client.region_id is None:
+                self.client.attach_region(self.fd, 2 * self.nbytes)  # registers again once a session is open
+            if self.client.lookup(["warm"]) is not None and self.client.region_id is not None:
+                break
             if time.monotonic() > end:
                 raise SystemExit("the remote tier did not take the host pool region")
             time.sleep(0.2)

@@ -32,15 +32,27 @@ class Node:
 
     def __init__(self, tmp, name: str, ports):
         self.runner = NodeRunner(remote_node_config(ports), str(tmp / name / "run"), str(tmp / name / "data"))
-        self.runner.start()
+        try:
+            self.runner.start()
+            self._connect()
+        except BaseException:
+            self.runner.stop()  # no daemon outlives a failed start
+            raise
+
+    def _connect(self):
         self.client = TierClient("remote", self.runner.config.tier("remote").endpoint, "model-a",
                                  deadlines=Deadlines(base=1.0, lookup=0.5, backoff_max=0.5))
         self.fd = os.memfd_create("host-pool")
         os.ftruncate(self.fd, HOST_POOL)
         self.host = mmap.mmap(self.fd, HOST_POOL)
-        self.client.attach_region(self.fd, HOST_POOL)
-        # A loaded machine may miss the first connect (the client then backs off): ask until it answers.
-        assert eventually(lambda: self.client.lookup(["warmup"]) == b"\x00" and self.client.region_id is not None)
+        # A loaded machine may miss the first connect or registration (the client then backs off, or
+        # falls back to frames): ask until the tier answers and has the host pool.
+        assert eventually(self._registered)
+
+    def _registered(self) -> bool:
+        if self.client.region_id is None:
+            self.client.attach_region(self.fd, HOST_POOL)  # registers again when the session is open
+        return self.client.lookup(["warmup"]) == b"\x00" and self.client.region_id is not None
 
     def put(self, keys, seeds, slot0: int = 0):
         """Write pages through the shared host pool (one-sided from the mapping)."""
@@ -73,12 +85,16 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("remote")
     ports = free_ports(3)
     pools = NodeRunner(pool_config(ports), str(tmp / "pools" / "run"), str(tmp / "pools" / "data"))
-    pools.start()
-    nodes = [Node(tmp, "node-a", ports), Node(tmp, "node-b", ports)]
-    yield pools, nodes, Rendezvous(pool_endpoints(ports)), pool_endpoints(ports)
-    for node in nodes:
-        node.close()
-    pools.stop()
+    nodes = []
+    try:
+        pools.start()
+        for name in ("node-a", "node-b"):
+            nodes.append(Node(tmp, name, ports))
+        yield pools, nodes, Rendezvous(pool_endpoints(ports)), pool_endpoints(ports)
+    finally:
+        for node in nodes:
+            node.close()
+        pools.stop()
 
 
 def timed(fn, *args):
@@ -221,10 +237,10 @@ def test_adding_a_pool_moves_only_its_share(cluster, tmp_path):
     (port,) = free_ports(1)
     extra = NodeRunner(pool_config([port]).replace('"pool0"', '"pool3"'), str(tmp_path / "p3" / "run"),
                        str(tmp_path / "p3" / "data"))
-    extra.start()
     bigger = [int(e.rsplit(":", 1)[1]) for e in endpoints] + [port]
     c = None
     try:
+        extra.start()
         c = Node(tmp_path, "node-c", bigger)
         keys = [f"grow-{i}" for i in range(24)]
         assert a.put(keys, range(500, 524)) == [True] * 24

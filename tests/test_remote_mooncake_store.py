@@ -47,8 +47,8 @@ def cluster(tmp_path_factory):
     try:
         for name, segment in (("a", "32MiB"), ("b", "0")):
             runner = NodeRunner(node_config(rpc, segment), str(tmp / name / "run"), str(tmp / name / "data"))
-            runner.start()
             nodes.append(runner)
+            runner.start()
         yield nodes
     finally:
         for runner in nodes:
@@ -63,9 +63,12 @@ def client_with_host_pool(runner):
     fd = os.memfd_create("host-pool")
     os.ftruncate(fd, 8 << 20)
     host = mmap.mmap(fd, 8 << 20)
-    client.attach_region(fd, 8 << 20)
-    end = time.monotonic() + 10  # a loaded machine may miss the first connect: ask until it answers
-    while (client.lookup(["warmup"]) is None or client.region_id is None) and time.monotonic() < end:
+    end = time.monotonic() + 10  # a loaded machine may miss the first connect or registration: ask again
+    while time.monotonic() < end:
+        if client.region_id is None:
+            client.attach_region(fd, 8 << 20)
+        if client.lookup(["warmup"]) is not None and client.region_id is not None:
+            break
         time.sleep(0.1)
     assert client.region_id is not None
     return client, host, fd

@@ -146,7 +146,12 @@ class RegionRegistry:
                 return
         self._by_conn[fd] = region
         self._by_id[region.region_id] = region
-        P.send_framed(conn, {"v": P.PROTOCOL_VERSION, "ok": True, "region": region.region_id})
+        try:
+            P.send_framed(conn, {"v": P.PROTOCOL_VERSION, "ok": True, "region": region.region_id})
+        except OSError:  # the client stopped waiting (its deadline passed): it will register again
+            log.info("a host pool region's client left before the reply; unmapped")
+            self._drop(fd, poller)
+            return
         log.info("mapped a host pool region of %d bytes", region.size)
 
     def _map(self, header: dict, memfd: Optional[int], conn) -> Region:
