@@ -29,6 +29,13 @@ ceiling.  --flat drops the prefix rule: every access is scored on its own.
 Engines: lru uses one pass of LRU stack distances for every capacity; the other
 policies run a compiled twin of the policy class (kernels.c, checked access by
 access against the class in the tests); --engine policy runs the Python class.
+
+--live replays the same requests through the real backend (built by SGLang's
+factory, a 4-byte-page host pool, the controller's page functions) against
+tier daemons: --start runs a fresh one-tier DRAM node per policy and capacity
+(block size = page size, so capacity in blocks is pages); without --start the
+node's running daemons are used (their top tier's policy and capacity).  Hits
+must equal the simulation's; every row says whether they do.
 """
 
 
@@ -54,6 +61,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
     best = sweep.ceiling(trace, flat=args.flat)
+    if args.live:
+        return cmd_replay_live(args, trace, policies, capacities, best)
     print(f"{trace.n_requests:,} requests, {trace.n_accesses:,} block accesses, {trace.n_keys:,} unique blocks "
           f"of {trace.block_tokens} tokens; {'flat (no prefix rule)' if args.flat else 'prefix rule'}")
     if args.bench:
@@ -68,10 +77,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         except kernels.KernelUnavailable as exc:
             print(f"replay: compiled kernels unavailable ({exc}); use --engine auto or policy", file=sys.stderr)
             return EXIT_FAILED
+    return _report_rows(args, trace, rows, best, {})
+
+
+def _report_rows(args: argparse.Namespace, trace, rows, best, extra_meta: dict) -> int:
+    """The hit-rate tables on stdout; JSON, CSV and plot when asked."""
+    from tiers.sim import report
     print(report.hit_rate_table(rows, best, "token_hit_rate"))
     print(report.hit_rate_table(rows, best, "block_hit_rate"))
     meta = {"traces": args.traces, "block_tokens": args.block_tokens, "flat": args.flat,
-            "requests": trace.n_requests, "accesses": trace.n_accesses, "unique_blocks": trace.n_keys}
+            "requests": trace.n_requests, "accesses": trace.n_accesses, "unique_blocks": trace.n_keys, **extra_meta}
     if args.json:
         report.write_json(args.json, rows, best, meta)
     if args.csv:
@@ -81,6 +96,64 @@ def cmd_replay(args: argparse.Namespace) -> int:
         names = ", ".join(n.rsplit("/", 1)[-1] for n in args.traces)
         hit_rate_plot(args.plot, rows, best, title=f"{names}: {'flat' if args.flat else 'prefix'} token hit rate")
     return EXIT_OK
+
+
+def cmd_replay_live(args: argparse.Namespace, trace, policies: list, capacities: list, best) -> int:
+    """--live: the trace through the real backend against tier daemons, checked against the simulation."""
+    import threading
+    import time
+
+    from tqdm import tqdm
+
+    from tiers.sim import live
+
+    if args.bench:
+        print("replay: --bench measures the simulator; it does not combine with --live", file=sys.stderr)
+        return EXIT_USAGE
+    if args.start and args.runtime_dir:
+        print("replay: --start runs its own nodes in temporary directories; drop --runtime-dir", file=sys.stderr)
+        return EXIT_USAGE
+    if args.start and any(c.blocks <= 0 for c in capacities):
+        print("replay --live --start: every capacity must be at least one block", file=sys.stderr)
+        return EXIT_USAGE
+    points = len(policies) * len(capacities) if args.start else 1
+    print(f"{trace.n_requests:,} requests, {trace.n_accesses:,} block accesses, {trace.n_keys:,} unique blocks "
+          f"of {trace.block_tokens} tokens; live: {live.page_bytes()}-byte pages through the SGLang backend, "
+          f"{'a fresh DRAM node per point' if args.start else 'the running daemons'}")
+    lock = threading.Lock()
+    started = time.perf_counter()
+    with tqdm(total=trace.n_accesses * points, unit="acc", unit_scale=True, disable=args.quiet or None,
+              leave=False, file=sys.stderr) as bar:
+        def progress(n: int) -> None:
+            with lock:
+                bar.update(n)
+        try:
+            if args.start:
+                rows = live.replay_started(trace, policies, capacities, flat=args.flat, progress=progress,
+                                           parallel=args.live_parallel)
+            else:
+                from tiers.cli_serve import config_path
+                rows = [live.replay_running(trace, args.runtime_dir, config_path(args), flat=args.flat,
+                                            progress=progress)]
+        except (live.LiveError, OSError, ValueError, RuntimeError, TimeoutError) as exc:
+            print(f"replay --live: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    wall = time.perf_counter() - started
+    print(f"{'policy':>10}  {'capacity':>9}  {'blocks':>8}  {'hit blocks':>10}  {'simulated':>10}  {'match':>5}  "
+          f"{'seconds':>8}  {'requests/s':>10}")
+    for r in rows:
+        print(f"{r.policy:>10}  {r.capacity:>9}  {r.capacity_blocks:>8,}  {r.hit_blocks:>10,}  {r.sim_hit_blocks:>10,}  "
+              f"{'yes' if r.matches_simulation else 'NO':>5}  {r.seconds:>8.2f}  {r.requests_per_s:>10,.0f}")
+    print(f"wall time {wall:.1f} s for {len(rows)} point(s) (daemon starts and SGLang import included)")
+    code = _report_rows(args, trace, rows, best, {"live": True, "page_bytes": live.page_bytes(),
+                                                   "wall_seconds": wall})
+    wrong = [r for r in rows if not r.matches_simulation]
+    for r in wrong:
+        print(f"replay --live: {r.policy} at {r.capacity}: {r.request_mismatches} requests and "
+              f"{r.access_mismatches} accesses differ from the simulation"
+              + ("" if args.start else " (a tier shared with other pages, or not fresh, cannot match)"),
+              file=sys.stderr)
+    return EXIT_FAILED if wrong else code
 
 
 def model_from_args(args: argparse.Namespace) -> PrefillModel:
@@ -145,6 +218,18 @@ def register(subparsers) -> None:
     replay.add_argument("--plot", metavar="FILE.png", help="plot token hit rate against capacity")
     replay.add_argument("--bench", action="store_true", help="measure accesses/s per policy and engine instead")
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
+    replay.add_argument("--live", action="store_true",
+                        help="replay through the real SGLang backend against tier daemons and check the hits "
+                             "against the simulation")
+    replay.add_argument("--start", action="store_true",
+                        help="with --live: start a fresh one-tier DRAM node per policy and capacity "
+                             "(default: the running daemons of the node configuration)")
+    replay.add_argument("--config", metavar="FILE",
+                        help="with --live: node configuration of the running daemons (default $HICACHE_TIERS_CONFIG, "
+                             "then the system file, then the embedded default)")
+    replay.add_argument("--runtime-dir", metavar="DIR", help="with --live: where the running daemons' sockets are")
+    replay.add_argument("--live-parallel", type=int, default=4, metavar="N",
+                        help="with --live --start: nodes run and replayed at once (default: %(default)s)")
     replay.set_defaults(func=cmd_replay)
 
     model = subparsers.add_parser("model", help="prefill model of KV offloading: TTFT speed-up over reuse fraction",
