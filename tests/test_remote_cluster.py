@@ -256,3 +256,16 @@ def test_adding_a_pool_moves_only_its_share(cluster, tmp_path):
         if c is not None:
             c.close()
         extra.stop()
+
+
+def test_a_client_that_leaves_mid_registration_does_not_end_the_tier(cluster):
+    import socket
+    _pools, (a, _b), _placement, _endpoints = cluster
+    path = a.runner.config.tier("remote").fd_socket(a.runner.runtime_dir)
+    for _ in range(5):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        P.send_register(conn, a.fd, {"v": P.PROTOCOL_VERSION, "s": 1, "size": HOST_POOL})
+        conn.close()  # gone before the reply: the daemon's send fails
+    assert eventually(lambda: a.client.lookup(["still-there"]) == b"\x00")
+    assert a.runner.procs["remote"].poll() is None
