@@ -14,6 +14,9 @@ from tiers.sim.capacity import Capacity
 from tiers.sim.simulate import leading_run, policy_hits, score
 from tiers.sim.trace import Trace, from_requests
 
+# SGLang's import and 22 daemon processes: about 60 s of CPU, a minute or two of wall time on 2 loaded cores.
+pytestmark = pytest.mark.slow
+
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "radix-lru")
 SMALL_CAPACITIES = (40, 150)  # blocks; the trace has 895 distinct blocks in 4,062 accesses
 CONVERSATION_SLICE = (4100, 4300)  # requests of the conversation trace with some reuse inside the slice
