@@ -38,7 +38,7 @@ class BackendSettings:
     write_policy: Optional[str] = None  # None: the node's default
     namespace: Optional[str] = None  # override the derived namespace (deployments sharing daemons)
     deadline_base_s: float = 1.0  # any call may take this long, plus bytes / deadline_min_gbps
-    deadline_min_gbps: float = 0.2
+    deadline_min_gbps: float = 0.1
     lookup_timeout_s: float = 0.5
     promote: bool = True  # copy pages read from a lower tier into the top tier
     selective_min_reads: int = 2  # selective: reads before a page is written below

@@ -1,7 +1,18 @@
 """Copying pages between lists of byte buffers (the scatter/gather of every tier)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 from typing import List, Sequence
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise.restype = ctypes.c_int
+except OSError:  # no libc by that name: populate by touching pages
+    _libc = None
 
 
 def as_bytes_view(buf) -> memoryview:
@@ -40,3 +51,18 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
 def split_extents(views: Sequence[memoryview]) -> List[memoryview]:
     """Drop empty views (they would stall the copy loop)."""
     return [v for v in views if v.nbytes]
+
+
+def populate(mapping: mmap.mmap) -> bool:
+    """Fault a whole shared mapping in for writing, without holding the GIL.
+
+    mmap.madvise keeps the GIL for the whole call (seconds for a large pool),
+    which would freeze a daemon's loop; a ctypes call releases it.  Returns
+    False when the kernel cannot (pages then fault in on first use).
+    """
+    if _libc is None or len(mapping) == 0:
+        return False
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    del anchor  # release the buffer export at once; the address stays valid while mapped
+    return _libc.madvise(address, len(mapping), MADV_POPULATE_WRITE) == 0

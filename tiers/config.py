@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 DEFAULT_CONFIG_TOML = """\
-# hicache-tiers embedded default: one DRAM tier.
+# hicache-tiers embedded default: DRAM in front of NVMe, every page in both.
 [node]
 write_policy = "write_through"
 
@@ -24,6 +24,12 @@ write_policy = "write_through"
 name = "dram"
 kind = "dram"
 capacity = "4GiB"
+policy = "lru"
+
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "64GiB"
 policy = "lru"
 """
 

@@ -15,12 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from tiers.buffers import as_bytes_view, scatter_copy
+from tiers.buffers import as_bytes_view, populate, scatter_copy
 from tiers.policies import make_policy
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreStats, total_size
 
 log = logging.getLogger("hicache.dram")
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
@@ -65,9 +64,7 @@ class DramStore(PageStore):
             self._map.madvise(_MADV_HUGEPAGE)  # where shmem THP is enabled; harmless elsewhere
         except (OSError, ValueError):
             pass
-        try:
-            self._map.madvise(_MADV_POPULATE_WRITE)  # Linux 5.14+
-        except (OSError, ValueError):
+        if not populate(self._map):
             step = mmap.PAGESIZE
             for offset in range(0, self.capacity, step):
                 self._map[offset] = 0
