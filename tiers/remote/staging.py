@@ -7,6 +7,7 @@ staging slot first: one copy on this node, none on the wire.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import queue
 import threading
@@ -17,24 +18,62 @@ from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import address_of
 from tiers.store import Buffers, PageTooLarge, StoreIOError, StoreStats, total_size
 
+log = logging.getLogger("hicache.remote.staging")
+
 Extents = List[Tuple[int, int]]
 
 
 class Registrations:
-    """Address ranges registered with an engine (host pool mappings, staging)."""
+    """Address ranges registered with an engine (host pool mappings, staging).
+
+    Readers (every transfer) look at an immutable snapshot; writers replace it
+    under a lock.  A host pool can be registered in the background: with RDMA,
+    pinning tens of GiB takes seconds, longer than the engine waits for the
+    region's acknowledgement; until it is done its pages go through staging.
+    """
 
     def __init__(self, register: Callable[[int, int], None], unregister: Callable[[int], None]):
         self._register, self._unregister = register, unregister
-        self._ranges: Dict[int, int] = {}
+        self._ranges: Dict[int, int] = {}  # replaced, never mutated: readers need no lock
+        self._lock = threading.Lock()
+        self._pending: Dict[int, threading.Thread] = {}
 
-    def add(self, view: memoryview) -> None:
-        base = address_of(view)
-        self._register(base, view.nbytes)
-        self._ranges[base] = view.nbytes
+    def add(self, view: memoryview, background: bool = False) -> None:
+        """Register view with the engine (EngineError on refusal unless in the background: then a log line)."""
+        base, size = address_of(view), view.nbytes
+        if not background:
+            self._register(base, size)
+            self._publish(base, size)
+            return
+        thread = threading.Thread(target=self._register_later, args=(base, size), name="register", daemon=True)
+        with self._lock:
+            self._pending[base] = thread
+        thread.start()
+
+    def _register_later(self, base: int, size: int) -> None:
+        try:
+            self._register(base, size)
+        except Exception as exc:  # pages of this region keep going through staging
+            log.warning("cannot register a host pool of %d bytes with the engine: %s; its pages are staged", size, exc)
+            return
+        self._publish(base, size)
+        log.info("host pool of %d bytes registered with the engine", size)
+
+    def _publish(self, base: int, size: int) -> None:
+        with self._lock:
+            self._ranges = {**self._ranges, base: size}
 
     def remove(self, view: memoryview) -> None:
         base = address_of(view)
-        if self._ranges.pop(base, None) is not None:
+        with self._lock:
+            pending = self._pending.pop(base, None)
+        if pending is not None:
+            pending.join()  # a registration still running ends first, then is undone
+        with self._lock:
+            ranges = dict(self._ranges)
+            known = ranges.pop(base, None) is not None
+            self._ranges = ranges
+        if known:
             self._unregister(base)
 
     def covers(self, addr: int, length: int) -> bool:
@@ -131,7 +170,7 @@ class HostPoolStore:
 
     def region_mapped(self, view: memoryview) -> None:
         """Register a host-pool mapping with the engine (the tier daemon calls this when it maps one)."""
-        self._registrations.add(view)
+        self._registrations.add(view, background=True)
 
     def region_unmapped(self, view: memoryview) -> None:
         self._registrations.remove(view)
