@@ -404,33 +404,37 @@ class TierDaemon:
 
     def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive, mode="through",
                    min_reads=2) -> list:
-        stored = []
-        refusal = None
         many = getattr(self.store, "put_many", None)  # a store that moves a whole batch at once (remote tier)
         outcomes = many([(ns, k) for k in keys], pages, parents, deadline) if many is not None else None
-        for i, (key, page, parent) in enumerate(zip(keys, pages, parents)):
+
+        def put_one(i: int):
+            """(stored, refusal) of page i."""
             if deadline is not None and time.time() > deadline:
-                refusal = refusal or ("deadline", "deadline passed during the batch")
-                stored.append(False)
-                continue
+                return False, ("deadline", "deadline passed during the batch")
             try:
                 if outcomes is None:
-                    self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+                    parent = parents[i]
+                    self.store.put((ns, keys[i]), pages[i], parent if isinstance(parent, str) else None)
                 elif outcomes[i] is not None:
                     raise outcomes[i]
             except StoreError as exc:
-                refusal = refusal or (exc.code, str(exc))
-                stored.append(False)
-                continue
+                return False, (exc.code, str(exc))
             # The engine may reuse its buffer once it stops waiting: a copy that
             # ended after the deadline may hold torn bytes, so it is not kept.
             if deadline is not None and time.time() > deadline:
-                self.store.delete([(ns, key)])
-                stored.append(False)
-                continue
-            stored.append(True)
-            if self.lower is not None:
-                self.dirty.add((ns, key), mode, min_reads)
+                self.store.delete([(ns, keys[i])])
+                return False, None
+            return True, None
+        # A store that takes concurrent calls (disk) gets several pages of the batch in flight.
+        fan_out = outcomes is None and len(keys) > 1 and getattr(self.store, "parallel_io", False)
+        results = list(self._batch_workers().map(put_one, range(len(keys)))) if fan_out else \
+            [put_one(i) for i in range(len(keys))]
+        stored = [ok for ok, _why in results]
+        refusal = next((why for _ok, why in results if why), None)
+        if self.lower is not None:
+            for key, ok in zip(keys, stored):
+                if ok:
+                    self.dirty.add((ns, key), mode, min_reads)
         self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
         fields = {"stored": P.flags(stored)}
         if refusal:
@@ -449,25 +453,34 @@ class TierDaemon:
             found = many([(ns, k) for k in keys], pages, deadline)
             self.metrics.pages("get", sum(found), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, found) if ok))
             return [P.reply_ok(req_id, found=P.flags(found))]
-        found: List[bool] = []
-        out_frames = []
-        nbytes = 0
-        for i, key in enumerate(keys):
+
+        def get_one(i: int):
+            """(found, bytes or None) of page i."""
             # Writing into host memory after the engine gave up would corrupt
-            # pages it has since reused: stop at the deadline.
+            # pages it has since reused: nothing starts after the deadline.
             if deadline is not None and time.time() > deadline:
-                found.extend([False] * (len(keys) - i))
-                break
+                return False, None
             if pages is not None:
-                ok = self.store.get_into((ns, key), pages[i])
-                if ok:
-                    nbytes += sum(v.nbytes for v in pages[i])
-            else:
-                data = self.store.get_bytes((ns, key))
-                ok = data is not None
-                if ok:
-                    out_frames.append(data)
-                    nbytes += len(data)
-            found.append(ok)
+                return self.store.get_into((ns, keys[i]), pages[i]), None
+            data = self.store.get_bytes((ns, keys[i]))
+            return data is not None, data
+        # A store that takes concurrent calls (disk) gets several pages of the batch in flight.
+        fan_out = len(keys) > 1 and getattr(self.store, "parallel_io", False)
+        results = list(self._batch_workers().map(get_one, range(len(keys)))) if fan_out else \
+            [get_one(i) for i in range(len(keys))]
+        found = [ok for ok, _data in results]
+        out_frames = [data for ok, data in results if ok and data is not None]
+        if pages is not None:
+            nbytes = sum(sum(v.nbytes for v in p) for p, ok in zip(pages, found) if ok)
+        else:
+            nbytes = sum(len(f) for f in out_frames)
         self.metrics.pages("get", sum(found), nbytes)
         return [P.reply_ok(req_id, found=P.flags(found)), *out_frames]
+
+    def _batch_workers(self) -> ThreadPoolExecutor:
+        """Threads that run the pages of one batch concurrently (as many as the I/O pool has)."""
+        workers = self.__dict__.get("_batch_pool")
+        if workers is None:  # created on first use; setdefault keeps exactly one under races
+            workers = self.__dict__.setdefault("_batch_pool", ThreadPoolExecutor(
+                max_workers=max(2, self._pool._max_workers), thread_name_prefix=f"{self.name}-page"))
+        return workers
