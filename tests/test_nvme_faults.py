@@ -7,6 +7,8 @@ import random
 import shutil
 import subprocess
 import sys
+import time
+from contextlib import closing
 
 import pytest
 
@@ -82,13 +84,10 @@ def test_corruption_found_after_restart(store):
     path = path_of(store, ("ns", "k2"))
     store.close()
     flip(path, HEADER_SIZE + 5)
-    reopened = NvmeStore(store.root, 1 << 20)
-    try:
+    with closing(NvmeStore(store.root, 1 << 20)) as reopened:
         assert reopened.stats().pages == 4  # names are trusted at start, content on read
         assert reopened.get_bytes(("ns", "k2")) is None
         assert reopened.stats().pages == 3 and not os.path.exists(path)
-    finally:
-        reopened.close()
 
 
 def test_crash_between_temp_write_and_rename(store):
@@ -99,12 +98,9 @@ def test_crash_between_temp_write_and_rename(store):
     write_file(tmp, [memoryview(b"\0" * (HEADER_SIZE + PAGE // 3))], fsync=False, direct=False)
     assert bytes(store.get_bytes(key)) == page(0)
     store.close()
-    reopened = NvmeStore(store.root, 1 << 20)
-    try:
+    with closing(NvmeStore(store.root, 1 << 20)) as reopened:
         assert not os.path.exists(tmp) and reopened.stats().extra["temp_removed"] == 1
         assert bytes(reopened.get_bytes(key)) == page(0)
-    finally:
-        reopened.close()
 
 
 def test_kill_during_puts_never_exposes_partial_pages(tmp_path):
@@ -123,20 +119,19 @@ while True:
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ready"
-    while not any(f.endswith(".kv") for _d, _s, fs in os.walk(root) for f in fs):
-        pass
+    deadline = time.monotonic() + 20
+    while not any(f.endswith(".kv") for _d, _s, fs in os.walk(root) for f in fs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # let it get well into a stream of puts
     proc.kill()
     proc.wait()
-    store = NvmeStore(str(root), 64 << 20)
-    try:
+    with closing(NvmeStore(str(root), 64 << 20)) as store:
         assert leftovers(root) == []
         present = [i for i in range(50) if store.contains([("ns", f"k{i}")])[0]]
         assert present
         for i in present:
             assert bytes(store.get_bytes(("ns", f"k{i}"))) == random.Random(i).randbytes(256 << 10)
         assert store.stats().extra["corrupt_removed"] == 0
-    finally:
-        store.close()
 
 
 @pytest.fixture
@@ -151,8 +146,7 @@ def small_fs(tmp_path):
 
 
 def test_enospc_evicts_and_retries(small_fs):
-    store = NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=True)  # capacity far above the device
-    try:
+    with closing(NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=True)) as store:  # capacity far above the device
         size = 512 << 10
         for i in range(30):
             store.put(("ns", f"k{i}"), [memoryview(page(i, size))])
@@ -160,13 +154,10 @@ def test_enospc_evicts_and_retries(small_fs):
         assert st.extra["enospc_retries"] >= 1 and st.evictions >= 1
         assert bytes(store.get_bytes(("ns", "k29"))) == page(29, size)
         assert leftovers(small_fs) == []
-    finally:
-        store.close()
 
 
 def test_enospc_clean_refusal_keeps_serving(small_fs):
-    store = NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=False)
-    try:
+    with closing(NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=False)) as store:
         for i in range(3):
             store.put(("ns", f"k{i}"), [memoryview(page(i, 256 << 10))])
         with pytest.raises(StoreFull):
@@ -183,8 +174,6 @@ def test_enospc_clean_refusal_keeps_serving(small_fs):
         with pytest.raises(StoreFull):
             store.put(("ns", "k"), [memoryview(page(1, 512 << 10))])
         assert leftovers(small_fs) == [] and store.stats().pages == 0
-    finally:
-        store.close()
 
 
 def aligned(nbytes):
@@ -192,8 +181,7 @@ def aligned(nbytes):
 
 
 def test_direct_io_round_trip_and_fallback(tmp_path):
-    store = NvmeStore(str(tmp_path / "d"), 1 << 20, direct_io=True, fsync=False)
-    try:
+    with closing(NvmeStore(str(tmp_path / "d"), 1 << 20, direct_io=True, fsync=False)) as store:
         if not store.stats().extra["direct_io"]:
             pytest.skip("this file system refuses O_DIRECT")
         data = page(5, 16384)
@@ -204,18 +192,22 @@ def test_direct_io_round_trip_and_fallback(tmp_path):
         assert store.get_into(("ns", "a"), [dst]) and bytes(dst) == data
         store.put(("ns", "b"), [memoryview(data)[1:], memoryview(data)[:1]])  # unaligned: buffered
         assert bytes(store.get_bytes(("ns", "b"))) == data[1:] + data[:1]
-    finally:
-        store.close()
+
+
+def test_removed_fanout_directory_is_recreated(tmp_path):
+    with closing(NvmeStore(str(tmp_path / "nvme"), 1 << 20, fsync=False)) as store:
+        store.put(("ns", "k"), [memoryview(page(1))])
+        leaf = os.path.dirname(path_of(store, ("ns", "k")))
+        shutil.rmtree(leaf)
+        store.put(("ns", "k"), [memoryview(page(2))])
+        assert bytes(store.get_bytes(("ns", "k"))) == page(2)
 
 
 def test_direct_io_on_tmpfs_either_way(small_fs):
     # tmpfs accepts O_DIRECT from Linux 6.6 on and refuses it before: both must work.
-    store = NvmeStore(str(small_fs / "nvme"), 1 << 20, direct_io=True)
-    try:
+    with closing(NvmeStore(str(small_fs / "nvme"), 1 << 20, direct_io=True)) as store:
         store.put(("ns", "k"), [memoryview(page(1))])
         assert bytes(store.get_bytes(("ns", "k"))) == page(1)
-    finally:
-        store.close()
 
 
 def test_bench_smoke(tmp_path):

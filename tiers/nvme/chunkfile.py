@@ -24,7 +24,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import xxhash

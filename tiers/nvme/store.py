@@ -214,6 +214,9 @@ class NvmeStore(PageStore):
                                     self.name, exc.strerror)
                     self._direct = False
                     return self._write_temp(path, views, raw, disk)
+                if exc.errno == errno.ENOENT and not attempt:  # fan-out directory removed behind our back
+                    self._dirs.discard(os.path.dirname(path))
+                    continue
                 if exc.errno not in _FULL_ERRNOS:
                     raise StoreIOError(f"{self.name}: writing {tmp}: {exc.strerror}") from None
                 if attempt:
