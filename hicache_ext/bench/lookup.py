@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from hicache_ext.bench.rig import MiB, Node, Rank, node_toml, tier_toml
@@ -13,7 +14,7 @@ KEY_COUNTS = (1, 128, 1024)
 
 def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> None:
     """p50/p99 of batch_exists for 1, 128 and 1,024 held keys on a DRAM tier over an ipc socket."""
-    node = Node(os.path.join(args.work_dir, "lookup"), node_toml([tier_toml("dram", 64 * MiB, MiB)]))
+    node = Node(os.path.join(args.work_dir, "lookup"), node_toml([tier_toml("dram", 16 * 8 * MiB, 8 * MiB)]))
     try:
         rank = Rank.tiered(node, 1, max(KEY_COUNTS), tiny=True)
         keys = rank.keys(11)
@@ -23,22 +24,47 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> Non
         calls = max(20, calls // (4 if args.quick else 1))
         for n in KEY_COUNTS:
             progress.step(f"lookup: {n} keys x {calls} calls")
-            batch = keys[:n]
-            for _ in range(20):
-                rank.backend.batch_exists(batch)
-            samples = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                hits = rank.backend.batch_exists(batch)
-                samples.append(time.perf_counter() - start)
-                if hits != n:
-                    figs.failures.append(f"lookup: {hits} of {n} keys found")
-                    return
-            figs.set(f"lookup.{n}.p50", percentile(samples, 50) * 1e6, "us")
-            figs.set(f"lookup.{n}.p99", percentile(samples, 99) * 1e6, "us")
+            if not _latencies(figs, rank, keys[:n], calls, f"lookup.{n}"):
+                return
+        # The same 128-key lookup while another rank writes 8 MiB pages to the same daemon.
+        busy = Rank.tiered(node, 8, 4 if args.quick else 16)
+        stop = threading.Event()
+
+        def writer():
+            salt = 0
+            while not stop.is_set():
+                salt += 1
+                busy.write(busy.keys(20000 + salt))
+                busy.clear()
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        try:
+            progress.step("lookup: 128 keys while 8 MiB pages are written")
+            _latencies(figs, rank, keys[:128], calls, "lookup.128.busy")
+        finally:
+            stop.set()
+            thread.join()
+            busy.close()
         rank.close()
     finally:
         node.close()
+
+
+def _latencies(figs: Figures, rank: Rank, batch, calls: int, name: str) -> bool:
+    """p50 and p99 of batch_exists(batch) over calls calls; False (and a failure) on a wrong answer."""
+    for _ in range(20):
+        rank.backend.batch_exists(batch)
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        hits = rank.backend.batch_exists(batch)
+        samples.append(time.perf_counter() - start)
+        if hits != len(batch):
+            figs.failures.append(f"{name}: {hits} of {len(batch)} keys found")
+            return False
+    figs.set(f"{name}.p50", percentile(samples, 50) * 1e6, "us")
+    figs.set(f"{name}.p99", percentile(samples, 99) * 1e6, "us")
+    return True
 
 
 def run_zmq(figs: Figures, args, progress: Progress) -> None:

@@ -132,6 +132,10 @@ def markdown(figs: Figures, sizes: List[int], meta: dict) -> str:
         out += ["## Prefix lookup through the backend (DRAM tier, ipc socket)", "",
                 "| keys | p50 (us) | p99 (us) |", "|---|---|---|"]
         out += [f"| {n} | {_num(p, 0)} | {_num(q, 0)} |" for n, p, q in lk if p is not None]
+        busy = figs.median("lookup.128.busy.p50")
+        if busy is not None:
+            out.append(f"| 128, while another rank writes 8 MiB pages | {busy:.0f} | "
+                       f"{_num(figs.median('lookup.128.busy.p99'), 0)} |")
         for t in ("ipc", "tcp"):
             p = figs.median(f"limit.zmq_rtt.{t}.p50")
             if p is not None:
