@@ -190,6 +190,13 @@ class TierClient:
             session = self._ensure_session()
             if session is None:
                 return None
+            if "region" in fields:
+                # A region belongs to the session that registered it: after a new hello
+                # (daemon restart) name the region registered with it, never the old one.
+                region = self.region_id
+                if region is None:
+                    return None  # not registered in this session: the caller falls back to frames
+                fields["region"] = region
             reply = self._roundtrip(op, timeout, fields, frames, session=session)
             if reply is None:
                 return None
