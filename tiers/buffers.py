@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +56,24 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
         if soff == s.nbytes:
             si, soff = si + 1, 0
     return copied
+
+
+def block_extents(blocks: Sequence[int], block_size: int, size: int) -> List[Tuple[int, int]]:
+    """(offset, length) runs of an arena that size bytes take in these blocks, in order.
+
+    Adjacent blocks merge into one run, so a page in consecutive blocks is one memcpy.
+    """
+    extents: List[Tuple[int, int]] = []
+    remaining = size
+    for block in blocks:
+        length = min(block_size, remaining)
+        offset = block * block_size
+        if extents and extents[-1][0] + extents[-1][1] == offset:
+            extents[-1] = (extents[-1][0], extents[-1][1] + length)
+        else:
+            extents.append((offset, length))
+        remaining -= length
+    return extents
 
 
 def split_extents(views: Sequence[memoryview]) -> List[memoryview]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from tiers.buffers import as_bytes_view, populate, scatter_copy
+from tiers.buffers import as_bytes_view, block_extents, populate, scatter_copy
 from tiers.policies import make_policy
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreStats, total_size
 
@@ -98,17 +98,7 @@ class DramStore(PageStore):
             if not self._evict_one_locked():
                 raise StoreFull("arena full")
         blocks = [self._free.pop() for _ in range(needed)]
-        extents: List[Tuple[int, int]] = []
-        remaining = size
-        for block in blocks:
-            length = min(self.block_size, remaining)
-            offset = block * self.block_size
-            if extents and extents[-1][0] + extents[-1][1] == offset:
-                extents[-1] = (extents[-1][0], extents[-1][1] + length)
-            else:
-                extents.append((offset, length))
-            remaining -= length
-        return blocks, extents
+        return blocks, block_extents(blocks, self.block_size, size)
 
     # ----------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:

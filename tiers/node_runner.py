@@ -15,6 +15,7 @@ from typing import Dict, Optional
 import zmq
 
 from tiers import protocol as P
+from tiers import security
 from tiers.config import NodeConfig, parse_config
 
 
@@ -106,6 +107,7 @@ def ping(endpoint: str, timeout: float = 0.5) -> bool:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        security.apply_client(sock, endpoint)  # CurveZMQ keys of a tcp:// endpoint that has them
         sock.connect(endpoint)
         sock.send_multipart([P.request("hello", 1, ns="_ping", client="ping")])
         if not sock.poll(int(timeout * 1000)):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from tiers.buffers import as_bytes_view, scatter_copy
+from tiers.buffers import as_bytes_view, block_extents, scatter_copy
 from tiers.policies import make_policy
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreStats, total_size
 
@@ -92,17 +92,7 @@ class PoolStore(PageStore):
                 raise StoreFull(f"pool full: {len(self._free)} free blocks, {needed} needed, "
                                 "the rest pinned or reserved")
         blocks = [self._free.pop() for _ in range(needed)]
-        extents: Extents = []
-        remaining = size
-        for block in blocks:
-            length = min(self.block_size, remaining)
-            offset = block * self.block_size
-            if extents and extents[-1][0] + extents[-1][1] == offset:
-                extents[-1] = (extents[-1][0], extents[-1][1] + length)
-            else:
-                extents.append((offset, length))
-            remaining -= length
-        return blocks, extents
+        return blocks, block_extents(blocks, self.block_size, size)
 
     def _free_page_locked(self, page: _Page) -> None:
         if page.pins:
