@@ -3,7 +3,7 @@
 
 Per repetition: raw write (one new file per page, fdatasync per file when
 fsync is on) against NvmeStore.put of the same bytes; raw cold read (page
-cache dropped with posix_fadvise DONTNEED; --direct-io: O_DIRECT on both sides)
+cache dropped with posix_fadvise DONTNEED under --no-direct-io; by default O_DIRECT on both sides)
 against NvmeStore.get_into of cold chunks; then both warm.  Each operation
 runs through a pool of --io-threads threads, like the tier daemon, in slices
 of --slice pages alternating raw and store (the disk is shared and noisy).
@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slice", type=int, default=16, help="pages per alternating raw/store slice")
     parser.add_argument("--io-threads", type=int, default=4, help="thread pool size, as the daemon's")
     parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--direct-io", action="store_true", help="O_DIRECT for the store and the raw side")
+    parser.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
+                        help="O_DIRECT for the store and the raw side (the tier's default)")
     parser.add_argument("--compression", default="none", choices=["none", "zstd", "zstd-shuffle"])
     parser.add_argument("--level", type=int, default=1, help="zstd level")
     parser.add_argument("--seed", type=int, default=1234)

@@ -41,7 +41,7 @@ class NvmeStore(PageStore):
 
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
-                 direct_io: bool = False, io_threads: int = 4, name: str = "nvme"):
+                 direct_io: bool = True, io_threads: int = 4, name: str = "nvme"):
         if capacity < cf.HEADER_SIZE + 1:
             raise ValueError("capacity must hold at least one chunk")
         self.root = os.path.abspath(path)
