@@ -162,16 +162,20 @@ def run_rank(args, rank_id: int, conn, log_path: str) -> None:
     while time.time() < go["until"]:
         start = time.time()
         choice = rng.random()
-        if choice < 0.5 and stats["write_pages_acked"] < args.max_pages:
-            keys = chain_keys(rank_id, n)
-            n += 1
+        if choice < 0.5:
+            fresh = stats["write_pages_acked"] < args.max_pages or not acked
+            # Past --max-pages a rank rewrites its own chains (same keys, same content): still
+            # a write that needs every tier, no new capacity.
+            keys = chain_keys(rank_id, n) if fresh else rng.choice(acked)
+            n += fresh
             done = rank.write(keys)
             stats["writes"] += 1
-            stats["write_pages_acked"] += done
-            if done == len(keys):
-                acked.append(keys)
-            elif done:
-                partial.append(keys[:done])
+            if fresh:
+                stats["write_pages_acked"] += done
+                if done == len(keys):
+                    acked.append(keys)
+                elif done:
+                    partial.append(keys[:done])
             ops.append((start, time.time(), "write", done == len(keys)))
         elif choice < 0.95 and acked:
             keys = rng.choice(acked)
@@ -374,7 +378,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--tiers", default="dram,nvme", help="tier chain, fastest first (default dram,nvme)")
     parser.add_argument("--nvme-capacity", default="2GiB")
-    parser.add_argument("--max-pages", type=int, default=4000, help="pages a rank writes at most (keeps NVMe from evicting)")
+    parser.add_argument("--max-pages", type=int, default=4000, help="new pages a rank writes at most (then it rewrites its own; keeps NVMe from evicting)")
     parser.add_argument("--hold", type=float, default=3.0, help="seconds a restarted daemon stays up before the next kill")
     parser.add_argument("--min-down", type=float, default=0.1)
     parser.add_argument("--max-down", type=float, default=1.0)
