@@ -68,6 +68,14 @@ def test_corrupt_file_is_a_miss_and_removed(store, damage):
     assert bytes(store.get_bytes(("ns", "k2"))) == page(2)
 
 
+def test_file_deleted_behind_the_store_is_a_logged_miss(store, caplog):
+    os.unlink(path_of(store, ("ns", "k1")))
+    with caplog.at_level("WARNING", logger="hicache.nvme"):
+        assert store.get_bytes(("ns", "k1")) is None
+    assert store.contains([("ns", "k1")]) == [False] and store.stats().pages == 3
+    assert "vanished" in caplog.text
+
+
 def test_swapped_files_are_misses(store):
     a, b = path_of(store, ("ns", "k0")), path_of(store, ("ns", "k3"))
     tmp = a + ".swap"

@@ -124,15 +124,17 @@ class Ledger:
             self.extra["raw_bytes_in"] += raw
             self.extra["stored_bytes_in"] += stored
 
-    def drop(self, digest: int, entry: Entry, corrupt: bool = False) -> None:
-        """Forget digest if it still maps to entry (a newer version is left alone)."""
+    def drop(self, digest: int, entry: Entry, corrupt: bool = False) -> bool:
+        """Forget digest if it still maps to entry (a newer version is left alone); True if it did."""
         with self.lock:
-            if self._index.get(digest) is entry:
-                del self._index[digest]
-                self.used -= entry.disk_size
-                self._policy.remove(digest)
             if corrupt:
                 self.extra["corrupt_removed"] += 1
+            if self._index.get(digest) is not entry:
+                return False
+            del self._index[digest]
+            self.used -= entry.disk_size
+            self._policy.remove(digest)
+            return True
 
     def pop_many(self, digests: Iterable[int]) -> List[Victim]:
         """Take digests out of the index (delete, clear); returns what was present."""

@@ -156,9 +156,11 @@ class NvmeStore(PageStore):
                         removed = cf.unlink_quietly(entry.path)
                 except FileNotFoundError:
                     pass
-            self._ledger.drop(digest, entry, corrupt=removed)
+            dropped = self._ledger.drop(digest, entry, corrupt=removed)
         if removed:
             self._rlog.warning("corrupt", "%s: removed %s: %s", self.name, entry.path, why)
+        elif dropped:  # not a race with an eviction or overwrite: the file went behind our back
+            self._rlog.warning("lost", "%s: forgot %s: %s", self.name, entry.path, why)
 
     # ------------------------------------------------------------ writing
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
