@@ -41,7 +41,8 @@ def run_mooncake(figs: Figures, args, progress: Progress, page_mib: int) -> None
     rank = None
     try:
         time.sleep(1.0)
-        segment = 2 * args.pages * page_mib * MiB + 256 * MiB
+        # The backend's clear() removes nothing from the store: room for every repetition's pages.
+        segment = (args.repeat + 1) * args.pages * page_mib * MiB + 256 * MiB
         extra = {"master_server_address": f"127.0.0.1:{rpc}", "protocol": "tcp", "metadata_server": "P2PHANDSHAKE",
                  "global_segment_size": segment, "local_hostname": "127.0.0.1", "check_server": False,
                  "device_name": ""}

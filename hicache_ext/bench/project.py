@@ -54,44 +54,42 @@ def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progres
         rank.clear()
 
 
-def run_dram(figs: Figures, args, progress: Progress, page_mib: int) -> None:
-    pages = args.pages
-    node = Node(os.path.join(args.work_dir, "dram"), node_toml([tier_toml("dram", pages * page_mib * MiB,
-                                                                          page_mib * MiB)]))
+def _through_node(figs: Figures, args, progress: Progress, root: str, config: str, page_mib: int, prefix: str,
+                  salt: int, write_policy: Optional[str] = None, cold_tier: Optional[str] = None, **kw) -> None:
+    """Start the node's daemons, build a rank on them, warm up (untimed), measure, stop everything."""
+    node = Node(os.path.join(args.work_dir, root), config)
     try:
-        rank = Rank.tiered(node, page_mib, pages)
-        copy = limits.Memcpy(page_mib * MiB)
-        sample = lambda: figs.add(f"limit.memcpy.{page_mib}MiB", copy.sample(pages))  # noqa: E731
-        rank.write(rank.keys(99))  # warm-up (connections, region registration), not timed
+        rank = Rank.tiered(node, page_mib, args.pages, write_policy=write_policy)
+        rank.write(rank.keys(99))  # connections, region registration, first touches: not timed
         rank.clear()
-        measure(rank, figs, f"dram.{page_mib}MiB", args.repeat, progress, salt=1000,
-                before={"write": sample, "read": sample})
+        cold = node.data_path(cold_tier) if cold_tier else None
+        measure(rank, figs, prefix, args.repeat, progress, salt=salt, cold_dir=cold, **kw)
         rank.close()
     finally:
         node.close()
+
+
+def run_dram(figs: Figures, args, progress: Progress, page_mib: int) -> None:
+    size = page_mib * MiB
+    copy, shared = limits.Memcpy(size), limits.Memcpy(size, shared=True)
+
+    def sample():
+        figs.add(f"limit.memcpy.{page_mib}MiB", copy.sample(args.pages))
+        figs.add(f"limit.memcpy_shm.{page_mib}MiB", shared.sample(args.pages))
+    _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), page_mib,
+                  f"dram.{page_mib}MiB", 1000, before={"write": sample, "read": sample})
 
 
 def run_nvme(figs: Figures, args, progress: Progress, page_mib: int) -> None:
-    pages = args.pages
-    node = Node(os.path.join(args.work_dir, "nvme"), node_toml([tier_toml("nvme", pages * page_mib * MiB,
-                                                                          page_mib * MiB)]))
-    disk = limits.RawDisk(os.path.join(args.work_dir, "raw-disk"), page_mib * MiB)
+    size = page_mib * MiB
+    disk = limits.RawDisk(os.path.join(args.work_dir, "raw-disk"), size)
+    before = {"write": lambda: figs.add(f"limit.disk_write.{page_mib}MiB", disk.write(args.pages)),
+              "read": lambda: figs.add(f"limit.disk_read_direct.{page_mib}MiB", disk.read(args.pages))}
     try:
-        rank = Rank.tiered(node, page_mib, pages)
-        rank.write(rank.keys(99))
-        rank.clear()
-
-        def raw_write():
-            figs.add(f"limit.disk_write.{page_mib}MiB", disk.write(pages))
-
-        def raw_read():
-            figs.add(f"limit.disk_read_direct.{page_mib}MiB", disk.read(pages))
-        measure(rank, figs, f"nvme.{page_mib}MiB", args.repeat, progress, salt=2000,
-                before={"write": raw_write, "read": raw_read}, cold_dir=node.data_path("nvme"), warm=True)
-        rank.close()
+        _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size)]),
+                      page_mib, f"nvme.{page_mib}MiB", 2000, cold_tier="nvme", before=before, warm=True)
     finally:
-        disk.clean(pages)
-        node.close()
+        disk.clean(args.pages)
 
 
 def run_remote(figs: Figures, args, progress: Progress, page_mib: int) -> None:
@@ -116,32 +114,17 @@ def run_remote(figs: Figures, args, progress: Progress, page_mib: int) -> None:
                 raw.check()
             finally:
                 raw.close()
-        node = Node(os.path.join(args.work_dir, "remote"),
-                    node_toml([tier_toml("remote", pages * size, size, pool_port=port)]))
-        try:
-            rank = Rank.tiered(node, page_mib, pages)
-            rank.write(rank.keys(99))
-            rank.clear()
-            measure(rank, figs, f"remote.{page_mib}MiB", args.repeat, progress, salt=3000)
-            rank.close()
-        finally:
-            node.close()
+        _through_node(figs, args, progress, "remote", node_toml([tier_toml("remote", pages * size, size,
+                                                                           pool_port=port)]),
+                      page_mib, f"remote.{page_mib}MiB", 3000)
     finally:
         pool.close()
 
 
 def run_policies(figs: Figures, args, progress: Progress, page_mib: int) -> None:
     """The DRAM + NVMe chain under each write policy (reads come from DRAM)."""
-    pages, size = args.pages, page_mib * MiB
+    size = page_mib * MiB
+    chain = node_toml([tier_toml("dram", args.pages * size, size), tier_toml("nvme", args.pages * size, size)])
     for policy in WRITE_POLICIES:
-        node = Node(os.path.join(args.work_dir, "chain"),
-                    node_toml([tier_toml("dram", pages * size, size), tier_toml("nvme", pages * size, size)],
-                              write_policy=policy))
-        try:
-            rank = Rank.tiered(node, page_mib, pages)
-            rank.write(rank.keys(99))
-            rank.clear()
-            measure(rank, figs, f"chain.{policy}.{page_mib}MiB", args.repeat, progress, salt=4000)
-            rank.close()
-        finally:
-            node.close()
+        _through_node(figs, args, progress, "chain", chain, page_mib, f"chain.{policy}.{page_mib}MiB", 4000,
+                      write_policy=policy)

@@ -28,13 +28,16 @@ def run_ranks(figs: Figures, args, progress: Progress) -> None:
             progress.step(f"ranks: starting {n} rank process(es)")
             spec = {"runtime_dir": node.runner.runtime_dir, "config": node.runner.config_path, "pages": pages,
                     "tp_size": n}
+            logs = [os.path.join(args.work_dir, f"rank{n}-{i}.log") for i in range(n)]
             procs = [subprocess.Popen([sys.executable, "-m", "hicache_ext.bench.ranks", json.dumps({**spec, "tp_rank": i})],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      stderr=subprocess.DEVNULL) for i in range(n)]
+                                      stderr=open(log, "wb")) for i, log in enumerate(logs)]
             try:
-                for p in procs:
-                    if p.stdout.readline().strip() != "ready":
-                        raise RuntimeError("a rank process did not start")
+                for p, log in zip(procs, logs):
+                    line = p.stdout.readline().strip()
+                    if line != "ready":
+                        tail = open(log, errors="replace").read().strip().splitlines()[-1:]
+                        raise RuntimeError(f"rank process {p.pid} did not start ({line!r}): {tail}")
                 for rep in range(args.repeat):
                     progress.step(f"ranks: {n} rank(s), repetition {rep + 1}/{args.repeat}")
                     for step in ("write", "read"):

@@ -24,14 +24,29 @@ from tiers.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all
 _COPY_BUFFER = 256 << 20  # source and destination each: far beyond any cache, bounded in memory
 
 
-class Memcpy:
-    """Single-thread memcpy of page-size pieces between two out-of-cache buffers."""
+def _memfd_array(nbytes: int) -> np.ndarray:
+    """A byte array in a fresh memfd mapping (shared memory, as the host pool and the DRAM arena are)."""
+    fd = os.memfd_create("hicache-bench", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
 
-    def __init__(self, page_bytes: int):
+
+class Memcpy:
+    """Single-thread memcpy of page-size pieces between two out-of-cache buffers.
+
+    shared=False: private numpy buffers (transparent huge pages where the kernel gives them);
+    shared=True: two memfd mappings, the memory a DRAM-tier copy really moves between.
+    """
+
+    def __init__(self, page_bytes: int, shared: bool = False):
         self.page_bytes = page_bytes
         slots = max(2, _COPY_BUFFER // page_bytes)
-        self.src = np.empty(slots * page_bytes, dtype=np.uint8)
-        self.dst = np.empty_like(self.src)
+        alloc = _memfd_array if shared else (lambda n: np.empty(n, dtype=np.uint8))
+        self.src = alloc(slots * page_bytes)
+        self.dst = alloc(slots * page_bytes)
         self.src.reshape(-1, 4096)[:] = np.arange(4096, dtype=np.uint8)  # fault both in before any timing
         self.dst[:] = 1
         self.slots = slots

@@ -39,6 +39,7 @@ def disk_of(path: str) -> str:
     name = os.path.basename(real)
     disk = real if os.path.exists(os.path.join(real, "device")) else os.path.dirname(real)
     model = _read(os.path.join(disk, "device", "model")) or _read(os.path.join(disk, "device", "vendor"))
+    model = {"0x1af4": "virtio disk (0x1af4)"}.get(model, model)
     sectors = _read(os.path.join(disk, "size"))
     size = f"{int(sectors) * 512 / 1e9:.0f} GB" if sectors.isdigit() else "?"
     rotational = _read(os.path.join(disk, "queue", "rotational"))

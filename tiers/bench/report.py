@@ -9,6 +9,8 @@ from tiers.bench.stats import Figures
 TIER_ROWS = [
     ("DRAM write", "dram.{m}MiB.write", "limit.memcpy.{m}MiB", "file.{m}MiB.write"),
     ("DRAM read", "dram.{m}MiB.read", "limit.memcpy.{m}MiB", "file.{m}MiB.read_warm"),
+    ("DRAM write, x memcpy between memfds", "dram.{m}MiB.write", "limit.memcpy_shm.{m}MiB", "file.{m}MiB.write"),
+    ("DRAM read, x memcpy between memfds", "dram.{m}MiB.read", "limit.memcpy_shm.{m}MiB", "file.{m}MiB.read_warm"),
     ("NVMe write", "nvme.{m}MiB.write", "limit.disk_write.{m}MiB", "file.{m}MiB.write"),
     ("NVMe read, cold", "nvme.{m}MiB.read", "limit.disk_read_direct.{m}MiB", "file.{m}MiB.read"),
     ("NVMe read, warm", "nvme.{m}MiB.read_warm", "limit.memcpy.{m}MiB", "file.{m}MiB.read_warm"),
@@ -17,6 +19,7 @@ TIER_ROWS = [
 ]
 LIMIT_ROWS = [
     ("memcpy, 1 thread", "limit.memcpy.{m}MiB"),
+    ("memcpy, 1 thread, between two memfd mappings (4 KiB pages)", "limit.memcpy_shm.{m}MiB"),
     ("disk write + fdatasync, file a page, 4 threads", "limit.disk_write.{m}MiB"),
     ("disk read O_DIRECT, 4 threads", "limit.disk_read_direct.{m}MiB"),
     ("Mooncake TE write (raw, tcp)", "limit.te_write.{m}MiB"),
