@@ -12,6 +12,10 @@ registered with it, and a RemoteStore.  Per repetition, interleaved:
 - tier write / read: RemoteStore.put_many / get_many_into of the same pages,
   the path the tier daemon takes for a batch (one alloc, all transfers, one
   commit a pool; one locate, all transfers), and page by page (put / get_into).
+  Reads land in registered staging memory and are copied into the host buffer
+  (the default); with --direct-reads the same batch is also read straight
+  into the host buffer (``direct_reads = true``, zero copy), as path tier_direct,
+  and the batch is copied host to host once (memcpy: the landing copy's floor).
 - via daemon: an engine-side client whose host pool is a memfd, a remote tier
   daemon process, the pool (put_region / get_region): the whole path.
 Every path runs once in each repetition, one after the other and in an
@@ -36,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiers import protocol as P  # noqa: E402
+from tiers.buffers import scatter_copy  # noqa: E402
 from tiers.client import Deadlines, TierClient  # noqa: E402
 from tiers.node_runner import NodeRunner  # noqa: E402
 from tiers.remote.engine import Engine, EngineConfig, address_of  # noqa: E402
@@ -107,6 +112,16 @@ class InProcess:
             found = self.store.get_many_into(self.keys, self.halves(self.dst))
             if not all(found):
                 raise SystemExit(f"tier read missed: {found} {self.store.stats()}")
+
+    def tier_direct(self, write: bool) -> None:  # reads only: direct_reads = true, no landing copy
+        self.store.direct_reads = True
+        try:
+            self.tier(write)
+        finally:
+            self.store.direct_reads = False
+
+    def memcpy(self, write: bool) -> None:  # what the landing copy costs at best: the batch, host to host
+        scatter_copy(self.dst, self.src)
 
     def tier_page_by_page(self, write: bool) -> None:
         for key, s, d in zip(self.keys, self.halves(self.src), self.halves(self.dst)):
@@ -187,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=8, help="pages per repetition")
     ap.add_argument("--runs", type=int, default=7, help="repetitions (medians are reported)")
     ap.add_argument("--no-daemon", action="store_true", help="skip the path through a remote tier daemon")
+    ap.add_argument("--direct-reads", action="store_true",
+                    help="also read the batch with direct_reads (straight into the host buffer; path tier_direct)")
     ap.add_argument("--json", metavar="FILE", help="write the figures here too")
     args = ap.parse_args(argv)
     size = args.page_mib << 20
@@ -206,16 +223,23 @@ def main(argv=None) -> int:
                  "tier1": local.tier_page_by_page}
         if daemon is not None:
             paths["daemon"] = daemon.run
+        if args.direct_reads:
+            paths["tier_direct"] = local.tier_direct
+            paths["memcpy"] = local.memcpy
+        read_only = {"tier_direct", "memcpy"}
         for op in (True, False):  # warm: connections, segment handles, first touches of the arena
-            for run in paths.values():
-                run(op)
-        series = {f"{name}_{op}": [] for op in ("write", "read") for name in paths}
+            for name, run in paths.items():
+                if op or name not in read_only:
+                    run(op)
+        series = {f"{name}_{op}": [] for op in ("write", "read") for name in paths
+                  if op == "read" or name not in read_only}
         names = list(paths)
         for rep in range(args.runs):
             order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: no path always runs first
             for write, op in ((True, "write"), (False, "read")):
                 for name in order:
-                    series[f"{name}_{op}"].append(timed(lambda: paths[name](write)))
+                    if not write or name not in read_only:
+                        series[f"{name}_{op}"].append(timed(lambda: paths[name](write)))
         local.check()
         if daemon is not None:
             daemon.check()
@@ -232,11 +256,15 @@ def main(argv=None) -> int:
         base = max(results[f"raw_sync_{op}_gbps"], results[f"raw_poll_{op}_gbps"])
         line = (f"  {op:5s}  raw sync {results[f'raw_sync_{op}_gbps']:.2f}"
                 f"  raw poll {results[f'raw_poll_{op}_gbps']:.2f}")
-        for name, label in (("tier", "tier"), ("tier1", "tier page by page"), ("daemon", "via daemon")):
+        for name, label in (("tier", "tier"), ("tier_direct", "tier direct_reads"), ("tier1", "tier page by page"),
+                            ("daemon", "via daemon"), ("memcpy", "memcpy")):
             if f"{name}_{op}_gbps" in results:
                 results[f"{name}_{op}_ratio"] = results[f"{name}_{op}_gbps"] / base
                 line += f"  {label} {results[f'{name}_{op}_gbps']:.2f} ({results[f'{name}_{op}_ratio']:.2f}x)"
         print(line)
+    if "tier_direct_read_gbps" in results:
+        results["staged_over_direct_read"] = results["tier_read_gbps"] / results["tier_direct_read_gbps"]
+        print(f"  staged reads (default) / direct_reads: {results['staged_over_direct_read']:.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)

@@ -165,6 +165,10 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "transfer_timeout_ms": (_int, 1000, "a page transfer gives up after this plus its bytes at min_bandwidth"),
         "min_bandwidth": (parse_size, "100MB", "bytes per second below which a transfer is given up"),
         "io_threads": (_int, 2, "transfers in flight (and staging slots for pages that arrive as frames)"),
+        "direct_reads": (_bool, False, "read pages straight into the engine's host pool, no staging copy; a transfer "
+                                       "given up at its deadline cannot be cancelled and may still land there after "
+                                       "the engine reused that memory (a corrupted KV page): only where transfers "
+                                       "end fast (RDMA with short QP timeouts) and that risk is accepted"),
     },
     "pool": {
         **TRANSFER_ENGINE_OPTIONS,

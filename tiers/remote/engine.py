@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -120,21 +120,34 @@ class Engine:
         self._te.unregister_memory(base)
 
     # ----------------------------------------------------------- transfers
-    def transfer(self, segment: str, write: bool, pieces: Sequence[Tuple[int, int, int]], timeout: float) -> bool:
+    def transfer(self, segment: str, write: bool, pieces: Sequence[Tuple[int, int, int]], timeout: float,
+                 abandoned: Optional[List[Tuple[int, int]]] = None) -> bool:
         """Move (local address, remote address, length) pieces; True when all completed in time.
 
         ``write`` copies local -> remote.  False on any failure or when timeout
-        passes first; pieces still in flight then are abandoned to the engine.
+        passes first; pieces still in flight then are abandoned to the engine
+        (listed in ``abandoned`` when given, see transfer_pages).
         """
-        return self.transfer_pages(segment, write, [pieces], timeout)[0]
+        return self.transfer_pages(segment, write, [pieces], timeout, abandoned)[0]
 
     def transfer_pages(self, segment: str, write: bool, pages: Sequence[Sequence[Tuple[int, int, int]]],
-                       timeout: float) -> List[bool]:
-        """Several pages' pieces, all in flight at once; per page, True when all its pieces completed in time."""
+                       timeout: float, abandoned: Optional[List[Tuple[int, int]]] = None,
+                       on_done: Optional[Callable[[int], None]] = None) -> List[bool]:
+        """Several pages' pieces, all in flight at once; per page, True when all its pieces completed in time.
+
+        A transfer cannot be cancelled: one still running at the deadline (or
+        that the engine reports timed out) may yet move its bytes.  Its
+        (page, batch id) is appended to ``abandoned``, for the caller to keep
+        the local memory out of use until ``status(batch)`` says it ended.
+        ``on_done(page)`` runs (on this thread) as soon as a page has all its
+        pieces, while the others are still moving.
+        """
         submit = self._te.batch_transfer_async_write if write else self._te.batch_transfer_async_read
         deadline = time.monotonic() + timeout
         ok = [True] * len(pages)
         pending: List[Tuple[int, int]] = []  # (batch id, page)
+        live = abandoned if abandoned is not None else []
+        left = [len(pieces) for pieces in pages]  # pieces of each page not yet done
         for page, pieces in enumerate(pages):
             for local, remote, length in pieces:
                 batch = submit(segment, [local], [remote], [length])
@@ -155,19 +168,33 @@ class Engine:
                 status = check(batch)  # 1 done, 0 running, -1 failed, -2 timed out in the engine
                 if status == 0:
                     still.append((batch, page))
-                elif status != 1:
+                elif status == 1:
+                    left[page] -= 1
+                    if left[page] == 0 and ok[page] and on_done is not None:
+                        on_done(page)
+                else:
                     ok[page] = False
+                    if status == -2:  # not freed by the binding and perhaps still moving bytes
+                        live.append((page, batch))
             pending = still
             if not pending:
                 break
             if time.monotonic() > deadline:
                 log.debug("%d transfers still running at the deadline; abandoned", len(pending))
-                for _batch, page in pending:
+                for batch, page in pending:
                     ok[page] = False
+                    live.append((page, batch))
                 break
             time.sleep(pause)
             pause = min(pause * 2, 200e-6)  # a late wake-up costs as much as the poll it saves
         return ok
+
+    def status(self, batch: int) -> int:
+        """An abandoned transfer's state: 1 done, -1 failed (both final: the id is freed), 0 running, -2 timed out.
+
+        Call it again only while it returns 0 or -2.
+        """
+        return self._te.transfer_check_status(batch)
 
     def raw(self):
         """The underlying mooncake TransferEngine (benchmarks compare against it)."""

@@ -1,9 +1,11 @@
 """Node-side plumbing of the remote stores: registered memory, staging slots for the rest, counters.
 
 Pages normally lie in the engine's host pool, mapped by the tier daemon and
-registered once, so transfers start from their own addresses.  Pages that
+registered once, so writes start from their own addresses.  Pages that
 arrived as ZeroMQ frames (no shared memory) are copied into a registered
-staging slot first: one copy on this node, none on the wire.
+staging slot first: one copy on this node, none on the wire.  Reads land in
+``Landing`` chunks, and whatever a transfer given up at its deadline may
+still touch waits in ``Abandoned`` until the engine reports that it ended.
 """
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import logging
 import mmap
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from tiers.buffers import as_bytes_view, scatter_copy
+from tiers.buffers import as_bytes_view, block_extents, scatter_copy
 from tiers.remote.engine import address_of
 from tiers.store import Buffers, PageTooLarge, StoreIOError, StoreStats, total_size
 
@@ -128,6 +131,159 @@ class Staging:
             self._view.release()
             self._map.close()
         except BufferError:  # a transfer still holds a slot; the process is ending anyway
+            pass
+
+
+class Abandoned:
+    """Transfers given up at their deadline, polled until the engine reports each ended; then what waited runs.
+
+    A Transfer Engine transfer cannot be cancelled: one given up may still
+    move its bytes later (a thawed or healed peer).  Memory it may write
+    (landing chunks) or a lease it may write under stays out of use until
+    then.  The engine's status of an id freed once it reports the end (1 or
+    -1) must not be asked again: this thread is the only one that asks.
+    """
+
+    def __init__(self, status: Callable[[int], int], poll: float = 0.05, warn_after: float = 60.0):
+        self._status = status
+        self.poll, self.warn_after = poll, warn_after
+        self._entries: List[Tuple[float, List[int], Optional[Callable[[], None]]]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._warned = False
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, batches: Sequence[int], then: Optional[Callable[[], None]] = None) -> None:
+        """Watch these batch ids; call then() (on the watcher thread) once all have ended."""
+        with self._cond:
+            self._entries.append((time.monotonic(), list(batches), then))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="abandoned-transfers", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._entries and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                entries, self._entries = self._entries, []
+            kept, ended = [], []
+            now = time.monotonic()
+            for since, batches, then in entries:
+                live = [b for b in batches if self._status(b) not in (1, -1)]  # 0 running, -2 timed out: not over
+                if not live:
+                    ended.append(then)
+                    continue
+                if now - since > self.warn_after and not self._warned:
+                    self._warned = True
+                    log.warning("a transfer given up %.0f s ago has not ended (a frozen or partitioned peer?): "
+                                "the memory or lease it may still write stays out of use", now - since)
+                kept.append((since, live, then))
+            with self._cond:
+                self._entries[:0] = kept
+            for then in ended:
+                if then is not None:
+                    try:
+                        then()
+                    except Exception:  # a release to a pool that is down: its lease ends by itself
+                        log.debug("after an abandoned transfer ended", exc_info=True)
+            time.sleep(self.poll)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class Landing:
+    """Registered memory that reads land in before their bytes reach the host pool.
+
+    A transfer cannot be cancelled: one given up at its deadline may still
+    complete later.  Landing here instead of in the engine's host pool means
+    a late completion writes only here; the chunks it may still write are
+    held (``hold``) until the engine reports the transfer ended, so they are
+    not handed to the next read either.  A page takes ceil(size / chunk)
+    chunks, not necessarily adjacent (a transfer is cut at their edges).
+    """
+
+    def __init__(self, registrations: Registrations, nbytes: int, chunk: int, abandoned: Abandoned):
+        self.chunk = chunk
+        self.n_chunks = max(1, nbytes // chunk)
+        self._map = mmap.mmap(-1, self.n_chunks * chunk)
+        self._view = memoryview(self._map)
+        self._base = address_of(self._view)
+        self._registrations = registrations
+        registrations.add(self._view)
+        self._abandoned = abandoned
+        self._free = list(range(self.n_chunks - 1, -1, -1))  # a stack: the chunks used last are warm
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def chunks_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.chunk)
+
+    def take(self, nbytes: int, timeout: float) -> Optional[List[int]]:
+        """Chunks for nbytes, waiting up to timeout for them; None when they do not come (or never fit)."""
+        needed = self.chunks_for(nbytes)
+        if needed > self.n_chunks:
+            return None
+        end = time.monotonic() + timeout
+        with self._cond:
+            while len(self._free) < needed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return [self._free.pop() for _ in range(needed)]
+
+    def extents(self, chunks: Sequence[int], nbytes: int) -> Extents:
+        """(address, length) runs the first nbytes of these chunks cover, adjacent ones merged."""
+        return [(self._base + off, n) for off, n in block_extents(chunks, self.chunk, nbytes)]
+
+    def views(self, chunks: Sequence[int], nbytes: int) -> List[memoryview]:
+        return [self._view[a - self._base:a - self._base + n] for a, n in self.extents(chunks, nbytes)]
+
+    def give(self, chunks: Sequence[int]) -> None:
+        with self._cond:
+            self._free.extend(reversed(chunks))
+            self._cond.notify_all()
+
+    def hold(self, chunks: Sequence[int], batches: Sequence[int]) -> None:
+        """Keep chunks out of use until every one of these abandoned transfers has ended."""
+        chunks = list(chunks)
+        with self._cond:
+            self._held += len(chunks)
+
+        def ended() -> None:
+            with self._cond:
+                self._held -= len(chunks)
+            self.give(chunks)
+        self._abandoned.add(batches, ended)
+
+    def held_chunks(self) -> int:
+        with self._cond:
+            return self._held
+
+    def free_chunks(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._held:  # a late completion may still write here: leave the memory mapped and registered
+                return
+        self._registrations.remove(self._view)
+        try:
+            self._view.release()
+            self._map.close()
+        except BufferError:
             pass
 
 

@@ -1,0 +1,184 @@
+"""A read given up at its deadline must never write into host memory the engine has reused.
+
+A pool daemon runs as a real process on loopback; this process is the
+inference node (an engine, a registered host pool, a RemoteStore).  The pool
+is frozen (SIGSTOP) right after it answered a read's ``locate``, so the
+read's Transfer Engine transfer hangs: the read must miss by its deadline.
+The test then writes a marker where the page would have gone (as the engine
+reuses host slots after a miss), thaws the pool, lets the late transfer end,
+and checks the marker: intact with staged reads (the default), overwritten
+with ``direct_reads`` (the hazard that option accepts).  A write given up the
+same way keeps its lease (its blocks reserved) until the transfer ended.
+"""
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tiers.node_runner import NodeRunner
+from tiers.remote.engine import Engine, EngineConfig, address_of
+from tiers.remote.loopback import free_ports, pool_config
+from tiers.remote.store import RemoteStore
+
+PAGE = 1 << 20
+PAGES = 16  # host pool: pages written from slots 0-7, read into slots 8-15
+MARKER = b"\xa5"
+
+
+def page(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+
+
+def eventually(check, within: float = 10.0, step: float = 0.05) -> bool:
+    end = time.monotonic() + within
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(step)
+    return True
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("safety")
+    (port,) = free_ports(1)
+    pool = NodeRunner(pool_config([port], capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
+                      str(tmp / "run"), str(tmp / "data"))
+    pool.start()
+    store = host = None
+    try:
+        engine = Engine(EngineConfig(hostname="127.0.0.1"))
+        # A small landing area (4 pages) so that a batch of 8 goes in two waves.
+        store = RemoteStore([f"tcp://127.0.0.1:{port}"], engine, max_page_bytes=4 * PAGE, pool_timeout=0.5,
+                            retry_max=0.2, landing_bytes=4 * PAGE)
+        host = mmap.mmap(-1, PAGES * PAGE)
+        view = memoryview(host)
+        store.region_mapped(view)
+        assert eventually(lambda: store._registrations.covers(address_of(view), PAGE), 10)
+        yield pool, store, view
+    finally:
+        if store is not None:
+            store.close()
+        pool.stop()
+
+
+def slot(view: memoryview, i: int) -> memoryview:
+    return view[i * PAGE:(i + 1) * PAGE]
+
+
+def write(store, view, keys, seeds):
+    for i, seed in enumerate(seeds):
+        slot(view, i)[:] = page(seed)
+    halves = [[slot(view, i)[:PAGE // 2], slot(view, i)[PAGE // 2:]] for i in range(len(keys))]
+    outcomes = store.put_many([("ns", k) for k in keys], halves, [None] * len(keys))
+    assert outcomes == [None] * len(keys)
+
+
+def read(store, view, keys, first=8, deadline=None):
+    for i in range(len(keys)):
+        slot(view, first + i)[:] = b"\0" * PAGE
+    found = store.get_many_into([("ns", k) for k in keys], [[slot(view, first + i)] for i in range(len(keys))],
+                                deadline)
+    return found, [bytes(slot(view, first + i)) for i in range(len(keys))]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_reads_return_the_exact_bytes(node, direct):
+    _pool, store, view = node
+    store.direct_reads = direct
+    keys = [f"exact-{direct}-{i}" for i in range(8)]  # two waves of the 4-page landing when staged
+    write(store, view, keys, range(8))
+    found, got = read(store, view, keys)
+    assert found == [True] * 8
+    assert got == [page(i) for i in range(8)]
+    assert store.get_bytes(("ns", keys[3])) == page(3)  # a frame read always lands first
+    assert store.get_into(("ns", keys[5]), [slot(view, 8)]) and bytes(slot(view, 8)) == page(5)
+    assert store.stats().extra["landing_chunks_free"] == store._landing.n_chunks
+
+
+def freeze_after_locate(store, pid):
+    """Freeze the pool right after it answered the next locate: the read's transfer then hangs."""
+    client = next(iter(store._clients.values()))
+    original = client.locate
+
+    def locate(*args, **kwargs):
+        grant = original(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        client.locate = original
+        return grant
+    client.locate = locate
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_read_given_up_never_lands_in_reused_host_memory(node, direct):
+    pool, store, view = node
+    store.direct_reads = direct
+    keys = [f"late-{direct}-{i}" for i in range(2)]
+    write(store, view, keys, [10, 11])
+    pid = pool.pid("pool0")
+    freeze_after_locate(store, pid)
+    try:
+        start = time.monotonic()
+        found, _ = read(store, view, keys, deadline=time.time() + 0.6)
+        elapsed = time.monotonic() - start
+        assert found == [False, False], "a frozen pool's pages must miss"
+        assert elapsed < 1.0, f"the read took {elapsed:.2f}s, past its deadline"
+        if not direct:  # the given-up transfers' chunks are out of use while they may still write
+            assert store._landing.held_chunks() == 2 * PAGE // store._landing.chunk
+        # The engine treats the miss as such and reuses the host slots.
+        for i in (8, 9):
+            slot(view, i)[:] = MARKER * PAGE
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    if not direct:
+        # The late transfers end (the engine says so) and only then give their landing chunks back.
+        assert eventually(lambda: store._landing.held_chunks() == 0, 10)
+        time.sleep(0.2)
+        assert bytes(slot(view, 8)) == MARKER * PAGE and bytes(slot(view, 9)) == MARKER * PAGE
+    else:
+        # The hazard direct_reads accepts: the abandoned transfer completes into reused memory.
+        landed = eventually(lambda: bytes(slot(view, 8)) == page(10) and bytes(slot(view, 9)) == page(11), 10)
+        assert landed, "expected the late transfer to overwrite the host slots (the documented direct_reads hazard)"
+    # The thawed pool serves again, byte for byte.
+    assert eventually(lambda: read(store, view, keys)[0] == [True, True], 10, 0.2)
+    assert read(store, view, keys)[1] == [page(10), page(11)]
+
+
+def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
+    pool, store, view = node
+    store.direct_reads = False
+    pid = pool.pid("pool0")
+    client = next(iter(store._clients.values()))
+    original = client.alloc
+
+    def alloc(*args, **kwargs):  # freeze the pool right after it granted the blocks
+        grant = original(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        client.alloc = original
+        return grant
+    client.alloc = alloc
+    try:
+        for i in range(2):
+            slot(view, i)[:] = page(20 + i)
+        start = time.monotonic()
+        outcomes = store.put_many([("ns", "torn-0"), ("ns", "torn-1")], [[slot(view, 0)], [slot(view, 1)]],
+                                  [None, None], deadline=time.time() + 0.6)
+        assert time.monotonic() - start < 1.0
+        assert all(o is not None for o in outcomes)
+        # Not released yet: the pool must not hand these blocks to another page while late bytes may come.
+        assert store._abandoned.pending() >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert eventually(lambda: store._abandoned.pending() == 0, 10)
+    assert eventually(lambda: store.contains([("ns", "torn-0")]) == [False], 10, 0.2)  # never committed
+    keys = ["after-0", "after-1"]
+    assert eventually(lambda: store.put_many([("ns", k) for k in keys], [[slot(view, 2)], [slot(view, 3)]],
+                                             [None, None]) == [None, None], 10, 0.2)
+    slot(view, 2)[:] = page(30)
+    slot(view, 3)[:] = page(31)
+    assert store.put_many([("ns", k) for k in keys], [[slot(view, 2)], [slot(view, 3)]], [None, None]) == [None, None]
+    found, got = read(store, view, keys)
+    assert found == [True, True] and got == [page(30), page(31)]
