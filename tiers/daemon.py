@@ -189,6 +189,7 @@ class TierDaemon:
             header = P.unpack(frames[1].buffer)
             req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
             op, req_id = P.check_request(header)
+            header["id"] = req_id  # optional on the wire (0); handlers echo header["id"]
             handler = getattr(self, f"handle_{op}", None)
             if handler is None:  # a pool operation sent to a tier daemon, or the reverse
                 raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
@@ -279,7 +280,9 @@ class TierDaemon:
 
     # ------------------------------------------------------------- sessions
     def _namespace(self, header: dict) -> str:
-        session = self._sessions.get(header.get("s"))
+        sid = header.get("s")
+        # Any msgpack value may arrive here: only an integer can name a session (a list is unhashable).
+        session = self._sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
         if session is None:
             raise P.ProtocolError("no_session", "unknown session; send hello again")
         session["seen"] = time.monotonic()
