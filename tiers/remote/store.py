@@ -344,7 +344,7 @@ class RemoteStore(HostPoolStore, PageStore):
         """
         end = time.monotonic() + timeout
         todo = list(moving)
-        while todo:
+        while todo and time.monotonic() < end:
             wave: List[Tuple[int, List[int]]] = []
             while todo:
                 k = todo[0]
@@ -375,8 +375,6 @@ class RemoteStore(HostPoolStore, PageStore):
                     self._landing.hold(chunks, live[i])
                 else:
                     self._landing.give(chunks)
-            if time.monotonic() >= end:
-                return
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         keys = list(keys)
