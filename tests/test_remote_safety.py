@@ -138,6 +138,9 @@ def test_a_read_given_up_never_lands_in_reused_host_memory(node, direct):
         assert eventually(lambda: store._landing.held_chunks() == 0, 10)
         time.sleep(0.2)
         assert bytes(slot(view, 8)) == MARKER * PAGE and bytes(slot(view, 9)) == MARKER * PAGE
+        # The late transfers did complete: into the landing chunks, where nothing looked.
+        landing, chunk = bytes(store._landing._view), store._landing.chunk
+        assert all(page(seed)[i:i + chunk] in landing for seed in (10, 11) for i in range(0, PAGE, chunk))
     else:
         # The hazard direct_reads accepts: the abandoned transfer completes into reused memory.
         landed = eventually(lambda: bytes(slot(view, 8)) == page(10) and bytes(slot(view, 9)) == page(11), 10)
