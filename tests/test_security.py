@@ -374,3 +374,63 @@ def test_a_region_registered_by_one_session_is_unusable_by_another(nvme_node):
         owner.close()
         peer.close()
         os.close(fd)
+
+
+def test_pools_on_tcp_admit_only_remote_tiers_with_the_keys(tmp_path):
+    """The tcp:// endpoints that matter in practice: a pool with CurveZMQ, a remote tier with and without keys."""
+    pytest.importorskip("mooncake.engine", reason="pools need the Mooncake Transfer Engine")
+    from tiers.remote.loopback import free_ports, remote_node_config
+    keys = tmp_path / "keys"
+    security.generate(str(keys))
+    port = free_ports(1)[0]
+    node_keys = (f'[node]\ncurve_server_key = "{keys}/server.key_secret"\n'
+                 f'curve_client_key = "{keys}/client.key_secret"\n')
+    pool_text = node_keys + f"""
+[[tiers]]
+name = "pool"
+kind = "pool"
+capacity = "16MiB"
+block_size = "64KiB"
+max_page_bytes = "1MiB"
+endpoint = "tcp://127.0.0.1:{port}"
+"""
+    pool = NodeRunner(pool_text, str(tmp_path / "pool" / "run"), str(tmp_path / "pool" / "data"))
+    with open(pool.log_path, "ab") as log:  # started by hand: NodeRunner's ping speaks without CurveZMQ
+        pool.procs["pool"] = subprocess.Popen(pool.command("pool"), stdout=log, stderr=subprocess.STDOUT)
+    nodes = []
+    try:
+        probe = TierClient("pool", f"tcp://127.0.0.1:{port}", "probe", deadlines=FAST)  # keys from pool_text
+        try:
+            deadline = time.monotonic() + 60
+            while probe.lookup(["x"]) is None and time.monotonic() < deadline:
+                assert pool.procs["pool"].poll() is None, open(pool.log_path).read()[-2000:]
+                time.sleep(0.2)
+            assert probe.lookup(["x"]) == b"\x00"
+        finally:
+            probe.close()
+        with_keys = NodeRunner(node_keys + remote_node_config([port]), str(tmp_path / "a" / "run"),
+                               str(tmp_path / "a" / "data"))
+        without = NodeRunner(remote_node_config([port]), str(tmp_path / "b" / "run"), str(tmp_path / "b" / "data"))
+        for runner in (with_keys, without):
+            runner.start(timeout=60)
+            nodes.append(runner)
+        page = b"p" * 65536
+        ok = TierClient("remote", with_keys.config.tier("remote").endpoint, "tenant", deadlines=FAST)
+        bad = TierClient("remote", without.config.tier("remote").endpoint, "tenant", deadlines=FAST)
+        try:
+            deadline = time.monotonic() + 20
+            while ok.put_frames(["k"], [[page]], len(page)) != [True] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            found, frames = ok.get_frames(["k"], len(page))
+            assert found == [True] and frames[0].bytes == page
+            assert bad.put_frames(["k2"], [[page]], len(page)) == [False]
+            found, _ = bad.get_frames(["k"], len(page))
+            assert found == [False]
+        finally:
+            ok.close()
+            bad.close()
+        wait_log(pool.log_path, "CurveZMQ handshake failed")
+    finally:
+        for runner in nodes:
+            runner.stop()
+        pool.stop()
