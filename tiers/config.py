@@ -173,7 +173,8 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     "pool": {
         **TRANSFER_ENGINE_OPTIONS,
         "block_size": (parse_size, "1MiB", "arena allocation unit; a page is at most ceil(size/block) transfers"),
-        "max_lease_ms": (_int, 30000, "longest a client may pin or reserve pages for one transfer"),
+        "max_lease_ms": (_int, 60000, "longest a client may pin or reserve pages for one transfer; above the "
+                         "Transfer Engine's 30 s stall limit, so a late transfer ends before its blocks are reused"),
         "prefault": (_bool, True, "fault the arena in, in the background from start (first writes are otherwise slow)"),
     },
     "mooncake_store": {
