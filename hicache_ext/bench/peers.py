@@ -1,6 +1,7 @@
 """The peers on the same pages through the same SGLang page functions: the ``file`` and ``mooncake`` backends."""
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -53,8 +54,10 @@ def run_mooncake(figs: Figures, args, progress: Progress, page_mib: int) -> None
             return
         measure(rank, figs, f"mooncake.{page_mib}MiB", args.repeat, progress, salt=6000)
     finally:
-        if rank is not None:
+        if rank is not None:  # unmount the segment while the master is still there
             rank.close()
+            del rank
+            gc.collect()
         proc.terminate()
         try:
             proc.wait(10)

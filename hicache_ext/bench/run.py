@@ -35,9 +35,8 @@ def run(args) -> int:
             "page_mib": args.page_mib, "parts": parts}
     started = time.monotonic()
     os.makedirs(args.work_dir, exist_ok=True)
-    steps = [(p, None) for p in parts if p in ONCE[:2]]
+    steps = [(p, None) for p in parts if p in ONCE]  # rank processes first: peers may keep memory mapped
     steps += [(p, m) for m in args.page_mib for p in PER_SIZE if p in parts]
-    steps += [(p, None) for p in parts if p in ONCE[2:]]
     try:
         for i, (part, page_mib) in enumerate(steps, 1):
             label = part if page_mib is None else f"{part}, {page_mib} MiB pages"
