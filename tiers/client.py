@@ -37,6 +37,10 @@ class Deadlines:
     connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up
     backoff_min: float = 0.2
     backoff_max: float = 5.0
+    # A daemon that refuses connections (killed, restarting) is tried again at least this often, so
+    # service is back within about this long after it answers; one that connects and stays silent
+    # costs a deadline a try and backs off up to backoff_max.
+    reconnect_max: float = 1.0
 
     def for_bytes(self, nbytes: int) -> float:
         return self.base + nbytes / self.min_bandwidth
@@ -100,10 +104,12 @@ class TierClient:
             sock.close(linger=0)
 
     def _mark_down(self, why: str) -> None:
+        # "not connected" is _send's failure to connect: cheap to retry, so its wait stays short.
+        wait = min(self._backoff, self.deadlines.reconnect_max) if why == "not connected" else self._backoff
         with self._lock:
             self._session = None
             self.region_id = None
-            self._down_until = time.monotonic() + self._backoff
+            self._down_until = time.monotonic() + wait
             self._backoff = min(self._backoff * 2, self.deadlines.backoff_max)
         self._warn.warning(f"down:{self.name}", "tier %s at %s unavailable (%s); serving misses",
                            self.name, self.endpoint, why)
