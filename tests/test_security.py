@@ -271,15 +271,20 @@ def test_keys_with_separators_or_traversal_never_reach_the_file_system(nvme_node
     assert not os.path.exists("/etc/passwd.tmp")
 
 
-def test_dot_keys_are_served_but_stored_under_hashed_names(nvme_node):
-    """'.' and '..' contain no separator and are valid keys; the NVMe tier names files by digest."""
+def test_dot_keys_are_refused_and_nothing_reaches_the_disk(nvme_node):
+    """'.', '..' and other all-dot names are refused as keys and namespaces; other dotted keys are fine."""
     runner, tmp = nvme_node
     peer = RawPeer(runner.config.tier("nvme").endpoint)
     try:
+        reply, _ = peer.call("hello", ns="..")
+        assert reply["code"] == "bad_request"
         session = peer.hello("dots")
-        reply, _ = peer.call("put", s=session, keys=["..", "."], frames=[b"1" * 512, b"2" * 512])
+        for keys in (["..", "."], ["ok", "..."]):
+            reply, _ = peer.call("put", s=session, keys=keys, frames=[b"1" * 512, b"2" * 512])
+            assert reply["code"] == "bad_request" and "invalid key" in reply["msg"]
+        reply, _ = peer.call("put", s=session, keys=["a.b", ".x"], frames=[b"1" * 512, b"2" * 512])
         assert reply["stored"] == b"\x01\x01"
-        reply, frames = peer.call("get", s=session, keys=["..", "."])
+        reply, frames = peer.call("get", s=session, keys=["a.b", ".x"])
         assert frames == [b"1" * 512, b"2" * 512]
     finally:
         peer.close()

@@ -22,12 +22,14 @@ import zmq
 
 from tiers import protocol as P
 from tiers import security
+from tiers.logs import RateLimitedLog
 from tiers.demotion import MODES, DemotionLink, DirtySet, should_demote
 from tiers.metrics import DaemonMetrics
 from tiers.regions import RegionRegistry
 from tiers.store import PageStore, StoreError
 
 log = logging.getLogger("hicache.daemon")
+_warn = RateLimitedLog(log)
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
@@ -442,6 +444,9 @@ class TierDaemon:
         fields = {"stored": P.flags(stored)}
         if refusal:
             fields["refusal"] = list(refusal)
+            # The operator hears of a full or failing medium here, not only in the engine's log.
+            _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
+                          len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
         return [P.reply_ok(req_id, **fields)]
 
     def handle_get(self, header: dict, frames) -> Future:
