@@ -12,7 +12,7 @@ from tiers.bench.stats import Figures, Progress, percentile
 KEY_COUNTS = (1, 128, 1024)
 
 
-def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> None:
+def run_lookup(figs: Figures, args, progress: Progress, calls: int = 1000) -> None:
     """p50/p99 of batch_exists for 1, 128 and 1,024 held keys on a DRAM tier over an ipc socket."""
     node = Node(os.path.join(args.work_dir, "lookup"), node_toml([tier_toml("dram", 16 * 8 * MiB, 8 * MiB)]))
     try:
@@ -21,11 +21,15 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> Non
         if rank.write(keys) != len(keys):
             figs.failures.append("lookup: could not store the pages to look up")
             return
-        calls = max(20, calls // (4 if args.quick else 1))
-        for n in KEY_COUNTS:
-            progress.step(f"lookup: {n} keys x {calls} calls")
-            if not _latencies(figs, rank, keys[:n], calls, f"lookup.{n}"):
+        calls = max(20, calls // (10 if args.quick else 1))
+        progress.step(f"lookup: {', '.join(map(str, KEY_COUNTS))} keys, {calls} calls each, interleaved")
+        # The machine's own round trip, sampled between the lookups: the floor they stand on.
+        echo = limits.EchoServer(f"ipc://{os.path.join(args.work_dir, 'lookup-echo.sock')}")
+        try:
+            if not _latencies(figs, rank, {f"lookup.{n}": keys[:n] for n in KEY_COUNTS}, calls, echo):
                 return
+        finally:
+            echo.close()
         # The same 128-key lookup while another rank writes 8 MiB pages to the same daemon.
         busy = Rank.tiered(node, 8, 4 if args.quick else 16)
         stop = threading.Event()
@@ -40,7 +44,7 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> Non
         thread.start()
         try:
             progress.step("lookup: 128 keys while 8 MiB pages are written")
-            _latencies(figs, rank, keys[:128], calls, "lookup.128.busy")
+            _latencies(figs, rank, {"lookup.128.busy": keys[:128]}, calls)
         finally:
             stop.set()
             thread.join()
@@ -50,20 +54,28 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 400) -> Non
         node.close()
 
 
-def _latencies(figs: Figures, rank: Rank, batch, calls: int, name: str) -> bool:
-    """p50 and p99 of batch_exists(batch) over calls calls; False (and a failure) on a wrong answer."""
+def _latencies(figs: Figures, rank: Rank, batches: dict, calls: int, echo=None) -> bool:
+    """p50 and p99 of batch_exists for each named batch, calls calls each, taken in turn so all see
+    the same machine (with echo: a bare ZeroMQ round trip in each turn too); False on a wrong answer."""
+    samples = {name: [] for name in batches}
+    if echo is not None:
+        samples["lookup.zmq_rtt"] = rtt = []
     for _ in range(20):
-        rank.backend.batch_exists(batch)
-    samples = []
+        for batch in batches.values():
+            rank.backend.batch_exists(batch)
     for _ in range(calls):
-        start = time.perf_counter()
-        hits = rank.backend.batch_exists(batch)
-        samples.append(time.perf_counter() - start)
-        if hits != len(batch):
-            figs.failures.append(f"{name}: {hits} of {len(batch)} keys found")
-            return False
-    figs.set(f"{name}.p50", percentile(samples, 50) * 1e6, "us")
-    figs.set(f"{name}.p99", percentile(samples, 99) * 1e6, "us")
+        if echo is not None:
+            rtt.append(echo.round_trip())
+        for name, batch in batches.items():
+            start = time.perf_counter()
+            hits = rank.backend.batch_exists(batch)
+            samples[name].append(time.perf_counter() - start)
+            if hits != len(batch):
+                figs.failures.append(f"{name}: {hits} of {len(batch)} keys found")
+                return False
+    for name, values in samples.items():
+        figs.set(f"{name}.p50", percentile(values, 50) * 1e6, "us")
+        figs.set(f"{name}.p99", percentile(values, 99) * 1e6, "us")
     return True
 
 

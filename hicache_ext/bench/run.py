@@ -25,11 +25,19 @@ def _runner(part: str):
             "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
 
 
+def _command_line() -> str:
+    """How this run was started: the hicache-tiers command or the script with its arguments."""
+    argv = sys.argv
+    if len(argv) > 1 and argv[1] == "bench":
+        return "hicache-tiers " + " ".join(map(shlex.quote, argv[1:]))
+    return "python " + " ".join(map(shlex.quote, argv))
+
+
 def run(args) -> int:
     parts = [p for p in PARTS if p in set(args.only)]
     progress = Progress(quiet=args.quiet)
     figs = Figures()
-    meta = {"command": args.command or "hicache-tiers bench " + " ".join(map(shlex.quote, sys.argv[2:])),
+    meta = {"command": args.command or _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine.describe(args.work_dir), "pages": args.pages, "repeat": args.repeat,
             "page_mib": args.page_mib, "parts": parts}

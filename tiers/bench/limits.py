@@ -138,34 +138,44 @@ while True:
 """
 
 
+class EchoServer:
+    """A ZeroMQ ROUTER echoing 64-byte messages in another process: the round trip under any call."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint], stdout=subprocess.PIPE)
+        self.proc.stdout.readline()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.body = b"x" * 64
+        for _ in range(50):  # connect and warm up
+            self.round_trip()
+
+    def round_trip(self) -> float:
+        """Seconds of one round trip."""
+        start = time.perf_counter()
+        self.sock.send(self.body)
+        self.sock.recv()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def zmq_round_trips(endpoint: str, calls: int = 2000) -> List[float]:
     """Seconds of each 64-byte DEALER->ROUTER round trip to an echo server in another process."""
-    import zmq
-    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint], stdout=subprocess.PIPE)
+    echo = EchoServer(endpoint)
     try:
-        proc.stdout.readline()
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        body = b"x" * 64
-        for _ in range(50):  # connect and warm up
-            sock.send(body)
-            sock.recv()
-        out = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            sock.send(body)
-            sock.recv()
-            out.append(time.perf_counter() - start)
-        sock.send(b"stop")
-        sock.close()
-        return out
+        return [echo.round_trip() for _ in range(calls)]
     finally:
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        echo.close()
 
 
 def load_bench_remote():
