@@ -100,6 +100,10 @@ class PageStore(ABC):
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         """Presence of each key; does not count as an access."""
 
+    def held(self, namespace: str, keys: List[str]) -> bytes:
+        """One byte per key of namespace, 1 when present (the lookup's answer; stores may do it faster)."""
+        return bytes(1 if ok else 0 for ok in self.contains([(namespace, k) for k in keys]))
+
     @abstractmethod
     def delete(self, keys: Iterable[PageKey]) -> int:
         """Remove keys; returns how many were present."""
