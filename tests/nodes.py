@@ -54,3 +54,12 @@ class RawPeer:
 
     def close(self):
         self.sock.close(linger=0)
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), for memory-bound checks."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")

@@ -1,5 +1,4 @@
 """The DRAM tier: exact bytes back, eviction by policy, memory within its bound."""
-import os
 
 import numpy as np
 import pytest
@@ -7,7 +6,7 @@ import pytest
 from tiers.client import TierClient
 from tiers.dram import DramStore
 from tiers.store import PageTooLarge
-from tests.nodes import dram_config, start_node
+from tests.nodes import dram_config, rss_bytes, start_node
 
 
 def page(i: int, size: int = 10_000) -> bytes:
@@ -64,12 +63,6 @@ def test_too_large_page_is_refused():
     assert store.stats().pages == 0
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def test_daemon_writing_twice_its_capacity_evicts_lru_and_stays_bounded(tmp_path):

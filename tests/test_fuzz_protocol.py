@@ -25,7 +25,7 @@ import random
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.nodes import RawPeer, start_node
+from tests.nodes import RawPeer, rss_bytes, start_node
 from tiers import protocol as P
 
 MESSAGES_PER_EXAMPLE = 10
@@ -179,12 +179,6 @@ def test_descriptor_and_size_decoders_raise_only_protocol_errors(desc, counts, n
 
 # -------------------------------------------------------- live daemon
 
-def vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 @pytest.fixture(scope="module")
@@ -285,12 +279,12 @@ def test_ten_thousand_hostile_messages(daemon):
     bulk.run([m for m in extremes for _ in range(5)])
     # Warm-up (allocator pools, session table, caches), then the measured run.
     bulk.run(messages[:1000])
-    rss_before = vm_rss(pid)
+    rss_before = rss_bytes(pid)
     started = time.monotonic()
     for i in range(0, len(messages), 1000):
         bulk.run(messages[i:i + 1000])
     seconds = time.monotonic() - started
-    rss_after = vm_rss(pid)
+    rss_after = rss_bytes(pid)
     bulk.close()
     print(f"\nfuzz: {bulk.sent} messages ({bulk.errors} error replies) in {seconds:.1f} s "
           f"(+{generated:.1f} s generating); daemon VmRSS {rss_before >> 20} -> {rss_after >> 20} MiB; errors by code {bulk.codes}")
@@ -360,10 +354,10 @@ def test_pool_daemon_handlers_survive_hostile_messages(tmp_path):
         bulk = Bulk(endpoint)
         pid = runner.pid("pool0")
         bulk.run(messages[:500])
-        rss_before = vm_rss(pid)
+        rss_before = rss_bytes(pid)
         for i in range(500, len(messages), 500):
             bulk.run(messages[i:i + 500])
-        rss_after = vm_rss(pid)
+        rss_after = rss_bytes(pid)
         bulk.close()
         print(f"\npool fuzz: {bulk.sent} messages, errors by code {bulk.codes}; VmRSS {rss_before >> 20} -> "
               f"{rss_after >> 20} MiB")
