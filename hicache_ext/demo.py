@@ -88,6 +88,11 @@ def _drive(args, runner: NodeRunner) -> int:
     print(f"{'read (prefetch)':18}{read:>8}{read_med:>15.2f}{read_med / limit:>10.2f}")
     print(f"{'memcpy (1 thread)':18}{'':>8}{limit:>15.2f}{1.0:>10.2f}")
     print(f"wrong pages: {wrong}")
+    tiers = [t.name for t in runner.config.tiers]
+    policy = args.write_policy or runner.config.write_policy
+    if len(tiers) > 1 and policy == "write_through":
+        print(f"(write_through acknowledges a page once {', '.join(tiers)} all hold it: the write speed is the "
+              f"slowest tier's; --write-policy write_back acknowledges at the top tier)")
     for name, stats in backend.tier_stats().items() if hasattr(backend, "tier_stats") else []:
         if stats:
             print(f"tier {name}: {stats['pages']} pages, {stats['used_bytes'] / 2**30:.2f} of "
