@@ -113,8 +113,15 @@ def _send_big_put(endpoint, pages=48, page_bytes=4 << 20):
     return sock
 
 
+def _slow_tier(tmp_path) -> str:
+    """Durable disk writes keep a big put busy for hundreds of milliseconds on any machine; a
+    DRAM put of the same bytes can finish (~40 ms) before the test gets to send its signal."""
+    return (f'[[tiers]]\nname = "nvme"\nkind = "nvme"\ncapacity = "1GiB"\nfsync = true\n'
+            f'max_page_bytes = "8MiB"\npath = "{tmp_path / "chunks"}"\n')
+
+
 def test_sigterm_finishes_requests_in_flight_then_exits_0(tmp_path):
-    daemon = DaemonProcess(str(tmp_path), dram_tier(capacity="256MiB", extra='max_page_bytes = "8MiB"'))
+    daemon = DaemonProcess(str(tmp_path), _slow_tier(tmp_path), tier="nvme")
     try:
         daemon.wait_ready()
         sock = _send_big_put(daemon.endpoint)
@@ -132,7 +139,7 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(tmp_path):
 
 
 def test_second_signal_exits_at_once(tmp_path):
-    daemon = DaemonProcess(str(tmp_path), dram_tier(capacity="256MiB", extra='max_page_bytes = "8MiB"'))
+    daemon = DaemonProcess(str(tmp_path), _slow_tier(tmp_path), tier="nvme")
     try:
         daemon.wait_ready()
         sock = _send_big_put(daemon.endpoint, pages=64)
