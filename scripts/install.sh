@@ -36,7 +36,7 @@ PIP="python3 -m pip"
 if [ "$engine" -eq 1 ]; then
     $PIP install --quiet torch==2.14.1 torchvision==0.29.1
     $PIP install --quiet --no-deps sglang==0.5.23
-    $PIP install --quiet --no-deps -r requirements/sglang-cpu.txt
+    $PIP install --quiet --no-deps -r scripts/sglang-cpu-requirements.txt
 fi
 
 # 3. This project.
