@@ -53,6 +53,10 @@ def _all_false(keys, *args, **kwargs) -> List[bool]:
     return [False] * len(keys)
 
 
+def _all_false_by_pool(transfers, *args, **kwargs) -> Dict[str, List[bool]]:
+    return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+
 class TieredHiCacheStorage(HiCacheStorage):
     """SGLang HiCache L3 backend over the node's tier daemons."""
 
@@ -217,12 +221,12 @@ class TieredHiCacheStorage(HiCacheStorage):
                 pool_held[transfer.name] = self._route(str(transfer.name)).router.held(keys[:kv_pages])
         return pool_hit_result(kv_held, pool_transfers or [], pool_held)
 
-    @never_raises(lambda transfers, *a, **k: {t.name: [False] * len(t.keys or []) for t in transfers})
+    @never_raises(_all_false_by_pool)
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
         return {t.name: self._transfer_v2(t, write=False, extra_info=extra_info) for t in transfers}
 
-    @never_raises(lambda transfers, *a, **k: {t.name: [False] * len(t.keys or []) for t in transfers})
+    @never_raises(_all_false_by_pool)
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
         return {t.name: self._transfer_v2(t, write=True, extra_info=extra_info) for t in transfers}
@@ -303,6 +307,12 @@ def _clean_pool_name(name: str) -> str:
 
 
 def _tensor_view(tensor: torch.Tensor) -> memoryview:
-    """A byte view of a contiguous CPU tensor, without a copy."""
-    flat = tensor.contiguous().view(-1).view(torch.uint8)
+    """A byte view of a contiguous CPU tensor, without a copy.
+
+    A copy of a non-contiguous read target would take the page and lose it, so
+    such a tensor is refused (the call becomes a miss) instead.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("a page tensor must be contiguous")
+    flat = tensor.view(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")

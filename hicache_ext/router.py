@@ -12,7 +12,7 @@ The chain is ordered fastest first (as the node configuration lists it).
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from hicache_ext.host_pool import PageBatch
 from tiers import protocol as P
@@ -64,12 +64,15 @@ class TierRouter:
                 return [client]
         return self.clients[:1]
 
-    def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        result = [True] * len(batch.keys)
+    def _acknowledged(self, n: int, put: Callable[[TierClient], List[bool]]) -> List[bool]:
+        """A page is acknowledged when every target tier of the write policy stored it."""
+        result = [True] * n
         for client in self._write_targets():
-            stored = self._put(client, batch, parents, mode=self._mode)
-            result = [a and b for a, b in zip(result, stored)]
+            result = [a and b for a, b in zip(result, put(client))]
         return result
+
+    def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        return self._acknowledged(len(batch.keys), lambda client: self._put(client, batch, parents, mode=self._mode))
 
     def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
              promote: bool = False) -> List[bool]:
@@ -86,72 +89,66 @@ class TierRouter:
     def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
         """Legacy path: pages given as buffers of this process."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        result = [True] * len(keys)
-        for client in self._write_targets():
-            stored = client.put_frames(keys, pages, nbytes, mode=self._mode)
-            result = [a and b for a, b in zip(result, stored)]
-        return result
+        return self._acknowledged(len(keys), lambda client: client.put_frames(keys, pages, nbytes, mode=self._mode))
 
     # ---------------------------------------------------------------- reads
-    def read(self, batch: PageBatch) -> List[bool]:
-        found = [False] * len(batch.keys)
-        missing = list(range(len(batch.keys)))
+    def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]],
+                      promote: Optional[Callable[[List[int]], None]] = None) -> List[bool]:
+        """Ask each tier, fastest first, for the pages still missing; promote what lower tiers served."""
+        found = [False] * n
+        missing = list(range(n))
         for depth, client in enumerate(self.clients):
             if not missing:
                 break
-            sub = batch if len(missing) == len(batch.keys) else batch.subset(missing)
-            got = self._get(client, sub)
+            got = fetch(client, missing)
             hits = [i for i, ok in zip(missing, got) if ok]
             for i in hits:
                 found[i] = True
-            if depth > 0 and hits and self.promote and not self.clients[0].is_down():
-                # A promoted page is already below, so the top tier holds it clean.
-                promoted = self._put(self.clients[0], batch.subset(hits), None, promote=True)
-                self.promotions += sum(promoted)
+            if depth > 0 and hits and promote is not None and self.promote and not self.clients[0].is_down():
+                promote(hits)
             missing = [i for i, ok in zip(missing, got) if not ok]
         return found
+
+    def read(self, batch: PageBatch) -> List[bool]:
+        n = len(batch.keys)
+
+        def promote(hits: List[int]) -> None:
+            # A promoted page is already below, so the top tier holds it clean.
+            self.promotions += sum(self._put(self.clients[0], batch.subset(hits), None, promote=True))
+
+        return self._fall_through(
+            n, lambda client, idx: self._get(client, batch if len(idx) == n else batch.subset(idx)), promote)
 
     def _get(self, client: TierClient, batch: PageBatch) -> List[bool]:
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
             return client.get_region(batch.keys, desc, counts, batch.nbytes)
         found, frames = client.get_frames(batch.keys, batch.nbytes)
-        if not any(found):
-            return found
-        views = batch.views()
-        frame_iter = iter(frames)
-        for i, ok in enumerate(found):
-            if ok:
-                frame = next(frame_iter)
-                try:
-                    scatter_copy(views[i], [frame.buffer])
-                except ValueError:  # a page of another size under this key
-                    found[i] = False
-        return found
+        return _fill(found, frames, batch.views) if any(found) else found
 
     def read_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
         """Legacy path: fill buffers of this process from the fastest tier."""
-        found = [False] * len(keys)
-        missing = list(range(len(keys)))
-        for client in self.clients:
-            if not missing:
-                break
-            nbytes = sum(v.nbytes for i in missing for v in pages[i])
-            got, frames = client.get_frames([keys[i] for i in missing], nbytes)
-            frame_iter = iter(frames)
-            still = []
-            for i, ok in zip(missing, got):
-                if ok:
-                    try:
-                        scatter_copy(pages[i], [next(frame_iter).buffer])
-                        found[i] = True
-                        continue
-                    except ValueError:
-                        pass
-                still.append(i)
-            missing = still
-        return found
+        def fetch(client: TierClient, idx: List[int]) -> List[bool]:
+            nbytes = sum(v.nbytes for i in idx for v in pages[i])
+            found, frames = client.get_frames([keys[i] for i in idx], nbytes)
+            return _fill(found, frames, lambda: [pages[i] for i in idx])
+
+        return self._fall_through(len(keys), fetch)
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+def _fill(found: List[bool], frames, views: Callable[[], List[Sequence[memoryview]]]) -> List[bool]:
+    """Copy each found page's frame into its views; a page of another size under the key is a miss."""
+    targets = views()
+    frame_iter = iter(frames)
+    out = list(found)
+    for i, ok in enumerate(found):
+        if ok:
+            try:
+                scatter_copy(targets[i], [next(frame_iter).buffer])
+            except ValueError:
+                out[i] = False
+    return out

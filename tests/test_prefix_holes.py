@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hicache_ext.sglang_harness import make_keys, page_regions
+from hicache_ext.sglang_harness import make_keys, page_bytes
 from tests.backend_env import Engine
 from tests.nodes import start_node
 from tiers.client import TierClient
@@ -35,9 +35,7 @@ def chain(tmp_path_factory):
 
 def page_bytes_of(engine, first: int, n: int):
     """Each page's bytes as the tiers store it: its host-pool regions concatenated."""
-    import ctypes
-    return [b"".join(ctypes.string_at(p, size) for p, size in regions)
-            for regions in page_regions(engine.pool, engine.indices(first, n))]
+    return page_bytes(engine.pool, engine.indices(first, n))
 
 
 @pytest.mark.parametrize("trial", range(8))

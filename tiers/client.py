@@ -250,11 +250,7 @@ class TierClient:
     # ------------------------------------------------------- operations
     def lookup(self, keys: List[str]) -> Optional[bytes]:
         """One byte per key (1 held), or None when the tier cannot answer."""
-        reply = self.call("lookup", self.deadlines.lookup, keys=keys)
-        if reply is None or not reply.header.get("ok"):
-            return None
-        held = reply.header.get("held")
-        return held if isinstance(held, bytes) and len(held) == len(keys) else None
+        return _held(self.call("lookup", self.deadlines.lookup, keys=keys), len(keys))
 
     def start_lookup(self, keys: List[str]):
         """Send a lookup without waiting (see lookup_all); None when the tier is unreachable."""
@@ -269,10 +265,7 @@ class TierClient:
             with self._lock:
                 self._session = None
             return self.lookup(keys)  # the daemon restarted: one ordinary retry
-        if reply is None or not reply.header.get("ok"):
-            return None
-        held = reply.header.get("held")
-        return held if isinstance(held, bytes) and len(held) == len(keys) else None
+        return _held(reply, len(keys))
 
     def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
@@ -353,6 +346,14 @@ class TierClient:
             if self._region_conn is not None:
                 self._region_conn.close()
                 self._region_conn = None
+
+
+def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
+    """The held flags of a lookup reply, or None when it failed or is malformed."""
+    if reply is None or not reply.header.get("ok"):
+        return None
+    held = reply.header.get("held")
+    return held if isinstance(held, bytes) and len(held) == n else None
 
 
 def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:

@@ -267,7 +267,7 @@ class TierDaemon(PageTransfers):
     def _flush(self, everything: bool) -> int:
         """Demote dirty pages: those over the bound, or (at shutdown) every eligible one."""
         if everything:
-            keys = [(k, mode, n) for k, mode, n in self.dirty.snapshot()]
+            keys = self.dirty.snapshot()
         else:
             keys = [(k, "back", 0) for k in self.dirty.oldest_over_limit()]
         done = 0
