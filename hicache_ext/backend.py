@@ -111,7 +111,8 @@ class TieredHiCacheStorage(HiCacheStorage):
             namespace = f"{namespace}.{_clean_pool_name(name)}"
         view = HostPoolView(pool) if pool is not None else None
         client_name = f"sglang-pid{os.getpid()}-tp{self.storage_config.tp_rank}"
-        clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines) for t in self.node.tiers]
+        clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines, attach=True)
+                   for t in self.node.tiers]
         if view is not None and view.memfd is not None:
             for client in clients:
                 client.attach_region(view.memfd, view.memfd_size)

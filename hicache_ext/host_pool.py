@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,6 +44,10 @@ class PageBatch:
     def descriptors(self):
         """(desc, regions_per_page) for a shared-memory transfer."""
         return P.encode_descriptor_arrays(self.offsets, self.lengths)
+
+    def runs(self) -> List[List[Tuple[int, int]]]:
+        """(address, length) of each page's regions in this process."""
+        return [list(zip(p, n)) for p, n in zip(self.pointers.tolist(), self.lengths.tolist())]
 
     def views(self) -> List[List[memoryview]]:
         """Zero-copy views of each page's regions in this process."""

@@ -120,9 +120,10 @@ class TierRouter:
             n, lambda client, idx: self._get(client, batch if len(idx) == n else batch.subset(idx)), promote)
 
     def _get(self, client: TierClient, batch: PageBatch) -> List[bool]:
-        if batch.offsets is not None and client.region_id is not None:
-            desc, counts = batch.descriptors()
-            return client.get_region(batch.keys, desc, counts, batch.nbytes)
+        if client.can_lease():
+            # The daemon leases the pages in its arena and this process copies them in: a frozen
+            # daemon can never write into host memory the engine has reused.
+            return client.get_leased(batch.keys, batch.runs())
         found, frames = client.get_frames(batch.keys, batch.nbytes)
         return _fill(found, frames, batch.views) if any(found) else found
 

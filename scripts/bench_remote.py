@@ -155,7 +155,7 @@ class ViaDaemon:
 
     def _connect(self, size: int, pages: int) -> None:
         self.client = TierClient("remote", self.node.config.tier("remote").endpoint, "bench-e2e",
-                                 deadlines=Deadlines(base=10.0, lookup=2.0))
+                                 deadlines=Deadlines(base=10.0, lookup=2.0), attach=True)
         self.nbytes = size * pages
         self.fd = os.memfd_create("bench-host-pool")
         os.ftruncate(self.fd, 2 * self.nbytes)
@@ -165,7 +165,8 @@ class ViaDaemon:
         while True:
             if self.client.region_id is None:
                 self.client.attach_region(self.fd, 2 * self.nbytes)  # registers again once a session is open
-            if self.client.lookup(["warm"]) is not None and self.client.region_id is not None:
+            if (self.client.lookup(["warm"]) is not None and self.client.region_id is not None
+                    and self.client.can_lease()):
                 break
             if time.monotonic() > end:
                 raise SystemExit("the remote tier did not take the host pool region")
@@ -174,14 +175,15 @@ class ViaDaemon:
         half = size // 2
         self.put_desc, self.counts = P.encode_descriptors([[(i * size, half), (i * size + half, half)]
                                                            for i in range(pages)])
-        self.get_desc, _ = P.encode_descriptors([[((pages + i) * size, half), ((pages + i) * size + half, half)]
-                                                 for i in range(pages)])
+        base = address_of(memoryview(self.host))
+        self.get_runs = [[(base + (pages + i) * size, half), (base + (pages + i) * size + half, half)]
+                         for i in range(pages)]
 
     def run(self, write: bool) -> None:
         if write:
             ok = self.client.put_region(self.keys, self.put_desc, self.counts, self.nbytes)
         else:
-            ok = self.client.get_region(self.keys, self.get_desc, self.counts, self.nbytes)
+            ok = self.client.get_leased(self.keys, self.get_runs)
         if not all(ok):
             raise SystemExit(f"end-to-end {'put' if write else 'get'} failed")
 

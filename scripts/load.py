@@ -65,19 +65,20 @@ def content(key: str) -> bytes:
 
 def client_main(index: int, endpoints: Dict[str, str], keys_per_client: int, until: float, seed: int, conn) -> None:
     from tiers import protocol as P
+    from tiers.buffers import address_of
     from tiers.client import Deadlines, TierClient
 
     rng = random.Random(seed * 1000 + index)
     fd = os.memfd_create(f"load-{index}")
     os.ftruncate(fd, POOL)
     pool = mmap.mmap(fd, POOL)
-    clients = {name: TierClient(name, ep, f"load-{index % 4}", f"load{index}", Deadlines()) for name, ep in endpoints.items()}
+    clients = {name: TierClient(name, ep, f"load-{index % 4}", f"load{index}", Deadlines(), attach=True)
+               for name, ep in endpoints.items()}
     for client in clients.values():
         client.attach_region(fd, POOL)
     ops: List[tuple] = []  # (end time, op, ok, seconds)
     wrong = 0
     write_desc = P.encode_descriptors([[(i * PAGE, PAGE)] for i in range(BATCH)])
-    read_desc = P.encode_descriptors([[((BATCH + i) * PAGE, PAGE)] for i in range(BATCH)])
     while time.time() < until:
         client = clients["dram"] if rng.random() < 0.75 or "nvme" not in clients else clients["nvme"]
         first = rng.randrange(keys_per_client - BATCH)
@@ -89,8 +90,9 @@ def client_main(index: int, endpoints: Dict[str, str], keys_per_client: int, unt
             ok = client.lookup(keys) is not None
         elif roll < 0.8:
             op = "read"
-            if client.region_id is not None:
-                found = client.get_region(keys, *read_desc, BATCH * PAGE)
+            if client.can_lease():
+                base = address_of(memoryview(pool))
+                found = client.get_leased(keys, [[(base + (BATCH + i) * PAGE, PAGE)] for i in range(BATCH)])
                 pages = [pool[(BATCH + i) * PAGE:(BATCH + i + 1) * PAGE] for i in range(BATCH)]
             else:
                 found, frames = client.get_frames(keys, BATCH * PAGE)

@@ -32,6 +32,8 @@ NODE_KEY_HELP = {
     "curve_client_key": "CurveZMQ secret key file clients of tcp:// daemons use",
     "curve_authorized_keys": "directory of public keys allowed to connect over tcp://",
     "allow_insecure_tcp": "serve tcp:// endpoints without CurveZMQ (default false: refuse to start)",
+    "demotion_queue_bytes": "write-back pages on their way to the tier below, per daemon (default 256MiB); "
+                            "when the queue is full an evicted dirty page is dropped and counted (demotion_dropped)",
 }
 ENVIRONMENT = {
     "HICACHE_TIERS_CONFIG": "node configuration file when --config is not given",
@@ -95,6 +97,11 @@ def reference() -> str:
     _commands(build_parser(), "hicache-tiers", out)
     out += ["### Node configuration (`[node]`)", "", "| key | meaning |", "|---|---|"]
     out += [f"| `{k}` | {_cell(v)} |" for k, v in NODE_KEY_HELP.items()]
+    out += ["", "### Quotas (`[quotas]`)", "",
+            "`\"PREFIX\" = SIZE`: the pages of every namespace starting with PREFIX (a model name matches all its "
+            "shards) may take at most SIZE in any one tier; the longest matching prefix wins. Without a quota a "
+            "namespace is held to its fair share (capacity / namespaces holding pages) only when others need room.",
+            ""]
     out += ["", "### Tier options (`[[tiers]]`), every kind", ""]
     _options_table(COMMON_TIER_OPTIONS, out)
     for kind, specs in KIND_OPTIONS.items():

@@ -1,4 +1,6 @@
 """Malformed, wrong-version and hostile messages get error replies; the daemon keeps serving."""
+import time
+
 import msgpack
 import pytest
 
@@ -32,14 +34,14 @@ def still_serving(peer):
     (b"\xc1", "bad_request"),                      # never-used msgpack byte
     (b"", "bad_request"),
     (msgpack.packb([1, 2, 3]), "bad_request"),     # not a map
-    (msgpack.packb({"v": 1, "op": "lookup", "id": "x"}), "bad_request"),
+    (msgpack.packb({"v": 2, "op": "lookup", "id": "x"}), "bad_request"),
     (msgpack.packb({"v": 99, "op": "lookup", "id": 3}), "bad_version"),
     (msgpack.packb({"op": "lookup", "id": 3}), "bad_version"),
-    (msgpack.packb({"v": 1, "op": "explode", "id": 3}), "unknown_op"),
-    (msgpack.packb({"v": 1, "op": "lookup", "id": 3, "s": 12345, "keys": ["a"]}), "no_session"),
-    (msgpack.packb({"v": 1, "op": "lookup", "id": 3, "dl": 1.0}), "deadline"),
-    (msgpack.packb({"v": 1, "op": "hello", "id": 3, "ns": "../etc"}), "bad_request"),
-    (msgpack.packb({"v": 1, "op": "hello", "id": 3}), "bad_request"),
+    (msgpack.packb({"v": 2, "op": "explode", "id": 3}), "unknown_op"),
+    (msgpack.packb({"v": 2, "op": "lookup", "id": 3, "s": 12345, "keys": ["a"]}), "no_session"),
+    (msgpack.packb({"v": 2, "op": "lookup", "id": 3, "dl": 1.0}), "deadline"),
+    (msgpack.packb({"v": 2, "op": "hello", "id": 3, "ns": "../etc"}), "bad_request"),
+    (msgpack.packb({"v": 2, "op": "hello", "id": 3}), "bad_request"),
 ])
 def test_malformed_headers_get_error_replies(peer, raw, code):
     reply, _ = peer.send(raw)
@@ -64,9 +66,22 @@ def test_bad_fields_after_hello(peer):
     # frames that do not match the keys
     reply, _ = peer.call("put", s=session, keys=["a", "b"], frames=[b"1"])
     assert reply["code"] == "bad_request"
-    # a region that was never registered, and nonsense descriptors
-    reply, _ = peer.call("get", s=session, keys=["a"], region=42, desc=b"\0" * 16, regions_per_page=b"\1\0\0\0")
+    # a put from a region that was never registered
+    reply, _ = peer.call("put", s=session, keys=["a"], region=42, desc=b"\0" * 16, regions_per_page=b"\1\0\0\0")
     assert reply["code"] == "no_session"
+    # a daemon never writes into a host pool: a get naming a region is refused
+    reply, _ = peer.call("get", s=session, keys=["a"], region=42, desc=b"\0" * 16, regions_per_page=b"\1\0\0\0")
+    assert reply["code"] == "bad_request" and "lease" in reply["msg"]
+    # leases: not a number, infinite, in the past, too far, sizes missing
+    for lease, code in [("x", "bad_request"), (float("inf"), "bad_request"), (float("nan"), "bad_request"),
+                        (time.monotonic() - 1, "deadline"), (time.monotonic() + 10_000, "bad_request")]:
+        reply, _ = peer.call("get", s=session, keys=["a"], lease=lease, sizes=b"\0" * 8)
+        assert (reply["ok"], reply["code"]) == (False, code), (lease, reply)
+    reply, _ = peer.call("get", s=session, keys=["a"], lease=time.monotonic() + 5)
+    assert reply["code"] == "bad_request"
+    # releasing a lease nobody holds is harmless
+    reply, _ = peer.call("release", s=session, lease=12345)
+    assert reply["ok"] is True and reply["released"] is False
     still_serving(peer)
 
 

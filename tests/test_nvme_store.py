@@ -205,7 +205,7 @@ def test_delete_and_clear_after_restart(make_store):
 def test_on_evict_receives_page(make_store):
     store = make_store(capacity=2 * CHUNK)
     seen = []
-    store.on_evict = lambda key, views, reads: seen.append((key, b"".join(views), reads))
+    store.set_evict_hook(lambda key, views, reads: seen.append((key, b"".join(views), reads)))
     store.put(("ns", "k0"), [memoryview(page(0))])
     store.get_bytes(("ns", "k0"))
     store.put(("ns", "k1"), [memoryview(page(1))])

@@ -14,7 +14,7 @@ import zmq
 from tiers import protocol as P
 from tiers.cli import main
 from tiers.node_runner import ping
-from tiers.regions import MAX_REGIONS
+from tiers.regions import MAX_CONNECTIONS
 from tests.test_ops_support import REPO, DaemonProcess, dram_tier
 
 UNITS = os.path.join(REPO, "scripts", "systemd")
@@ -83,7 +83,7 @@ def test_repeated_failures_do_not_flood_the_log(tmp_path):
     try:
         daemon.wait_ready()
         fd_socket = os.path.join(daemon.runtime_dir, "dram.fd.sock")
-        for _ in range(MAX_REGIONS + 40):  # the last 40 are refused, each with a warning
+        for _ in range(MAX_CONNECTIONS + 40):  # the last 40 are refused, each with a warning
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(fd_socket)
             conns.append(conn)
@@ -93,7 +93,7 @@ def test_repeated_failures_do_not_flood_the_log(tmp_path):
         for conn in conns:
             conn.close()
         assert daemon.stop() == 0
-    assert daemon.log().count("refused a region connection") == 1, daemon.log()[-2000:]
+    assert daemon.log().count("refused an attach connection") == 1, daemon.log()[-2000:]
 
 
 def _send_big_put(endpoint, pages=48, page_bytes=4 << 20):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tiers import protocol as P
+from tiers.buffers import address_of
 from tiers.client import Deadlines, TierClient
 from tiers.node_runner import NodeRunner
 from tiers.remote.placement import Rendezvous
@@ -41,7 +42,7 @@ class Node:
 
     def _connect(self):
         self.client = TierClient("remote", self.runner.config.tier("remote").endpoint, "model-a",
-                                 deadlines=Deadlines(base=1.0, lookup=0.5, backoff_max=0.5))
+                                 deadlines=Deadlines(base=1.0, lookup=0.5, backoff_max=0.5), attach=True)
         self.fd = os.memfd_create("host-pool")
         os.ftruncate(self.fd, HOST_POOL)
         self.host = mmap.mmap(self.fd, HOST_POOL)
@@ -52,7 +53,8 @@ class Node:
     def _registered(self) -> bool:
         if self.client.region_id is None:
             self.client.attach_region(self.fd, HOST_POOL)  # registers again when the session is open
-        return self.client.lookup(["warmup"]) == b"\x00" and self.client.region_id is not None
+        return (self.client.lookup(["warmup"]) == b"\x00" and self.client.region_id is not None
+                and self.client.can_lease())
 
     def put(self, keys, seeds, slot0: int = 0):
         """Write pages through the shared host pool (one-sided from the mapping)."""
@@ -69,8 +71,8 @@ class Node:
         pairs = [[((slot0 + i) * PAGE, PAGE)] for i in range(len(keys))]
         for off, n in (p[0] for p in pairs):
             self.host[off:off + n] = b"\0" * n
-        desc, counts = P.encode_descriptors(pairs)
-        found = self.client.get_region(keys, desc, counts, PAGE * len(keys))
+        base = address_of(memoryview(self.host))
+        found = self.client.get_leased(keys, [[(base + off, n) for off, n in p] for p in pairs])
         return found, [bytes(self.host[off:off + n]) for off, n in (p[0] for p in pairs)]
 
     def close(self):

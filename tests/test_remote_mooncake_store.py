@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tiers import protocol as P
+from tiers.buffers import address_of
 from tiers.client import Deadlines, TierClient
 from tiers.node_runner import NodeRunner
 from tiers.remote.loopback import free_ports
@@ -59,7 +60,8 @@ def cluster(tmp_path_factory):
 
 
 def client_with_host_pool(runner):
-    client = TierClient("mc", runner.config.tier("mc").endpoint, "model-a", deadlines=Deadlines(base=5.0))
+    client = TierClient("mc", runner.config.tier("mc").endpoint, "model-a", deadlines=Deadlines(base=5.0),
+                        attach=True)
     fd = os.memfd_create("host-pool")
     os.ftruncate(fd, 8 << 20)
     host = mmap.mmap(fd, 8 << 20)
@@ -67,7 +69,7 @@ def client_with_host_pool(runner):
     while time.monotonic() < end:
         if client.region_id is None:
             client.attach_region(fd, 8 << 20)
-        if client.lookup(["warmup"]) is not None and client.region_id is not None:
+        if client.lookup(["warmup"]) is not None and client.region_id is not None and client.can_lease():
             break
         time.sleep(0.1)
     assert client.region_id is not None
@@ -88,9 +90,8 @@ def test_pages_move_between_nodes_through_the_cluster(cluster):
         desc, counts = P.encode_descriptors(pairs)
         assert ca.put_region(keys, desc, counts, 4 * PAGE) == [True] * 4
         assert cb.lookup(keys + ["mc-none"]) == b"\x01" * 4 + b"\x00"
-        out = [[((8 + i) * PAGE, PAGE)] for i in range(4)]
-        desc, counts = P.encode_descriptors(out)
-        assert cb.get_region(keys, desc, counts, 4 * PAGE) == [True] * 4
+        base = address_of(memoryview(host_b))
+        assert cb.get_leased(keys, [[(base + (8 + i) * PAGE, PAGE)] for i in range(4)]) == [True] * 4
         for i in range(4):
             got = bytes(host_b[(8 + i) * PAGE:(9 + i) * PAGE])
             expect = page(i) if i % 2 == 0 else page(i)[half:] + page(i)[:half]

@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 import mmap
 from typing import List, Sequence, Tuple
 
 import numpy as np
 
-# Runs at least this long are copied by numpy, which releases the GIL while it copies (a
-# memoryview assignment holds it: a lookup arriving during an 8 MiB copy would wait ~3 ms);
-# below it the fixed cost of two array views outweighs that.
-NUMPY_COPY_MIN = 256 << 10
-
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     _libc.madvise.restype = ctypes.c_int
+    _libc.process_vm_readv.restype = ctypes.c_ssize_t
 except OSError:  # no libc by that name: populate by touching pages
     _libc = None
 
@@ -30,32 +28,121 @@ def as_bytes_view(buf) -> memoryview:
     return view
 
 
+class MemoryFault(OSError):
+    """A copy touched memory that went away under it (a truncated memfd mapping: SIGBUS)."""
+
+
+def address_of(view) -> int:
+    """The address of a contiguous buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
 def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     """Copy the concatenation of src into the concatenation of dst.
 
     Both sides must hold the same number of bytes (ValueError otherwise).
-    Each step is one memcpy of the largest run both current views allow.
+    Each step is one memcpy of the largest run both current views allow; all
+    runs go to C in one call, without the GIL, under a SIGBUS guard
+    (tiers/_guardcopy.c): a source or destination that is a mapping of a
+    memfd someone truncated raises MemoryFault instead of killing the process.
     """
-    total = sum(v.nbytes for v in src)
-    if total != sum(v.nbytes for v in dst):
+    pairs_d = [(address_of(v), v.nbytes) for v in dst if v.nbytes]
+    pairs_s = [(address_of(v), v.nbytes) for v in src if v.nbytes]
+    return copy_runs(*scatter_runs(pairs_d, pairs_s))
+
+
+def scatter_runs(dst: Sequence[Tuple[int, int]], src: Sequence[Tuple[int, int]]):
+    """(dst addresses, src addresses, lengths) of the memcpys that copy the src runs into the dst runs.
+
+    Runs are (address, length); both sides must add up to the same total (ValueError otherwise).
+    """
+    total = sum(n for _a, n in src)
+    if total != sum(n for _a, n in dst):
         raise ValueError("page size mismatch")
+    runs_d: List[int] = []
+    runs_s: List[int] = []
+    runs_n: List[int] = []
     di = si = doff = soff = 0
     copied = 0
     while copied < total:
-        d, s = dst[di], src[si]
-        n = min(d.nbytes - doff, s.nbytes - soff)
-        if n >= NUMPY_COPY_MIN:
-            np.copyto(np.frombuffer(d, np.uint8, n, doff), np.frombuffer(s, np.uint8, n, soff))
-        else:
-            d[doff:doff + n] = s[soff:soff + n]
+        (da, dn), (sa, sn) = dst[di], src[si]
+        n = min(dn - doff, sn - soff)
+        runs_d.append(da + doff)
+        runs_s.append(sa + soff)
+        runs_n.append(n)
         copied += n
         doff += n
         soff += n
-        if doff == d.nbytes:
+        if doff == dn:
             di, doff = di + 1, 0
-        if soff == s.nbytes:
+        if soff == sn:
             si, soff = si + 1, 0
-    return copied
+    return runs_d, runs_s, runs_n
+
+
+def copy_runs(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int]) -> int:
+    """memcpy(dst[i], src[i], lengths[i]) for every i, guarded; the bytes copied, MemoryFault when one faulted."""
+    count = len(lengths)
+    if not count:
+        return 0
+    d = np.asarray(dst, dtype=np.uint64)
+    s = np.asarray(src, dtype=np.uint64)
+    n = np.asarray(lengths, dtype=np.uint64)
+    done = _guarded().copy(d, s, n, count)
+    if done != count:
+        raise MemoryFault(f"a copied region went away during the copy (run {done} of {count}; truncated memfd?)")
+    return int(n.sum())
+
+
+class _Guard:
+    """The compiled guarded copy (tiers/_guardcopy.c), or process_vm_readv on ourselves where it is not built."""
+
+    def __init__(self):
+        self._lib = None
+        try:
+            from importlib.util import find_spec
+            spec = find_spec("tiers._guardcopy")
+            if spec is not None and spec.origin:
+                lib = ctypes.CDLL(spec.origin)
+                ptr = np.ctypeslib.ndpointer(dtype=np.uint64, ndim=1, flags="C_CONTIGUOUS")
+                lib.guarded_copy_runs.argtypes = [ptr, ptr, ptr, ctypes.c_int64]
+                lib.guarded_copy_runs.restype = ctypes.c_int64
+                lib.guard_install.restype = ctypes.c_int
+                self._lib = lib
+        except (OSError, AttributeError, ImportError):
+            self._lib = None
+        if self._lib is None:
+            import logging
+            logging.getLogger("hicache.buffers").warning(
+                "tiers._guardcopy is not built (install the package with pip); copies use process_vm_readv, ~20%% slower")
+
+    def copy(self, d: np.ndarray, s: np.ndarray, n: np.ndarray, count: int) -> int:
+        if self._lib is not None:
+            # Re-installed when someone replaced it (faulthandler.enable() after us): one cheap syscall.
+            self._lib.guard_install()
+            return int(self._lib.guarded_copy_runs(d, s, n, count))
+        return _vm_copy(d, s, n, count)
+
+
+def _vm_copy(d: np.ndarray, s: np.ndarray, n: np.ndarray, count: int) -> int:
+    """The fallback: a kernel copy within this process; a vanished page is EFAULT, not SIGBUS."""
+    import os
+    pid = os.getpid()
+    for i in range(count):
+        local = _Iovec(int(d[i]), int(n[i]))
+        remote = _Iovec(int(s[i]), int(n[i]))
+        if _libc is None or _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != int(n[i]):
+            return i
+    return count
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+@functools.lru_cache(maxsize=None)
+def _guarded() -> _Guard:
+    return _Guard()
 
 
 def block_extents(blocks: Sequence[int], block_size: int, size: int) -> List[Tuple[int, int]]:
@@ -81,8 +168,8 @@ def split_extents(views: Sequence[memoryview]) -> List[memoryview]:
     return [v for v in views if v.nbytes]
 
 
-def populate(mapping: mmap.mmap) -> bool:
-    """Fault a whole shared mapping in for writing, without holding the GIL.
+def populate(mapping: mmap.mmap, write: bool = True) -> bool:
+    """Fault a whole shared mapping in (for writing, or for reading), without holding the GIL.
 
     mmap.madvise keeps the GIL for the whole call (seconds for a large pool),
     which would freeze a daemon's loop; a ctypes call releases it.  Returns
@@ -90,7 +177,6 @@ def populate(mapping: mmap.mmap) -> bool:
     """
     if _libc is None or len(mapping) == 0:
         return False
-    anchor = ctypes.c_char.from_buffer(mapping)
-    address = ctypes.addressof(anchor)
-    del anchor  # release the buffer export at once; the address stays valid while mapped
-    return _libc.madvise(address, len(mapping), MADV_POPULATE_WRITE) == 0
+    with memoryview(mapping) as view:  # works for read-only mappings too; the export ends here
+        address = address_of(view)
+    return _libc.madvise(address, len(mapping), MADV_POPULATE_WRITE if write else MADV_POPULATE_READ) == 0

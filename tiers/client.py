@@ -2,14 +2,19 @@
 
 Lazy-pirate style: each calling thread has its own DEALER socket; a call that
 times out closes that socket (dropping anything still queued) and marks the
-tier down for a short, growing back-off, during which calls fail at once.
-The next call after the back-off says hello again.  A ``no_session`` reply
-(the daemon restarted) re-opens the session and retries once.
+tier down.  While it is down, calls fail at once, and a thread of the
+client's own says hello again with a growing back-off: no engine call ever
+waits on a tier that was down.  A ``no_session`` reply (the daemon
+restarted) re-opens the session and retries once.
+
+Engine clients attach (``attach=True``): they map the daemon's arena
+read-only and copy leased pages out of it themselves (tiers/arena.py).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -21,6 +26,7 @@ import zmq
 
 from tiers import protocol as P
 from tiers import security
+from tiers.buffers import MemoryFault, address_of, copy_runs, scatter_runs
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
@@ -56,7 +62,8 @@ class TierClient:
     """Calls to one tier daemon on behalf of one namespace."""
 
     def __init__(self, name: str, endpoint: str, namespace: str, client_name: str = "",
-                 deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None):
+                 deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None,
+                 attach: bool = False):
         self.name = name
         self.endpoint = endpoint
         self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
@@ -69,12 +76,15 @@ class TierClient:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._session: Optional[int] = None
-        self._down_until = 0.0
+        self._down = False
+        self._probing = False
         self._backoff = self.deadlines.backoff_min
         self._region_fd: Optional[int] = None
         self._region_size = 0
         self._region_conn: Optional[socket.socket] = None
         self.region_id: Optional[int] = None
+        self._attach_wanted = attach
+        self.arena: Optional[_ArenaMap] = None  # the daemon's arena, mapped read-only
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
         self._warn = RateLimitedLog(log)
@@ -104,18 +114,40 @@ class TierClient:
             sock.close(linger=0)
 
     def _mark_down(self, why: str) -> None:
-        # "not connected" is _send's failure to connect: cheap to retry, so its wait stays short.
-        wait = min(self._backoff, self.deadlines.reconnect_max) if why == "not connected" else self._backoff
         with self._lock:
             self._session = None
             self.region_id = None
-            self._down_until = time.monotonic() + wait
-            self._backoff = min(self._backoff * 2, self.deadlines.backoff_max)
+            self._down = True
+            start = not self._probing and not self._closed
+            self._probing = self._probing or start
+        if start:
+            threading.Thread(target=self._probe, args=(why == "not connected",), name=f"probe-{self.name}",
+                             daemon=True).start()
         self._warn.warning(f"down:{self.name}", "tier %s at %s unavailable (%s); serving misses",
                            self.name, self.endpoint, why)
 
+    def _probe(self, refused: bool) -> None:
+        """Say hello until the daemon answers, off every engine call; then the tier is up again."""
+        # A daemon that refuses connections (restarting) is tried at least every reconnect_max; one that
+        # connects and stays silent (frozen) costs a probe a lookup timeout, so it backs off further.
+        wait = self.deadlines.backoff_min
+        while not self._closed:
+            time.sleep(min(wait, self.deadlines.reconnect_max) if refused else wait)
+            with self._lock:
+                if self._closed:
+                    break
+                answered = self._hello_locked()
+            if answered:
+                with self._lock:
+                    self._down = False
+                    self._probing = False
+                return
+            wait = min(wait * 2, self.deadlines.backoff_max)
+        with self._lock:
+            self._probing = False
+
     def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._down
 
     def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
               session: Optional[int] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
@@ -149,7 +181,8 @@ class TierClient:
             left = give_up - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset_socket()  # drop the late reply and anything queued
-                self._mark_down(f"{op} got no reply in time")
+                if not self._down:
+                    self._mark_down(f"{op} got no reply in time")
                 return None
             parts = sock.recv_multipart(copy=False)
             try:
@@ -166,6 +199,17 @@ class TierClient:
         sent = self._send(op, timeout, fields, frames, session)
         return None if sent is None else self._receive(*sent, op)
 
+    def _send_quietly(self, op: str, **fields) -> None:
+        """A request whose reply nobody waits for (a stale reply is skipped by id later)."""
+        session = self._session
+        if session is None or self._down:
+            return
+        header = P.request(op, next(self._ids), deadline=time.time() + self.deadlines.base, session=session, **fields)
+        try:
+            self._socket().send_multipart([header], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
                                 {"ns": self.namespace, "client": self.client_name})
@@ -178,12 +222,12 @@ class TierClient:
         self.fd_socket = reply.header.get("fd_socket", "")
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
-        if self._region_fd is not None:
+        if self._region_fd is not None or self._attach_wanted:
             self._register_region_locked()
         return True
 
     def _ensure_session(self) -> Optional[int]:
-        if self._closed or self.is_down():
+        if self._closed or self._down:
             return None
         with self._lock:
             if self._session is None and not self._hello_locked():
@@ -222,6 +266,7 @@ class TierClient:
                 self._register_region_locked()
 
     def _register_region_locked(self) -> None:
+        """Attach: hand over the host pool (when there is one), map the daemon's arena read-only."""
         self.region_id = None
         if self._region_conn is not None:
             self._region_conn.close()
@@ -230,22 +275,45 @@ class TierClient:
             return
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(self.deadlines.lookup)
+        arena_fd = None
         try:
             conn.connect(self.fd_socket)
-            P.send_register(conn, self._region_fd, {"v": P.PROTOCOL_VERSION, "s": self._session,
-                                                    "size": self._region_size})
-            reply = P.recv_framed(conn)
-        except (OSError, P.ProtocolError) as exc:
+            header = {"v": P.PROTOCOL_VERSION, "s": self._session, "size": self._region_size}
+            if self._region_fd is not None:
+                P.send_register(conn, self._region_fd, header)
+            else:
+                P.send_framed(conn, header)
+            reply, arena_fd = P.recv_framed_fd(conn)
+            if reply.get("ok") and arena_fd is not None and self._attach_wanted:
+                self._map_arena_locked(arena_fd, reply)
+        except (OSError, ValueError, P.ProtocolError) as exc:
             conn.close()
-            self._warn.warning(f"region:{self.name}", "tier %s: host pool registration failed (%s); pages travel as frames",
+            self._warn.warning(f"region:{self.name}", "tier %s: attach failed (%s); pages travel as frames",
                                self.name, exc)
             return
+        finally:
+            if arena_fd is not None:
+                os.close(arena_fd)
         if not reply.get("ok"):
             conn.close()
             self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
             return
         self._region_conn = conn  # kept open: closing it tells the daemon to unmap
-        self.region_id = reply["region"]
+        self.region_id = reply.get("region") or None
+
+    def _map_arena_locked(self, fd: int, reply: dict) -> None:
+        arena_id, size = reply.get("arena"), reply.get("arena_size")
+        if type(arena_id) is not int or type(size) is not int or size <= 0:
+            return
+        if self.arena is not None and self.arena.arena_id == arena_id:
+            return  # the same daemon: the mapping we have is the right one
+        if os.fstat(fd).st_size < size:
+            raise ValueError("the daemon's arena is smaller than it says")
+        # Read-only and sealed by the daemon against shrinking: copying from it can never fault.
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        old, self.arena = self.arena, _ArenaMap(arena_id, mapping)
+        if old is not None:
+            old.close()
 
     # ------------------------------------------------------- operations
     def lookup(self, keys: List[str]) -> Optional[bytes]:
@@ -258,6 +326,28 @@ class TierClient:
         if session is None:
             return None
         return self._send("lookup", self.deadlines.lookup, {"keys": keys}, session=session)
+
+    def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
+        """The reply to req_id if it is the next message waiting (None: a stale one was skipped)."""
+        parts = sock.recv_multipart(copy=False)
+        try:
+            reply = P.unpack(parts[0].buffer)
+        except P.ProtocolError:
+            return None
+        return Reply(reply, parts[1:]) if reply.get("id") == req_id else None
+
+    def give_up(self, sock: zmq.Socket, op: str) -> None:
+        """A call on this thread's socket got no reply in time."""
+        self._reset_socket()
+        if not self._down:
+            self._mark_down(f"{op} got no reply in time")
+
+    def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
+        if reply.header.get("code") == "no_session":
+            with self._lock:
+                self._session = None
+            return self.lookup(keys)  # the daemon restarted: one ordinary retry
+        return _held(reply, len(keys))
 
     def finish_lookup(self, pending, keys: List[str]) -> Optional[bytes]:
         reply = self._receive(*pending, "lookup")
@@ -293,13 +383,62 @@ class TierClient:
         return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields),
                            "stored", len(keys))
 
-    def get_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int) -> List[bool]:
-        region = self.region_id
-        if region is None:
-            return [False] * len(keys)
-        reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys, region=region, desc=desc,
-                          regions_per_page=counts)
-        return self._flags(reply, "found", len(keys))
+    def can_lease(self) -> bool:
+        return self.arena is not None and not self._down
+
+    def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]]) -> List[bool]:
+        """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
+
+        The daemon pins the pages in its arena until our own give-up time; we
+        copy them out, and keep a page only if its copy ended by then.  A page
+        is never written after this call returns.
+        """
+        arena = self.arena
+        n = len(keys)
+        sizes = [sum(length for _a, length in page) for page in dst]
+        nbytes = sum(sizes)
+        timeout = self.deadlines.for_bytes(nbytes)
+        expiry = time.monotonic() + timeout  # CLOCK_MONOTONIC is one clock for the whole machine
+        if arena is None:
+            return [False] * n
+        reply = self.call("get", timeout, keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
+        found = self._flags(reply, "found", n)
+        if not any(found):
+            return found
+        lease = reply.header.get("lease")
+        try:
+            if reply.header.get("arena") != arena.arena_id:
+                raise P.ProtocolError("bad_request", "the daemon's arena changed (restart)")
+            extents = P.decode_descriptors(reply.header.get("desc"), reply.header.get("regions_per_page"),
+                                           sum(found), arena.size)
+        except P.ProtocolError as exc:
+            self._warn.warning(f"lease:{self.name}", "tier %s: unusable read lease: %s", self.name, exc.msg)
+            with self._lock:
+                if self.arena is arena:
+                    self._session = None  # attach again on the next call
+            return [False] * n
+        out = [False] * n
+        pages = iter(extents)
+        if not arena.use():
+            return out
+        try:
+            for i in range(n):
+                if not found[i]:
+                    continue
+                src = [(arena.base + off, length) for off, length in next(pages)]
+                if time.monotonic() >= expiry:
+                    break
+                copy_runs(*scatter_runs(list(dst[i]), src))
+                if time.monotonic() > expiry:
+                    break  # the copy may have overlapped a reuse of the blocks: this page is not kept
+                out[i] = True
+        except (MemoryFault, ValueError) as exc:
+            self._warn.warning(f"copy:{self.name}", "tier %s: copy of a leased page failed: %s", self.name, exc)
+        finally:
+            arena.done()
+        if isinstance(lease, int) and lease:
+            self._send_quietly("release", lease=lease)
+        return out
 
     def get_frames(self, keys: List[str], nbytes: int) -> Tuple[List[bool], List[zmq.Frame]]:
         """(found flags, one frame per found page in key order)."""
@@ -346,6 +485,46 @@ class TierClient:
             if self._region_conn is not None:
                 self._region_conn.close()
                 self._region_conn = None
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+
+
+class _ArenaMap:
+    """A daemon's arena, mapped read-only in this process; unmapped once closed and no copy uses it."""
+
+    def __init__(self, arena_id: int, mapping: mmap.mmap):
+        self.arena_id = arena_id
+        self.size = len(mapping)
+        self._mapping: Optional[mmap.mmap] = mapping
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        with memoryview(mapping) as view:
+            self.base = address_of(view)
+
+    def use(self) -> bool:
+        """Hold the mapping for a copy (False once closed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._users += 1
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._unmap_if_idle_locked()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._unmap_if_idle_locked()
+
+    def _unmap_if_idle_locked(self) -> None:
+        if self._closed and not self._users and self._mapping is not None:
+            self._mapping.close()  # the daemon's memory is freed only when no engine maps it
+            self._mapping = None
 
 
 def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
@@ -357,6 +536,40 @@ def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
 
 
 def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
-    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier."""
-    pending = [client.start_lookup(keys) for client in clients]
-    return [None if p is None else client.finish_lookup(p, keys) for client, p in zip(clients, pending)]
+    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier.
+
+    Returns as soon as the tiers that replied hold every key between them: a
+    slow or frozen lower tier never delays a lookup the tiers above answer
+    alone (its late reply is skipped by id on that socket's next call).
+    """
+    results: List[Optional[bytes]] = [None] * len(clients)
+    waiting = {}
+    for i, client in enumerate(clients):
+        sent = client.start_lookup(keys)
+        if sent is not None:
+            waiting[i] = sent
+    covered = bytearray(len(keys))
+    full = b"\x01" * len(keys)
+    while waiting:
+        now = time.monotonic()
+        give_up = min(p[2] for p in waiting.values())
+        poller = zmq.Poller()
+        for i, (sock, _id, _end) in waiting.items():
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(max(0, int((give_up - now) * 1000)) + 1))
+        for i in list(waiting):
+            sock, req_id, end = waiting[i]
+            if sock in ready:
+                reply = clients[i].poll_reply(sock, req_id)
+                if reply is None:
+                    continue  # a stale reply to an earlier call was skipped
+                del waiting[i]
+                results[i] = clients[i].lookup_reply(reply, keys)
+                if results[i] is not None:
+                    covered = bytearray(a | b for a, b in zip(covered, results[i]))
+            elif time.monotonic() >= end:
+                del waiting[i]
+                clients[i].give_up(sock, "lookup")
+        if bytes(covered) == full:
+            break
+    return results

@@ -131,6 +131,10 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
     "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
     "allow_insecure_tcp": (_node_default_bool, "node", "serve this tier's tcp:// endpoint without CurveZMQ; default node.allow_insecure_tcp"),
+    "staging_bytes": (parse_size, "1GiB", "memory (sparse memfd) that pages of NVMe and remote tiers pass through "
+                                          "between host pools and the store; a batch that finds it full is served in part"),
+    "max_region_bytes": (parse_size, "0", "largest host pool an engine may attach; 0: the machine's RAM"),
+    "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get busy"),
 }
 # The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
 TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
@@ -201,6 +205,9 @@ class TierConfig:
     options: Dict[str, Any] = field(default_factory=dict)
     metrics_port: int = 0  # 0: no Prometheus endpoint
     allow_insecure_tcp: bool = False  # serve a tcp:// endpoint without CurveZMQ (default: the node's setting)
+    staging_bytes: int = 1 << 30
+    max_region_bytes: int = 0
+    max_inflight_bytes: int = 2 << 30
 
     def fd_socket(self, runtime_dir: str) -> str:
         """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
@@ -224,6 +231,8 @@ class NodeConfig:
     curve_client_key: str = ""
     curve_authorized_keys: str = ""
     allow_insecure_tcp: bool = False
+    demotion_queue_bytes: int = 256 << 20  # write-back pages on their way down, per daemon
+    quotas: Dict[str, int] = field(default_factory=dict)  # namespace prefix -> bytes per tier
 
     def tier(self, name: str) -> TierConfig:
         for tier in self.tiers:
@@ -248,7 +257,7 @@ def default_data_dir() -> str:
 
 NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
              "metrics_port", "metrics_address", "curve_server_key", "curve_client_key", "curve_authorized_keys",
-             "allow_insecure_tcp"}
+             "allow_insecure_tcp", "demotion_queue_bytes"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -258,9 +267,9 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    unknown = set(raw) - {"node", "tiers"}
+    unknown = set(raw) - {"node", "tiers", "quotas"}
     if unknown:
-        raise ConfigError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers")
+        raise ConfigError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas")
     node = raw.get("node", {})
     if not isinstance(node, dict):
         raise ConfigError(f"{source}: [node] must be a table")
@@ -287,6 +296,8 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         curve_authorized_keys=_key_path(node.get("curve_authorized_keys", ""), f"{source}: node.curve_authorized_keys",
                                         source),
         allow_insecure_tcp=_bool(node.get("allow_insecure_tcp", False), f"{source}: node.allow_insecure_tcp"),
+        demotion_queue_bytes=parse_size(node.get("demotion_queue_bytes", "256MiB"), f"{source}: node.demotion_queue_bytes"),
+        quotas=_quotas(raw.get("quotas", {}), source),
     )
     tiers = raw.get("tiers", [])
     if not isinstance(tiers, list) or not tiers:
@@ -299,6 +310,18 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
     _resolve_metrics_ports(config)
     _register_curve(config)
     return config
+
+
+def _quotas(table: Any, source: str) -> Dict[str, int]:
+    """[quotas]: namespace or model prefix -> the most bytes its pages may take in any one tier."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [quotas] must be a table of \"prefix\" = size")
+    out = {}
+    for prefix, size in table.items():
+        out[prefix] = parse_size(size, f"{source}: quotas.{prefix}")
+        if out[prefix] <= 0:
+            raise ConfigError(f"{source}: quotas.{prefix} must be positive")
+    return out
 
 
 def _key_path(value: Any, where: str, source: str) -> str:
@@ -357,7 +380,8 @@ def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
     common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port",
-                                         "allow_insecure_tcp")}
+                                         "allow_insecure_tcp", "staging_bytes", "max_region_bytes",
+                                         "max_inflight_bytes")}
     if common["allow_insecure_tcp"] is None:
         common["allow_insecure_tcp"] = node.allow_insecure_tcp
     if kind == "nvme" and not values.get("path"):

@@ -1,11 +1,12 @@
 """The tier daemon: a ZeroMQ ROUTER loop in front of one page store.
 
 Majordomo-style: poll, dispatch ``handle_<op>``, housekeeping per tick.
-Lookups, stats and deletes run on the loop thread; page transfers run in a
-small I/O pool so a long batch never stalls a lookup, and their replies come
-back through a wake pipe.  Host-pool memfds arrive on an AF_UNIX socket
-(tiers/regions.py).  Every failure becomes an error reply: the loop only ends
-when asked to.
+Lookups, stats, deletes and leased DRAM reads run on the loop thread; page
+transfers run in a small I/O pool (tiers/transfers.py) so a long batch never
+stalls a lookup, and their replies come back through a wake pipe.  Engines
+attach over AF_UNIX (tiers/regions.py).  Pages evicted dirty go down through
+a bounded queue with a thread of its own (tiers/demotion.py).  Every failure
+becomes an error reply: the loop only ends when asked to.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ import zmq
 
 from tiers import protocol as P
 from tiers import security
+from tiers.arena import BlockArena
+from tiers.demotion import DemotionLink, DemotionQueue, DirtySet, MODES, should_demote
+from tiers.fds import open_fds, raise_fd_limit
 from tiers.logs import RateLimitedLog
-from tiers.demotion import DemotionLink, DirtySet, should_demote
 from tiers.metrics import DaemonMetrics
 from tiers.regions import RegionRegistry
 from tiers.store import PageStore, StoreError
@@ -34,6 +37,8 @@ _warn = RateLimitedLog(log)
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
+HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
+DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
 
 
 def private_dir(path: str) -> None:
@@ -46,37 +51,47 @@ def private_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
-class TierDaemon(PageTransfers):
+class TierDaemon:
     """Serves one store on one endpoint until stop() is called."""
 
     def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
-                 lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024):
+                 lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024,
+                 staging_bytes: int = 1 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
+                 demotion_queue_bytes: int = 256 << 20):
         self.name = name
         self.store = store
         self.endpoint = endpoint
         self.max_page_bytes = max_page_bytes
+        self.max_inflight_bytes = max_inflight_bytes
         self.metrics = DaemonMetrics(name)
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
         self._zap: Optional[security.ZapHandler] = None  # CurveZMQ admission on tcp:// endpoints
-        self._regions = RegionRegistry(fd_socket) if fd_socket else None
-        if self._regions is not None:  # a store that moves pages by DMA registers each host pool mapping
-            self._regions.on_map = getattr(store, "region_mapped", None)
-            self._regions.on_unmap = getattr(store, "region_unmapped", None)
-        self._sessions: Dict[int, dict] = {}
+        self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/fds.py)
+        self.arena = store.export_arena() or BlockArena(max(staging_bytes, 64 << 10), 64 << 10, f"{name}-staging",
+                                                        prefault=False)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
+        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)
+        if self.transfers.stages:
+            store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
+        self.arena_id = secrets.randbits(62)
+        self._sessions: Dict[int, dict] = {}
+        self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
+                                       self._session_ok, max_region_bytes or _physical_memory()) if fd_socket else None
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
         self._in_flight = 0
+        self._inflight_bytes = 0
         self.ready = threading.Event()
-        # Write-back and selective pages go to the next tier down (if there is one).
+        # Write-back and selective pages go to the next tier down (if there is one), through a queue.
         self.lower = lower
         self.dirty = DirtySet(max_dirty_pages)
+        self._demotion = DemotionQueue(lower, demotion_queue_bytes) if lower is not None else None
         self._flushing = False
         if lower is not None:
-            store.on_evict = self._on_evict
+            store.set_evict_hook(self._on_evict)
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -94,8 +109,8 @@ class TierDaemon(PageTransfers):
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, self.max_page_bytes + (P.MAX_HEADER_BYTES))
-        router.setsockopt(zmq.RCVHWM, 0)
-        router.setsockopt(zmq.SNDHWM, 0)
+        router.setsockopt(zmq.RCVHWM, HWM)
+        router.setsockopt(zmq.SNDHWM, HWM)
         try:
             self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name)
             old_umask = os.umask(0o077)  # no moment where the socket file is open to others
@@ -135,6 +150,7 @@ class TierDaemon(PageTransfers):
         zap = self._zap.sockets() if self._zap is not None else []
         for sock in zap:
             poller.register(sock, zmq.POLLIN)
+        next_tick = 0.0
         try:
             while not self._stopping.is_set() or self._in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
@@ -153,18 +169,21 @@ class TierDaemon(PageTransfers):
                         self._dispatch(frames)
                 if self._regions is not None:
                     self._regions.handle_events(events, poller)
-                self._housekeeping()
-                if on_tick:
-                    on_tick()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + tick
+                    self._housekeeping(poller)
+                    if on_tick:
+                        on_tick()
         finally:
             self._shutdown()
 
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-        self._close_transfers()
+        self.transfers.close()
         self._send_done()
-        if self.lower is not None:
-            self._flush(everything=True)
+        if self._demotion is not None:
+            self._demotion.close()  # pushes what is queued
+            self._flush_all()
             self.lower.close()
         if self._regions is not None:
             self._regions.close()
@@ -187,6 +206,7 @@ class TierDaemon(PageTransfers):
         req_id = 0
         started = time.perf_counter()
         op = "invalid"
+        nbytes = 0
         try:
             if len(frames) < 2:
                 raise P.ProtocolError("bad_request", "empty message")
@@ -194,13 +214,19 @@ class TierDaemon(PageTransfers):
             req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
             op, req_id = P.check_request(header)
             header["id"] = req_id  # optional on the wire (0); handlers echo header["id"]
+            nbytes = sum(len(f) for f in frames[2:])
+            if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+                nbytes = 0
+                raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
             handler = getattr(self, f"handle_{op}", None)
             if handler is None:  # a pool operation sent to a tier daemon, or the reverse
                 raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
             result = handler(header, frames[2:])
             if isinstance(result, Future):
                 self._in_flight += 1
-                result.add_done_callback(lambda fut, i=ident, r=req_id, o=op, t=started: self._finish(fut, i, r, o, t))
+                self._inflight_bytes += nbytes
+                result.add_done_callback(
+                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes: self._finish(fut, i, r, o, t, n))
                 return
             reply = result
         except P.ProtocolError as exc:
@@ -214,11 +240,20 @@ class TierDaemon(PageTransfers):
             self.metrics.error("internal")
             reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
         self.metrics.observe(op, time.perf_counter() - started)
-        self._router.send_multipart([ident, *reply], copy=False)
+        self._send(ident, reply)
 
-    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float) -> None:
+    def _send(self, ident: bytes, reply: list) -> None:
+        try:
+            self._router.send_multipart([ident, *reply], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer does not read its replies: it loses this one, nobody else waits
+            self.metrics.error("reply_dropped")
+
+    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int) -> None:
         try:
             reply = fut.result()
+        except P.ProtocolError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, exc.msg)]
         except StoreError as exc:
             self.metrics.error(exc.code)
             reply = [P.reply_error(req_id, exc.code, str(exc))]
@@ -227,7 +262,7 @@ class TierDaemon(PageTransfers):
             self.metrics.error("internal")
             reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
         self.metrics.observe(op, time.perf_counter() - started)
-        self._done.append((ident, reply))
+        self._done.append((ident, reply, nbytes))
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -242,51 +277,62 @@ class TierDaemon(PageTransfers):
 
     def _send_done(self) -> None:
         while self._done:
-            ident, reply = self._done.popleft()
+            ident, reply, nbytes = self._done.popleft()
             self._in_flight -= 1
-            self._router.send_multipart([ident, *reply], copy=False)
+            self._inflight_bytes -= nbytes
+            self._send(ident, reply)
 
     # ------------------------------------------------------------ demotion
     def _on_evict(self, key, views, reads: int) -> None:
-        """Called by the store before an evicted page's memory is reused."""
+        """Called by the store, inside its lock, before an evicted page's memory is reused: only queues a copy."""
         pending = self.dirty.pop(key)
         if pending is not None and should_demote(pending[0], pending[1], reads):
-            self.lower.push(key, views)
+            self._demotion.offer(key, views, copy=True)
 
-    def _housekeeping(self) -> None:
-        if self.lower is not None and not self._flushing and self.dirty.oldest_over_limit():
+    def _housekeeping(self, poller) -> None:
+        self.arena.expire()
+        if self._regions is not None:
+            self._regions.tick(poller)
+        if self._demotion is not None and not self._flushing and self.dirty.oldest_over_limit():
             self._flushing = True
             self._pool.submit(self._flush_over_limit)
 
     def _flush_over_limit(self) -> None:
+        """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
         try:
-            self._flush(everything=False)
+            for key in self.dirty.oldest_over_limit():
+                data = self.store.peek(key)
+                if data is None:
+                    self.dirty.pop(key)
+                elif self._demotion.offer(key, [memoryview(data)]):
+                    self.dirty.pop(key)
+                else:
+                    break  # the queue is full: the lower tier is slow or down; try again next tick
         finally:
             self._flushing = False
 
-    def _flush(self, everything: bool) -> int:
-        """Demote dirty pages: those over the bound, or (at shutdown) every eligible one."""
-        if everything:
-            keys = self.dirty.snapshot()
-        else:
-            keys = [(k, "back", 0) for k in self.dirty.oldest_over_limit()]
-        done = 0
-        for key, mode, min_reads in keys:
+    def _flush_all(self) -> None:
+        """At a graceful stop: every eligible dirty page straight down (no engine waits any more)."""
+        done = total = 0
+        for key, mode, min_reads in self.dirty.snapshot():
             if not should_demote(mode, min_reads, self.store.read_count(key)):
                 continue
             data = self.store.peek(key)
+            total += 1
             if data is not None and self.lower.push(key, [memoryview(data)]):
                 self.dirty.pop(key)
                 done += 1
-        if everything and keys:
-            log.info("flushed %d of %d dirty pages to %s", done, len(keys), self.lower.name)
-        return done
+        if total:
+            log.info("flushed %d of %d dirty pages to %s", done, total, self.lower.name)
 
     # ------------------------------------------------------------- sessions
+    def _session_ok(self, sid) -> bool:
+        return isinstance(sid, int) and not isinstance(sid, bool) and sid in self._sessions
+
     def _namespace(self, header: dict) -> str:
         sid = header.get("s")
         # Any msgpack value may arrive here: only an integer can name a session (a list is unhashable).
-        session = self._sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
+        session = self._sessions.get(sid) if self._session_ok(sid) else None
         if session is None:
             raise P.ProtocolError("no_session", "unknown session; send hello again")
         session["seen"] = time.monotonic()
@@ -300,7 +346,8 @@ class TierDaemon(PageTransfers):
             del self._sessions[oldest]
         session = secrets.randbits(62)
         self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
-        log.info("hello from %s for namespace %s", client or "?", ns)
+        # The operator's CLI says hello on every status poll: that is not news.
+        (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(header["id"], session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
                            max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "")]
 
@@ -312,6 +359,74 @@ class TierDaemon(PageTransfers):
         prefix = P.leading_run(held)
         self.metrics.lookup(len(keys), prefix)
         return [P.reply_ok(header["id"], held=held, prefix=prefix)]
+
+    def handle_put(self, header: dict, frames):
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        pages, foreign = self.transfers.page_sources(header, frames, keys, self._regions)
+        parents = header.get("parents")
+        if not isinstance(parents, list) or len(parents) != len(keys):
+            parents = [None] * len(keys)
+        mode = header.get("mode", "through")
+        min_reads = header.get("min_reads", 2)
+        if mode not in MODES or type(min_reads) is not int or min_reads < 1:
+            raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
+        if header.get("promote") is True:
+            self.metrics.promotions += len(keys)
+        req_id, deadline = header["id"], header.get("dl")
+
+        def work(_frames_kept_alive=frames) -> list:
+            stored, refusal = self.transfers.put_pages(ns, keys, pages, foreign, parents, deadline)
+            if self.lower is not None:
+                for key, ok in zip(keys, stored):
+                    if ok:
+                        self.dirty.add((ns, key), mode, min_reads)
+            self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
+            fields = {"stored": P.flags(stored)}
+            if refusal:
+                fields["refusal"] = list(refusal)
+                # The operator hears of a full or failing medium here, not only in the engine's log.
+                _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
+                              len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
+            return [P.reply_ok(req_id, **fields)]
+        return self._pool.submit(work)
+
+    def handle_get(self, header: dict, frames):
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        req_id = header["id"]
+        if header.get("region") is not None:
+            raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
+        if "lease" not in header:
+            def frame_work() -> list:
+                found, out = self.transfers.frame_reads(ns, keys, header.get("dl"))
+                self.metrics.pages("get", sum(found), sum(len(f) for f in out))
+                return [P.reply_ok(req_id, found=P.flags(found)), *out]
+            return self._pool.submit(frame_work)
+        expiry = P.lease_field(header)
+        sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)
+        result = self.transfers.lease_reads(ns, keys, sizes, header["s"], expiry)
+        if isinstance(result, Future):
+            out: Future = Future()
+
+            def finished(fut: Future) -> None:
+                try:
+                    out.set_result(self._lease_reply(req_id, fut.result()))
+                except Exception as exc:  # handed to _finish as the reply's failure
+                    out.set_exception(exc)
+            result.add_done_callback(finished)
+            return out
+        return self._lease_reply(req_id, result)
+
+    def _lease_reply(self, req_id: int, result) -> list:
+        fields, pages, nbytes = result
+        self.metrics.pages("get", pages, nbytes)
+        return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
+
+    def handle_release(self, header: dict, frames) -> list:
+        self._namespace(header)
+        lease = P.field(header, "lease", int)
+        return [P.reply_ok(header["id"], released=self.arena.release(lease, header["s"]))]
 
     def handle_delete(self, header: dict, frames) -> list:
         ns = self._namespace(header)
@@ -348,17 +463,39 @@ class TierDaemon(PageTransfers):
         return [P.reply_ok(header["id"], evicted_pages=pages, evicted_bytes=freed)]
 
     def handle_stats(self, header: dict, frames) -> list:
-        self._namespace(header)
-        return [P.reply_ok(header["id"], tier=self.name, stats=self.stats())]
+        own = self._namespace(header)
+        stats = self.stats()
+        if own != ADMIN_NAMESPACE:  # a tenant sees its own namespace only
+            stats["per_namespace"] = {ns: v for ns, v in stats["per_namespace"].items() if ns == own}
+        return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
 
     def stats(self) -> dict:
         """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""
-        stats = self.store.stats().as_dict()
+        snap = self.store.stats()
+        stats = snap.as_dict()
         stats.update(self.metrics.snapshot())
-        stats["sessions"] = len(self._sessions)
+        stats["sessions"] = len({s["client"] for s in self._sessions.values() if s["ns"] != ADMIN_NAMESPACE})
         stats["dirty_pages"] = len(self.dirty)
         stats["demotions"] = self.lower.demoted if self.lower else 0
         stats["demotion_failures"] = self.lower.failed if self.lower else 0
+        queued = self._demotion.queued() if self._demotion is not None else (0, 0)
+        stats["demotion_queued_pages"], stats["demotion_queued_bytes"] = queued
+        stats["demotion_dropped"] = self._demotion.dropped if self._demotion is not None else 0
         stats["lower_tier"] = self.lower.name if self.lower else ""
         stats["regions"] = len(self._regions) if self._regions is not None else 0
+        stats["attach_refused"] = self._regions.refused if self._regions is not None else 0
+        stats["leases"] = self.arena.lease_count()
+        stats["leases_expired"] = self.arena.leases_expired
+        stats["staging_full"] = self.transfers.staging_full
+        stats["source_gone"] = self.transfers.source_gone
+        stats["open_fds"] = open_fds()
+        stats["fd_limit"] = self.fd_limit
         return stats
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM: no host pool can be larger (the default bound on a registered region)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40

@@ -4,15 +4,20 @@ A page written with mode ``back`` is dirty until it has been copied to the
 next tier down; one written with mode ``selective`` goes down only if it was
 read at least ``min_reads`` times.  Dirty pages are demoted when the store
 evicts them, when the dirty set grows past its bound (oldest first, in the
-background) and on graceful shutdown.
+background) and on graceful shutdown, always through the DemotionQueue's own
+thread (a slow party is reached through a bounded queue, never from inside a
+lock).
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
+from tiers.buffers import scatter_copy
 from tiers.client import Deadlines, TierClient
 from tiers.logs import RateLimitedLog
 from tiers.store import PageKey
@@ -69,7 +74,7 @@ def should_demote(mode: str, min_reads: int, reads: int) -> bool:
 
 
 class DemotionLink:
-    """Puts pages into the next tier down, one session per namespace."""
+    """Puts pages into the next tier down, one session per namespace (called from the demotion thread only)."""
 
     def __init__(self, name: str, endpoint: str, deadlines: Optional[Deadlines] = None):
         self.name = name
@@ -88,21 +93,136 @@ class DemotionLink:
                 self._clients[namespace] = client
             return client
 
-    def push(self, key: PageKey, views: Sequence[memoryview]) -> bool:
-        """Store one page below; True once the lower tier acknowledged it."""
-        nbytes = sum(v.nbytes for v in views)
-        ok = self._client(key[0]).put_frames([key[1]], [list(views)], nbytes)[0]
+    def is_down(self, namespace: str) -> bool:
+        return self._client(namespace).is_down()
+
+    def push_many(self, namespace: str, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
+        """Store pages of one namespace below in one call; each True once the lower tier acknowledged it."""
+        nbytes = sum(v.nbytes for page in pages for v in page)
+        client = self._client(namespace)
+        stored = client.put_frames(keys, [list(p) for p in pages], nbytes)
+        unreachable = not any(stored) and client.is_down()  # the queue tries these again later
         with self._lock:
-            if ok:
-                self.demoted += 1
-            else:
-                self.failed += 1
-        if not ok:
-            _warn.warning("demote", "could not demote a page of %s to %s; it is lost from this tier", key[0], self.name)
-        return ok
+            self.demoted += sum(stored)
+            if not unreachable:
+                self.failed += len(stored) - sum(stored)
+        return stored
+
+    def push(self, key: PageKey, views: Sequence[memoryview]) -> bool:
+        return self.push_many(key[0], [key[1]], [views])[0]
 
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():
                 client.close()
             self._clients.clear()
+
+
+@dataclass
+class _Pending:
+    key: PageKey
+    views: List[memoryview]
+    nbytes: int
+
+
+class DemotionQueue:
+    """Pages on their way down, drained by a thread of their own: a slow or frozen lower tier never
+    holds a store lock or an engine's call.
+
+    Bounded in bytes.  While the lower tier is down, queued pages wait (the
+    thread retries as the tier's client comes back up); when the queue is full
+    an evicted dirty page is dropped from this tier without reaching the one
+    below: counted as ``demotion_dropped``, logged, never silent.  The top
+    tier keeps serving as a cache meanwhile.  A page the lower tier answers
+    and refuses (full, too large) counts as a demotion failure.
+    """
+
+    RETRY = 0.1  # seconds between looks at a lower tier that is down
+
+    def __init__(self, link: DemotionLink, max_bytes: int, batch_pages: int = 32):
+        self.link = link
+        self.max_bytes = max_bytes
+        self.batch_pages = batch_pages
+        self._items: Deque[_Pending] = deque()
+        self._bytes = 0
+        self._pages = 0  # queued or being pushed
+        self._cond = threading.Condition()
+        self._closed = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"demote-{link.name}", daemon=True)
+        self._thread.start()
+
+    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False) -> bool:
+        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full."""
+        nbytes = sum(v.nbytes for v in views)
+        with self._cond:
+            accepted = not self._closed and self._bytes + nbytes <= self.max_bytes
+            if accepted:
+                self._bytes += nbytes  # reserved before the copy, so the bound holds under races
+                self._pages += 1
+            else:
+                self.dropped += 1
+        if not accepted:
+            _warn.warning("dropped", "demotion queue to %s full (%d bytes): a dirty page of %s left this tier "
+                                     "without reaching the one below", self.link.name, self.max_bytes, key[0])
+            return False
+        if copy:
+            data = bytearray(nbytes)
+            scatter_copy([memoryview(data)], views)
+            views = [memoryview(data)]
+        with self._cond:
+            self._items.append(_Pending(key, list(views), nbytes))
+            self._cond.notify()
+        return True
+
+    def queued(self) -> Tuple[int, int]:
+        """(pages, bytes) queued or being pushed."""
+        with self._cond:
+            return self._pages, self._bytes
+
+    def _take(self) -> List[_Pending]:
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            batch = []
+            while self._items and len(batch) < self.batch_pages:
+                batch.append(self._items.popleft())
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                return  # closed and drained
+            by_ns: Dict[str, List[_Pending]] = {}
+            for item in batch:
+                by_ns.setdefault(item.key[0], []).append(item)
+            for namespace, items in by_ns.items():
+                self._push(namespace, items)
+
+    def _push(self, namespace: str, items: List[_Pending]) -> None:
+        """Push until the lower tier answers (or the queue closes while it is down)."""
+        while True:
+            if self.link.is_down(namespace):
+                with self._cond:
+                    if self._closed:
+                        break  # stopping and the tier is down: these count as failures below
+                    self._cond.wait(self.RETRY)
+                continue
+            try:
+                stored = self.link.push_many(namespace, [i.key[1] for i in items], [i.views for i in items])
+            except Exception:  # a bug here must not stop demotion for good
+                log.exception("demotion to %s failed", self.link.name)
+                break
+            if any(stored) or not self.link.is_down(namespace):
+                break  # the tier answered (refused pages are counted by the link)
+            # The call found the tier down: the pages wait for it to come back.
+        with self._cond:
+            self._bytes -= sum(i.nbytes for i in items)
+            self._pages -= len(items)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)

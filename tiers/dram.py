@@ -1,161 +1,216 @@
-"""The DRAM tier: pages in one shared-memory arena, bounded, evicting by policy.
+"""The DRAM tier: pages in one sealed shared-memory arena, bounded, evicting by policy and fair share.
 
-The arena is a memfd of ``capacity`` bytes cut into fixed blocks; a page takes
-ceil(size / block_size) blocks, not necessarily contiguous, so any freed page
-makes room for any new one and the byte bound is exact.  Blocks are handed out
-lowest-first, so a fresh arena gives contiguous runs and one memcpy a page.
+Pages live in a BlockArena (tiers/arena.py): ceil(size / block_size) blocks
+each, not necessarily contiguous, so any freed page makes room for any new
+one and the byte bound is exact.  Engines map the arena read-only and copy
+leased pages out themselves (``lease_pages``); writes are reserved, copied
+outside the lock under a SIGBUS guard (a truncated host pool is a refusal,
+not a dead daemon), then committed.  Each namespace has its own policy; the
+namespace that gives up space is chosen by tiers/fairness.py.
 """
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import threading
-import time
-from itertools import repeat
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from itertools import repeat
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from tiers.buffers import as_bytes_view, block_extents, populate, scatter_copy
-from tiers.policies import make_policy
-from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreStats, total_size
+from tiers.arena import BlockArena, Extents
+from tiers.buffers import MemoryFault, as_bytes_view, scatter_copy
+from tiers.fairness import FairShare, bounded_top
+from tiers.policies import EvictionPolicy, make_policy
+from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
+                         total_size)
 
 log = logging.getLogger("hicache.dram")
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 @dataclass
 class _Entry:
-    extents: List[Tuple[int, int]]  # (offset, length) in the arena
     size: int
     blocks: List[int]
     reads: int = 0
 
 
+@dataclass
+class _Tenant:
+    """One namespace's policy and figures."""
+
+    policy: EvictionPolicy
+    bytes: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
 class DramStore(PageStore):
     """Pages in a memfd arena of fixed-size blocks."""
 
+    parallel_io = False  # one copy at a time: two copies on two cores ran slower than one here
+
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
-                 max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True):
-        if block_size <= 0 or capacity < block_size:
-            raise ValueError("capacity must hold at least one block")
+                 max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
+                 quotas: Optional[Mapping[str, int]] = None):
+        self.arena = BlockArena(capacity, block_size, name, prefault)
         self.block_size = block_size
-        self.n_blocks = capacity // block_size
-        self.capacity = self.n_blocks * block_size
+        self.capacity = self.arena.size
         self.max_page_bytes = max_page_bytes
-        self._fd = os.memfd_create(f"hicache-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, self.capacity)  # sparse: memory is used only when written
-        self._map = mmap.mmap(self._fd, self.capacity)
-        self._arena = memoryview(self._map)
-        if prefault:
-            self._prefault()
-        self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
+        self._policy_name = policy
+        make_policy(policy)  # an unknown name fails here, not at the first write
         self._index: Dict[PageKey, _Entry] = {}
-        self._policy = make_policy(policy)
+        self._tenants: Dict[str, _Tenant] = {}
+        self._fair = FairShare(self.capacity, quotas)
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
-        # Called with (key, page views, reads) before an evicted page's blocks are
-        # reused: the write-back router demotes it to the next tier here.
-        self.on_evict: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
+        self._evict_hook: Optional[Callable] = None
 
-    def _prefault(self) -> None:
-        """Fault the whole arena in now: a first touch costs ~10x a warm copy (0.5 vs 3-7 GB/s here)."""
-        started = time.perf_counter()
-        try:
-            self._map.madvise(_MADV_HUGEPAGE)  # where shmem THP is enabled; harmless elsewhere
-        except (OSError, ValueError):
-            pass
-        if not populate(self._map):
-            step = mmap.PAGESIZE
-            for offset in range(0, self.capacity, step):
-                self._map[offset] = 0
-        log.info("prefaulted %d MiB of arena in %.2fs", self.capacity >> 20, time.perf_counter() - started)
+    def set_evict_hook(self, hook: Optional[Callable]) -> None:
+        self._evict_hook = hook
+
+    def export_arena(self) -> BlockArena:
+        return self.arena
 
     # ------------------------------------------------------------- helpers
-    def _views(self, entry: _Entry) -> List[memoryview]:
-        return [self._arena[off:off + n] for off, n in entry.extents]
+    def _tenant(self, namespace: str) -> _Tenant:
+        tenant = self._tenants.get(namespace)
+        if tenant is None:
+            tenant = self._tenants[namespace] = _Tenant(make_policy(self._policy_name))
+        return tenant
 
     def _release_locked(self, key: PageKey) -> Optional[_Entry]:
         entry = self._index.pop(key, None)
         if entry is not None:
-            self._free.extend(reversed(entry.blocks))
+            self.arena.give(entry.blocks)  # parked while a reader's lease holds them
             self._stats.used_bytes -= entry.size
+            tenant = self._tenants[key[0]]
+            tenant.bytes -= entry.size
+            tenant.policy.remove(key)
         return entry
 
-    def _evict_one_locked(self) -> bool:
-        victim = self._policy.pop_victim()
+    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
+        namespace = only or self._fair.victim(writer, {ns: t.bytes for ns, t in self._tenants.items()}, need)
+        tenant = self._tenants.get(namespace) if namespace is not None else None
+        victim = tenant.policy.pop_victim() if tenant is not None else None
         if victim is None:
             return False
         entry = self._index[victim]
-        if self.on_evict is not None:
-            self.on_evict(victim, self._views(entry), entry.reads)
+        if self._evict_hook is not None:
+            # Runs inside the lock: the hook copies the page into the demotion queue (bounded memory,
+            # tiers/demotion.py) and never waits on a peer; the blocks are free for the writer at once.
+            self._evict_hook(victim, self.arena.views(entry.blocks, entry.size), entry.reads)
         self._release_locked(victim)
+        tenant.evictions += 1
         self._stats.evictions += 1
         return True
 
-    def _allocate_locked(self, size: int) -> Tuple[List[int], List[Tuple[int, int]]]:
-        needed = -(-size // self.block_size)
-        while len(self._free) < needed:
-            if not self._evict_one_locked():
-                raise StoreFull("arena full")
-        blocks = [self._free.pop() for _ in range(needed)]
-        return blocks, block_extents(blocks, self.block_size, size)
+    def _allocate_locked(self, namespace: str, size: int) -> List[int]:
+        limit = self._fair.quota(namespace)
+        tenant = self._tenants.get(namespace)
+        while limit is not None and tenant is not None and tenant.bytes + size > limit:
+            if not self._evict_one_locked(namespace, only=namespace):
+                break  # a page larger than the quota still fits once the namespace holds nothing else
+        while True:
+            blocks = self.arena.take(size)
+            if blocks is not None:
+                return blocks
+            if not self._evict_one_locked(namespace, size):
+                raise StoreFull("arena full (every page is being read or written)")
 
     # ----------------------------------------------------------- interface
-    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
-        src = [as_bytes_view(b) for b in buffers]
-        size = total_size(src)
-        if size > self.max_page_bytes or size > self.capacity or size == 0:
+    def reserve(self, key: PageKey, size: int) -> List[int]:
+        """Blocks for a page of size bytes, evicting as needed; fill them, then commit or abort."""
+        if size > self.max_page_bytes or size > self.capacity or size <= 0:
             raise PageTooLarge(f"page of {size} bytes not accepted (max {min(self.max_page_bytes, self.capacity)})")
         with self._lock:
-            if self._release_locked(key) is not None:
-                self._policy.remove(key)
-            blocks, extents = self._allocate_locked(size)
-            entry = _Entry(extents=extents, size=size, blocks=blocks)
-            try:
-                scatter_copy(self._views(entry), src)
-            except BaseException:
-                self._free.extend(reversed(blocks))
-                raise
-            self._index[key] = entry
-            self._policy.insert(key, (key[0], parent) if parent else None)
+            return self._allocate_locked(key[0], size)
+
+    def commit(self, key: PageKey, blocks: List[int], size: int, parent: Optional[str] = None) -> None:
+        with self._lock:
+            self._release_locked(key)
+            self._index[key] = _Entry(size=size, blocks=blocks)
+            tenant = self._tenant(key[0])
+            tenant.policy.insert(key, (key[0], parent) if parent else None)
+            tenant.bytes += size
             self._stats.used_bytes += size
             self._stats.inserts += 1
             self._stats.bytes_written += size
 
-    def _lookup_for_read_locked(self, key: PageKey) -> Optional[_Entry]:
+    def abort(self, blocks: List[int]) -> None:
+        self.arena.give(blocks)
+
+    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        src = [as_bytes_view(b) for b in buffers]
+        size = total_size(src)
+        blocks = self.reserve(key, size)
+        try:
+            scatter_copy(self.arena.views(blocks, size), src)
+        except MemoryFault as exc:
+            self.abort(blocks)
+            raise SourceGone(str(exc)) from None
+        except BaseException:
+            self.abort(blocks)
+            raise
+        self.commit(key, blocks, size, parent)
+
+    def _lookup_for_read_locked(self, key: PageKey, size: Optional[int] = None) -> Optional[_Entry]:
         entry = self._index.get(key)
-        if entry is None:
+        if entry is None or (size is not None and entry.size != size):
             self._stats.misses += 1
             return None
         entry.reads += 1
-        self._policy.touch(key)
+        tenant = self._tenants[key[0]]
+        tenant.policy.touch(key)
+        tenant.hits += 1
         self._stats.hits += 1
         self._stats.bytes_read += entry.size
         return entry
 
+    def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
+                    max_bytes: int) -> Tuple[Optional[int], List[Optional[Extents]]]:
+        """Pin the leading pages held with the expected sizes, up to max_bytes, for an engine to copy out."""
+        found: List[Optional[Extents]] = []
+        blocks: List[int] = []
+        leased = 0
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                entry = self._index.get(key)
+                if entry is None or entry.size != size or leased + size > max_bytes:
+                    self._stats.misses += 1
+                    found.append(None)
+                    continue
+                self._lookup_for_read_locked(key)
+                found.append(self.arena.extents(entry.blocks, entry.size))
+                blocks.extend(entry.blocks)
+                leased += size
+            lease = self.arena.lease(owner, blocks, leased, expiry) if blocks else None
+        return lease, found
+
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
         dst = [as_bytes_view(b) for b in buffers]
+        size = total_size(dst)
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None or entry.size != total_size(dst):
-                self._stats.misses += 1
+            entry = self._lookup_for_read_locked(key, size)
+            if entry is None:
                 return False
-            self._lookup_for_read_locked(key)
-            scatter_copy(dst, self._views(entry))
-            return True
+            blocks = list(entry.blocks)
+            lease = self.arena.lease(0, blocks, size, float("inf"))  # held only for this copy
+        try:
+            scatter_copy(dst, self.arena.views(blocks, size))
+        finally:
+            self.arena.release(lease, 0)
+        return True
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
         with self._lock:
             entry = self._lookup_for_read_locked(key)
             if entry is None:
                 return None
-            return b"".join(self._views(entry))
+            return b"".join(self.arena.views(entry.blocks, entry.size))
 
     def peek(self, key: PageKey) -> Optional[bytes]:
         with self._lock:
             entry = self._index.get(key)
-            return None if entry is None else b"".join(self._views(entry))
+            return None if entry is None else b"".join(self.arena.views(entry.blocks, entry.size))
 
     def read_count(self, key: PageKey) -> int:
         """How many times key was read since it was stored (0 when absent)."""
@@ -172,60 +227,42 @@ class DramStore(PageStore):
         return [k in index for k in keys]
 
     def delete(self, keys: Iterable[PageKey]) -> int:
-        removed = 0
         with self._lock:
-            for key in keys:
-                if self._release_locked(key) is not None:
-                    self._policy.remove(key)
-                    removed += 1
-        return removed
+            return sum(1 for key in keys if self._release_locked(key) is not None)
 
     def clear(self, namespace: Optional[str] = None) -> int:
         with self._lock:
             doomed = [k for k in self._index if namespace is None or k[0] == namespace]
             for key in doomed:
                 self._release_locked(key)
-                self._policy.remove(key)
             return len(doomed)
 
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         pages = freed = 0
         with self._lock:
-            if namespace is None:
-                while freed < nbytes and len(self._policy):
-                    before = self._stats.used_bytes
-                    self._evict_one_locked()
-                    pages, freed = pages + 1, freed + before - self._stats.used_bytes
-                return pages, freed
-            # One namespace: walk the policy's order, putting other tenants' keys back.
-            skipped = []
             while freed < nbytes:
-                victim = self._policy.pop_victim()
-                if victim is None:
+                before = self._stats.used_bytes
+                if not self._evict_one_locked(None, only=namespace):
                     break
-                if victim[0] != namespace:
-                    skipped.append(victim)
-                    continue
-                entry = self._index[victim]
-                if self.on_evict is not None:
-                    self.on_evict(victim, self._views(entry), entry.reads)
-                self._release_locked(victim)
-                self._stats.evictions += 1
-                pages, freed = pages + 1, freed + entry.size
-            for key in skipped:  # they lose their recency rank: an operator action, rare
-                self._policy.insert(key)
-            return pages, freed
+                pages, freed = pages + 1, freed + before - self._stats.used_bytes
+        return pages, freed
 
     def stats(self) -> StoreStats:
         with self._lock:
-            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
+            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()
+                                 if k not in ("extra", "per_namespace")})
             snap.pages = len(self._index)
-            snap.extra = {"block_size": self.block_size, "free_blocks": len(self._free)}
+            snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
+                          "leases": self.arena.lease_count(), "pinned_blocks": self.arena.pinned_blocks(),
+                          "leases_expired": self.arena.leases_expired}
+            per_ns = {ns: {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
+                           "fair_share": int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes))),
+                           "quota": self._fair.quota(ns) or 0}
+                      for ns, t in self._tenants.items() if t.bytes or t.hits or t.evictions}
+            snap.per_namespace = bounded_top(per_ns)
             return snap
 
     def close(self) -> None:
         with self._lock:
             self._index.clear()
-            self._arena.release()
-            self._map.close()
-            os.close(self._fd)
+            self.arena.close()

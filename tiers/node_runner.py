@@ -34,6 +34,7 @@ class NodeRunner:
         self.log_path = log_path or os.path.join(runtime_dir, "daemons.log")
         self.log_level = log_level
         self.procs: Dict[str, subprocess.Popen] = {}
+        self.limit_fds: Optional[tuple] = None  # RLIMIT_NOFILE (soft, hard) of daemons started from now on
 
     def command(self, tier: str) -> list:
         return [sys.executable, "-m", "tiers.cli", "serve", "--config", self.config_path, "--runtime-dir",
@@ -47,10 +48,15 @@ class NodeRunner:
             if name in self.procs and self.procs[name].poll() is None:
                 continue
             self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                preexec_fn=self._limits if self.limit_fds else None)
         log.close()
         for name in names:
             self.wait_ready(name, timeout)
+
+    def _limits(self) -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.limit_fds)
 
     def wait_ready(self, tier: str, timeout: float = 30.0) -> None:
         endpoint = self.config.tier(tier).endpoint

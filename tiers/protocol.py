@@ -15,8 +15,9 @@ operation's fields.  Reply header: ``v``, ``id``, ``ok``; on failure ``code``
 Operations (fields -> reply fields):
 - hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
 - lookup   keys                 -> held (one byte a key), prefix (leading run held)
-- get      keys [, region, desc, regions_per_page]
-                                -> found (one byte a key) [+ one frame per found page]
+- get      keys [, lease, sizes]  -> found (one byte a key), and either one frame per found page or,
+                                   with ``lease``: lease, arena, desc, regions_per_page
+- release  lease                -> released
 - put      keys [, region, desc, regions_per_page | frames_per_page, parents] [+ page frames]
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
@@ -25,6 +26,16 @@ Operations (fields -> reply fields):
 - evict    bytes [, ns]         -> evicted_pages, evicted_bytes
 ``all`` and an ``ns`` other than the session's own need an ``_admin`` session
 (the operator's CLI); a tenant can never clear or evict another's pages.
+
+Reads never write into the engine's memory from the daemon (the owner of a
+piece of memory does the last copy into it).  A ``get`` with ``lease`` (the
+engine's give-up time on CLOCK_MONOTONIC, a float) and ``sizes`` (the
+expected bytes of each page, int64 array) pins the found pages in the
+daemon's arena, which the engine mapped read-only when it attached, until
+``release`` or that time: the reply's ``desc``/``regions_per_page`` are
+(offset, length) extents into the arena of each found page, ``arena`` the id
+of the arena they refer to.  The engine copies a page only before the lease
+ends and keeps it only if the copy ended by then (tiers/arena.py).
 
 Pool operations (served by remote memory pools, tiers/remote; pages then move
 one-sided through the Mooncake Transfer Engine, never through ZeroMQ):
@@ -47,14 +58,17 @@ The ``desc`` of a shared-memory transfer is a little-endian int64 array of
 (offset, length) pairs into the registered region, ``regions_per_page``
 (int32, one per key) says how many pairs make each page.
 
-Shared memory registration travels on a separate AF_UNIX stream socket (ZeroMQ
-cannot carry file descriptors): the client sends one ``register`` header with
-the memfd attached (SCM_RIGHTS) and keeps the connection open; the daemon
-answers ``{"ok": True, "region": id}`` and unmaps the region when the
-connection closes, so a dead engine never pins its host pool.
+Shared memory travels on a separate AF_UNIX stream socket (ZeroMQ cannot
+carry file descriptors).  The client attaches with one header ``{v, s,
+size}`` (``s`` a live session), with its host-pool memfd attached
+(SCM_RIGHTS) when it has one, and keeps the connection open; the daemon
+answers ``{"ok": True, "region": id or 0, "arena": id, "arena_size": n}``
+with a read-only descriptor of its arena attached, and unmaps the region
+when the connection closes, so a dead engine never pins its host pool.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -65,10 +79,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: reads through leased, engine-copied arena pages
 
 OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict",
-       "alloc", "commit", "locate", "release")  # the last four: remote memory pools only
+       "alloc", "commit", "locate", "release")  # alloc, commit, locate: remote memory pools only
 ERROR_CODES = (
     "bad_request",  # malformed header or fields
     "bad_version",  # protocol version mismatch
@@ -77,6 +91,7 @@ ERROR_CODES = (
     "deadline",  # the deadline passed before the work was done
     "too_large",  # page or message over the configured bound
     "full",  # no room even after eviction
+    "busy",  # over a bound on work or bytes in flight: try again later
     "io_error",
     "internal",
 )
@@ -86,6 +101,7 @@ MAX_KEY_CHARS = 256
 MAX_NAMESPACE_CHARS = 512
 MAX_BATCH = 4096
 MAX_DONE_LEASES = 256  # read leases a locate may release on the way
+MAX_LEASE_SECONDS = 120.0  # the longest a read lease may pin arena blocks
 # Keys reach file names in the NVMe tier: a conservative alphabet, no separators.
 _KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
 
@@ -138,15 +154,15 @@ def check_request(header: Dict[str, Any]) -> Tuple[str, int]:
     if not isinstance(req_id, int) or isinstance(req_id, bool):
         raise ProtocolError("bad_request", "id must be an integer")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # 2.0 and True are not 2
         raise ProtocolError("bad_version", f"protocol version {version!r} is not supported; this daemon speaks {PROTOCOL_VERSION}")
     op = header.get("op")
     if op not in OPS:
         raise ProtocolError("unknown_op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
     deadline = header.get("dl")
     if deadline is not None:
-        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
-            raise ProtocolError("bad_request", "dl must be a number")
+        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline):
+            raise ProtocolError("bad_request", "dl must be a finite number")
         if time.time() > deadline:
             raise ProtocolError("deadline", "deadline passed before the request was served")
     return op, req_id
@@ -260,7 +276,8 @@ def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[Lis
         raise ProtocolError("bad_request", "regions_per_page does not add up to the descriptors")
     if len(pairs):
         offsets, lengths = pairs[:, 0], pairs[:, 1]
-        if offsets.min() < 0 or lengths.min() <= 0 or int((offsets + lengths).max()) > region_size:
+        # Compared without adding: offset + length may overflow int64 (an offset of 2**63-1 would pass).
+        if offsets.min() < 0 or lengths.min() <= 0 or bool((offsets > region_size - lengths).any()):
             raise ProtocolError("bad_request", "a descriptor lies outside the registered region")
     out, start = [], 0
     plain = pairs.tolist()
@@ -339,9 +356,31 @@ def recv_register(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
     return unpack(data[4:]), (fds[0] if fds else None)
 
 
-def send_framed(sock: socket.socket, header: Dict[str, Any]) -> None:
+def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] = None) -> None:
+    """One length-prefixed header, with fd attached (SCM_RIGHTS) when given."""
     body = pack(header)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    if fd is None:
+        sock.sendall(_LEN.pack(len(body)) + body)
+    else:
+        socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
+
+
+def recv_framed_fd(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
+    """A header sent by send_framed, and the fd attached to it (None when there is none)."""
+    return recv_register(sock)
+
+
+def lease_field(header: Dict[str, Any]) -> float:
+    """A get's lease expiry (CLOCK_MONOTONIC): finite, in the future, at most MAX_LEASE_SECONDS away."""
+    expiry = header.get("lease")
+    if not isinstance(expiry, (int, float)) or isinstance(expiry, bool) or not math.isfinite(expiry):
+        raise ProtocolError("bad_request", "lease must be a finite number (CLOCK_MONOTONIC seconds)")
+    now = time.monotonic()
+    if expiry <= now:
+        raise ProtocolError("deadline", "the lease ended before the request was served")
+    if expiry > now + MAX_LEASE_SECONDS:
+        raise ProtocolError("bad_request", f"a lease may last at most {MAX_LEASE_SECONDS:.0f} s")
+    return float(expiry)
 
 
 def recv_framed(sock: socket.socket) -> Dict[str, Any]:

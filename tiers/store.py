@@ -24,9 +24,21 @@ Buffers = Sequence[memoryview]
 
 
 class StoreError(Exception):
-    """A store refused an operation; ``code`` is a protocol error code."""
+    """A store refused an operation; ``code`` is a protocol error code (tiers/protocol.py ERROR_CODES)."""
 
-    code = "store_error"
+    code = "io_error"
+
+
+class Unsupported(StoreError):
+    """The store does not offer this operation."""
+
+    code = "bad_request"
+
+
+class SourceGone(StoreError):
+    """The page's source memory went away during the copy (the engine truncated its host pool)."""
+
+    code = "bad_request"
 
 
 class PageTooLarge(StoreError):
@@ -55,6 +67,8 @@ class StoreStats:
     bytes_written: int = 0
     bytes_read: int = 0
     extra: Dict[str, float] = field(default_factory=dict)
+    # namespace -> {bytes, pages, hits, evictions, ...}, the largest few only (bounded metric labels)
+    per_namespace: Dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -71,6 +85,7 @@ class PageStore(ABC):
     """A bounded page store with an eviction policy."""
 
     parallel_io = False  # True: the daemon may call get/put from a thread pool
+    batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
 
     @abstractmethod
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
@@ -117,7 +132,41 @@ class PageStore(ABC):
 
         Returns (pages, bytes) evicted.  An operator's tool, not the hot path.
         """
-        raise StoreError(f"{type(self).__name__} does not support evict")
+        raise Unsupported(f"{type(self).__name__} does not support evict")
+
+    # ------------------------------------------------ optional capabilities
+    def export_arena(self):
+        """The BlockArena (tiers/arena.py) this store keeps its pages in, when engines may read them from it.
+
+        None (the default): the daemon stages reads in an arena of its own.
+        A store that returns its arena implements ``lease_pages``.
+        """
+        return None
+
+    def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
+                    max_bytes: int):
+        """(lease id or None, extents in export_arena() of each page or None); see tiers/arena.py."""
+        raise Unsupported(f"{type(self).__name__} keeps no exported arena")
+
+    def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
+                 deadline: Optional[float]) -> List[Optional[StoreError]]:
+        """Stores with ``batched``: every page at once; None or the refusal of each."""
+        raise Unsupported(f"{type(self).__name__} moves pages one at a time")
+
+    def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                      deadline: Optional[float]) -> List[bool]:
+        """Stores with ``batched``: every page at once; found flags."""
+        raise Unsupported(f"{type(self).__name__} moves pages one at a time")
+
+    def region_mapped(self, view: memoryview) -> None:
+        """Memory the daemon reads pages from or into was mapped (the remote tier registers it with its engine)."""
+
+    def region_unmapped(self, view: memoryview) -> None:
+        """Memory given to region_mapped goes away."""
+
+    def set_evict_hook(self, hook) -> None:
+        """hook(key, page views, reads) runs before an evicted page's memory is reused; it must not block
+        and must copy what it keeps (the views are valid only during the call)."""
 
     @abstractmethod
     def stats(self) -> StoreStats:

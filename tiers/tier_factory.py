@@ -7,12 +7,13 @@ from tiers.demotion import DemotionLink
 from tiers.store import PageStore
 
 
-def build_store(tier: TierConfig) -> PageStore:
+def build_store(tier: TierConfig, quotas=None) -> PageStore:
     """The store for a tier's kind, from its configuration."""
     if tier.kind == "dram":
         from tiers.dram import DramStore
         return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
-                         max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"])
+                         max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
+                         quotas=quotas)
     if tier.kind == "nvme":
         from tiers.nvme import NvmeStore
         return NvmeStore.from_config(tier)
@@ -30,11 +31,13 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     if tier.kind == "pool":  # a remote memory pool: no tier below, no host pool of its own
         from tiers.remote.pool_daemon import build_pool_daemon
         return build_pool_daemon(node, tier)
-    store = build_store(tier)
+    store = build_store(tier, node.quotas)
     fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     position = [t.name for t in node.tiers].index(tier.name)
     below = node.tiers[position + 1] if position + 1 < len(node.tiers) else None
     lower = DemotionLink(below.name, below.endpoint) if below is not None else None
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
-                      io_threads=io_threads, lower=lower, max_dirty_pages=node.max_dirty_pages)
+                      io_threads=io_threads, lower=lower, max_dirty_pages=node.max_dirty_pages,
+                      staging_bytes=tier.staging_bytes, max_region_bytes=tier.max_region_bytes,
+                      max_inflight_bytes=tier.max_inflight_bytes, demotion_queue_bytes=node.demotion_queue_bytes)

@@ -1,164 +1,242 @@
-"""Page transfers of a tier daemon: put and get batches, from frames or a mapped host pool.
+"""Page transfers of a tier daemon: put and get batches, owned by TierDaemon (tiers/daemon.py).
 
-A mixin of TierDaemon (tiers/daemon.py), kept apart because it is the hot
-path: every page is checked against the request's deadline before it touches
-host memory, and a copy out of host memory that ended after the deadline is
-not kept (the engine may already have reused that memory).
+Two rules make a frozen or slow daemon harmless to the engine:
+- The daemon never writes into an engine's memory.  A read either returns
+  the bytes as frames, or leases arena blocks holding the pages and lets the
+  engine copy them out itself (tiers/arena.py).  Stores without an arena of
+  their own (NVMe, remote) read into staging blocks of the daemon's arena.
+- The daemon reads an engine's host pool only through the SIGBUS-guarded
+  copy, straight into the DRAM arena or into staging blocks, and keeps a page
+  only if that copy ended before the request's deadline (the engine may
+  reuse its memory after that).  Stores then work on daemon-owned memory only.
 """
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers import protocol as P
-from tiers.demotion import MODES
+from tiers.arena import BlockArena
+from tiers.buffers import MemoryFault, scatter_copy
 from tiers.logs import RateLimitedLog
-from tiers.store import StoreError
+from tiers.store import PageStore, StoreError
 
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
+Refusal = Optional[Tuple[str, str]]
+
 
 class PageTransfers:
-    """handle_put / handle_get and the per-page work behind them (needs TierDaemon's state)."""
+    """handle_put / handle_get / handle_release and the per-page work behind them."""
 
-    def _page_views(self, header: dict, n_pages: int) -> Optional[List[List[memoryview]]]:
+    def __init__(self, name: str, store: PageStore, arena: BlockArena, pool: ThreadPoolExecutor,
+                 page_workers: int, max_page_bytes: int, lease_share: float = 0.5):
+        self.name = name
+        self.store = store
+        self.arena = arena
+        self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
+        self._pool = pool
+        self._page_pool = ThreadPoolExecutor(max_workers=max(2, page_workers), thread_name_prefix=f"{name}-page")
+        self.max_page_bytes = max_page_bytes
+        # One session may pin at most this much: pinning DRAM pages costs no memory (only eviction
+        # choices, for milliseconds); staging blocks are memory every tenant shares.
+        self.max_lease_bytes = int(arena.size * (lease_share if self.stages else 1.0))
+        self.staging_full = 0
+        self.source_gone = 0
+
+    # ------------------------------------------------------------------ puts
+    def page_sources(self, header: dict, frames, keys: list, regions) -> Tuple[List[List[memoryview]], bool]:
+        """Each page's source views, and whether they lie in an engine's host pool (not daemon-owned)."""
         region_id = header.get("region")
         if region_id is None:
-            return None
-        if self._regions is None:
+            return _frame_pages(header, keys, frames), False
+        if regions is None:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
-        region = self._regions.get(region_id, header.get("s"))
-        pages = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), n_pages, region.size)
+        region = regions.get(region_id, header.get("s"))
+        pages = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
         view = region.view
-        return [[view[off:off + n] for off, n in page] for page in pages]
+        return [[view[off:off + n] for off, n in page] for page in pages], True
 
-    def handle_put(self, header: dict, frames) -> Future:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
-        pages = self._page_views(header, len(keys))
-        if pages is None:
-            pages = self._frame_pages(header, keys, frames)
-        parents = header.get("parents")
-        if not isinstance(parents, list) or len(parents) != len(keys):
-            parents = [None] * len(keys)
+    def put_pages(self, ns: str, keys: list, pages: List[List[memoryview]], foreign: bool, parents: list,
+                  deadline: Optional[float]) -> Tuple[List[bool], Refusal]:
+        """Store each page; (stored flags, first refusal)."""
         for page in pages:
             if sum(v.nbytes for v in page) > self.max_page_bytes:
                 raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
-        mode = header.get("mode", "through")
-        min_reads = header.get("min_reads", 2)
-        if mode not in MODES or not isinstance(min_reads, int) or isinstance(min_reads, bool) or min_reads < 1:
-            raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
-        if header.get("promote") is True:
-            self.metrics.promotions += len(keys)
-        deadline = header.get("dl")
-        return self._pool.submit(self._put_pages, header["id"], ns, keys, pages, parents, deadline, frames,
-                                 mode, min_reads)
+        if self.stages and foreign:
+            return self._put_staged(ns, keys, pages, parents, deadline)
+        if not self.stages and foreign:
+            work = lambda i: self._put_into_arena(ns, keys[i], pages[i], parents[i], deadline)  # noqa: E731
+        else:
+            work = lambda i: self._put_owned(ns, keys[i], pages[i], parents[i])  # noqa: E731
+        return _outcomes(self._each(len(keys), work))
 
-    @staticmethod
-    def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
-        per_page = header.get("frames_per_page")
-        if per_page is None:
-            per_page = [1] * len(keys)
-        if (not isinstance(per_page, list) or len(per_page) != len(keys)
-                or not all(isinstance(n, int) and n > 0 for n in per_page) or sum(per_page) != len(frames)):
-            raise P.ProtocolError("bad_request", f"{len(keys)} keys do not match {len(frames)} page frames")
-        pages, start = [], 0
-        for n in per_page:
-            pages.append([f.buffer for f in frames[start:start + n]])
-            start += n
-        return pages
+    def _put_into_arena(self, ns, key, src, parent, deadline) -> Tuple[bool, Refusal]:
+        """A store that keeps pages in its arena: reserve blocks, guarded copy from the host pool, commit."""
+        if _late(deadline):
+            return False, ("deadline", "deadline passed during the batch")
+        size = sum(v.nbytes for v in src)
+        try:
+            blocks = self.store.reserve((ns, key), size)
+        except StoreError as exc:
+            return False, (exc.code, str(exc))
+        refusal = self._copy_in(self.arena.views(blocks, size), src, deadline)
+        if refusal is not None:
+            self.store.abort(blocks)
+            return False, refusal
+        self.store.commit((ns, key), blocks, size, parent if isinstance(parent, str) else None)
+        return True, None
 
-    def _put_pages(self, req_id, ns, keys, pages, parents, deadline, _frames_kept_alive, mode="through",
-                   min_reads=2) -> list:
-        many = getattr(self.store, "put_many", None)  # a store that moves a whole batch at once (remote tier)
-        outcomes = many([(ns, k) for k in keys], pages, parents, deadline) if many is not None else None
+    def _put_owned(self, ns, key, page, parent) -> Tuple[bool, Refusal]:
+        """Pages in daemon-owned memory (frames): the store takes them as they are."""
+        try:
+            self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+        except StoreError as exc:
+            return False, (exc.code, str(exc))
+        return True, None
 
-        def put_one(i: int):
-            """(stored, refusal) of page i."""
-            if deadline is not None and time.time() > deadline:
-                return False, ("deadline", "deadline passed during the batch")
-            try:
-                if outcomes is None:
-                    parent = parents[i]
-                    self.store.put((ns, keys[i]), pages[i], parent if isinstance(parent, str) else None)
-                elif outcomes[i] is not None:
-                    raise outcomes[i]
-            except StoreError as exc:
-                return False, (exc.code, str(exc))
-            # The engine may reuse its buffer once it stops waiting: a copy that
-            # ended after the deadline may hold torn bytes, so it is not kept.
-            if deadline is not None and time.time() > deadline:
-                self.store.delete([(ns, keys[i])])
-                return False, None
-            return True, None
-        # A store that takes concurrent calls (disk) gets several pages of the batch in flight.
-        fan_out = outcomes is None and len(keys) > 1 and getattr(self.store, "parallel_io", False)
-        results = list(self._batch_workers().map(put_one, range(len(keys)))) if fan_out else \
-            [put_one(i) for i in range(len(keys))]
-        stored = [ok for ok, _why in results]
-        refusal = next((why for _ok, why in results if why), None)
-        if self.lower is not None:
-            for key, ok in zip(keys, stored):
-                if ok:
-                    self.dirty.add((ns, key), mode, min_reads)
-        self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
-        fields = {"stored": P.flags(stored)}
-        if refusal:
-            fields["refusal"] = list(refusal)
-            # The operator hears of a full or failing medium here, not only in the engine's log.
-            _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
-                          len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
-        return [P.reply_ok(req_id, **fields)]
+    def _put_staged(self, ns, keys, pages, parents, deadline) -> Tuple[List[bool], Refusal]:
+        """Stores without an arena: copy each page into staging first, then hand the store our own memory."""
+        staged: List[Optional[List[int]]] = []
+        refusal: Refusal = None
+        for page in pages:
+            size = sum(v.nbytes for v in page)
+            blocks = self.arena.take(size)
+            if blocks is None:
+                self.staging_full += 1
+                refusal = refusal or ("busy", "staging arena full; try again")
+            else:
+                failed = self._copy_in(self.arena.views(blocks, size), page, deadline)
+                if failed is not None:
+                    self.arena.give(blocks)
+                    refusal, blocks = refusal or failed, None
+            staged.append(blocks)
+        try:
+            views = [self.arena.views(b, sum(v.nbytes for v in p)) if b is not None else None
+                     for b, p in zip(staged, pages)]
+            if self.store.batched:
+                idx = [i for i, v in enumerate(views) if v is not None]
+                out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx], [parents[i] for i in idx], deadline)
+                results = [(False, None)] * len(keys)
+                for i, exc in zip(idx, out):
+                    results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
+            else:
+                results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i])
+                                     if views[i] is not None else (False, None))
+        finally:
+            for blocks in staged:
+                if blocks is not None:
+                    self.arena.give(blocks)
+        stored, first = _outcomes(results)
+        return stored, refusal or first
 
-    def handle_get(self, header: dict, frames) -> Future:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
-        pages = self._page_views(header, len(keys))
-        return self._pool.submit(self._get_pages, header["id"], ns, keys, pages, header.get("dl"))
+    def _copy_in(self, dst: Sequence[memoryview], src: Sequence[memoryview], deadline: Optional[float]) -> Refusal:
+        """Guarded copy out of an engine's host pool; None when it ended before the deadline, else why not."""
+        late = ("deadline", "deadline passed during the batch")
+        if _late(deadline):
+            return late
+        try:
+            scatter_copy(dst, src)
+        except MemoryFault:
+            self.source_gone += 1
+            _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
+                                  "page refused", self.name)
+            return ("bad_request", "the host pool went away under the copy")
+        # The engine may reuse its buffer once it stops waiting: a copy that ended later may be torn.
+        return late if _late(deadline) else None
 
-    def _get_pages(self, req_id, ns, keys, pages, deadline) -> list:
-        many = getattr(self.store, "get_many_into", None)  # a store that moves a whole batch at once
-        if many is not None and pages is not None:
-            found = many([(ns, k) for k in keys], pages, deadline)
-            self.metrics.pages("get", sum(found), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, found) if ok))
-            return [P.reply_ok(req_id, found=P.flags(found))]
+    # ------------------------------------------------------------------ gets
+    def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float):
+        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them."""
+        budget = max(0, self.max_lease_bytes - self.arena.leased_bytes(owner))
+        if not self.stages:
+            lease, extents = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
+            return self._lease_reply(lease, extents)
+        return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
 
+    def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
+        blocks: List[Optional[List[int]]] = []
+        for size in sizes:
+            got = self.arena.take(size) if 0 < size <= budget else None
+            if got is None and 0 < size <= budget:
+                self.staging_full += 1
+            budget -= size if got is not None else 0
+            blocks.append(got)
+        views = [self.arena.views(b, s) if b is not None else None for b, s in zip(blocks, sizes)]
+        if self.store.batched:
+            idx = [i for i, v in enumerate(views) if v is not None]
+            got = self.store.get_many_into([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
+            found = [False] * len(keys)
+            for i, ok in zip(idx, got):
+                found[i] = bool(ok)
+        else:
+            found = self._each(len(keys), lambda i: views[i] is not None and time.monotonic() < expiry
+                               and self.store.get_into((ns, keys[i]), views[i]))
+        extents: List[Optional[list]] = []
+        pinned: List[int] = []
+        leased = 0
+        for ok, b, size in zip(found, blocks, sizes):
+            if ok and b is not None:
+                extents.append(self.arena.extents(b, size))
+                pinned.extend(b)
+                leased += size
+            else:
+                extents.append(None)
+        lease = self.arena.lease(owner, pinned, leased, expiry) if pinned else None
+        for b in blocks:  # given back now; the lease keeps the pinned ones out of use until it ends
+            if b is not None:
+                self.arena.give(b)
+        return self._lease_reply(lease, extents)
+
+    def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]]) -> list:
+        found = [e is not None for e in extents]
+        desc, counts = P.encode_descriptors([e for e in extents if e is not None])
+        return (dict(found=P.flags(found), lease=lease or 0, desc=desc, regions_per_page=counts),
+                sum(found), sum(n for e in extents if e for _o, n in e))
+
+    def frame_reads(self, ns: str, keys: list, deadline: Optional[float]) -> Tuple[List[bool], List[bytes]]:
+        """Pages as frames (engines without an attachment, or tcp:// peers); the engine copies them."""
         def get_one(i: int):
-            """(found, bytes or None) of page i."""
-            # Writing into host memory after the engine gave up would corrupt
-            # pages it has since reused: nothing starts after the deadline.
-            if deadline is not None and time.time() > deadline:
+            if _late(deadline):
                 return False, None
-            if pages is not None:
-                return self.store.get_into((ns, keys[i]), pages[i]), None
             data = self.store.get_bytes((ns, keys[i]))
             return data is not None, data
-        # A store that takes concurrent calls (disk) gets several pages of the batch in flight.
-        fan_out = len(keys) > 1 and getattr(self.store, "parallel_io", False)
-        results = list(self._batch_workers().map(get_one, range(len(keys)))) if fan_out else \
-            [get_one(i) for i in range(len(keys))]
-        found = [ok for ok, _data in results]
-        out_frames = [data for ok, data in results if ok and data is not None]
-        if pages is not None:
-            nbytes = sum(sum(v.nbytes for v in p) for p, ok in zip(pages, found) if ok)
-        else:
-            nbytes = sum(len(f) for f in out_frames)
-        self.metrics.pages("get", sum(found), nbytes)
-        return [P.reply_ok(req_id, found=P.flags(found)), *out_frames]
+        results = self._each(len(keys), get_one)
+        return [ok for ok, _d in results], [d for ok, d in results if ok and d is not None]
 
-    def _batch_workers(self) -> ThreadPoolExecutor:
-        """Threads that run the pages of one batch concurrently (as many as the I/O pool has)."""
-        workers = self.__dict__.get("_batch_pool")
-        if workers is None:  # created on first use; setdefault keeps exactly one under races
-            workers = self.__dict__.setdefault("_batch_pool", ThreadPoolExecutor(
-                max_workers=max(2, self._pool._max_workers), thread_name_prefix=f"{self.name}-page"))
-        return workers
+    # --------------------------------------------------------------- helpers
+    def _each(self, n: int, work: Callable[[int], object]) -> list:
+        """work(i) for every page; several in flight for stores that take concurrent calls (disk)."""
+        if n > 1 and self.store.parallel_io:
+            return list(self._page_pool.map(work, range(n)))
+        return [work(i) for i in range(n)]
 
-    def _close_transfers(self) -> None:
-        """Let the page threads finish (called once the I/O pool has drained)."""
-        workers = self.__dict__.get("_batch_pool")
-        if workers is not None:
-            workers.shutdown(wait=True)
+    def close(self) -> None:
+        self._page_pool.shutdown(wait=True)
+
+
+def _late(deadline: Optional[float]) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
+def _outcomes(results) -> Tuple[List[bool], Refusal]:
+    stored = [ok for ok, _why in results]
+    return stored, next((why for _ok, why in results if why), None)
+
+
+def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
+    per_page = header.get("frames_per_page")
+    if per_page is None:
+        per_page = [1] * len(keys)
+    if (not isinstance(per_page, list) or len(per_page) != len(keys)
+            or not all(type(n) is int and n > 0 for n in per_page) or sum(per_page) != len(frames)):
+        raise P.ProtocolError("bad_request", f"{len(keys)} keys do not match {len(frames)} page frames")
+    pages, start = [], 0
+    for n in per_page:
+        pages.append([f.buffer for f in frames[start:start + n]])
+        start += n
+    return pages
+

@@ -58,13 +58,16 @@ class NvmeStore(PageStore):
         self._rlog = RateLimitedLog(log)
         # Called with (key, page views, reads) before an evicted chunk is removed:
         # the write-back router may demote it further.
-        self.on_evict: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
+        self._evict_hook: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd: Optional[int] = self._lock_directory()
         self._direct = bool(direct_io) and self._probe_direct()
         if self._direct and compression != "none":
             log.info("%s: direct_io applies to uncompressed chunks only", name)
         self._rebuild()
+
+    def set_evict_hook(self, hook) -> None:
+        self._evict_hook = hook
 
     @classmethod
     def from_config(cls, tier) -> "NvmeStore":
@@ -129,7 +132,7 @@ class NvmeStore(PageStore):
 
     def _discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
         """Delete the file of a chunk already out of the index, unless the key was re-added."""
-        if evicted and self.on_evict is not None:
+        if evicted and self._evict_hook is not None:
             self._notify_evict(entry)
         with self._stripe(digest):
             if digest not in self._ledger:  # else a newer version was renamed over the file already
@@ -144,7 +147,7 @@ class NvmeStore(PageStore):
             cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode, False)
         except (OSError, cf.CorruptChunk, cf.SizeMismatch):
             return  # nothing sound to hand on
-        self.on_evict(entry.page_key, [memoryview(buf)], entry.reads)
+        self._evict_hook(entry.page_key, [memoryview(buf)], entry.reads)
 
     def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
         """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""

@@ -27,7 +27,8 @@ class PoolDaemon(TierDaemon):
     """Serves a PoolStore whose arena is registered with this process's Transfer Engine."""
 
     def __init__(self, name: str, store: PoolStore, endpoint: str, engine: Engine, max_page_bytes: int):
-        super().__init__(name, store, endpoint, fd_socket=None, max_page_bytes=max_page_bytes, io_threads=1)
+        super().__init__(name, store, endpoint, fd_socket=None, max_page_bytes=max_page_bytes, io_threads=1,
+                         staging_bytes=1 << 20)  # no engine attaches to a pool: no staging needed
         self.pool: PoolStore = store
         self.engine = engine
         engine.register(store.base, store.capacity)

@@ -44,6 +44,7 @@ class RemoteStore(HostPoolStore, PageStore):
     """Pages on remote pools, moved by the Transfer Engine."""
 
     parallel_io = True
+    batched = True
 
     def __init__(self, pools: Sequence[str], engine: Engine, max_page_bytes: int = 64 << 20,
                  pool_timeout: float = 0.2, retry_max: float = 2.0, transfer_timeout: float = 1.0,

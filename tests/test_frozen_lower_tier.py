@@ -1,0 +1,84 @@
+"""A frozen lower tier never slows the top tier: lookups, write-back writes and evictions go on."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from hicache_ext.sglang_harness import make_keys
+from tests.backend_env import Engine
+from tests.nodes import start_node
+from tiers.client import TierClient
+
+PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
+
+CHAIN = f"""
+[node]
+write_policy = "write_back"
+demotion_queue_bytes = {16 * PAGE_BYTES}
+
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = {32 * PAGE_BYTES}
+block_size = "4KiB"
+
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "64MiB"
+fsync = false
+"""
+
+
+def _admin_stats(runner, tier: str) -> dict:
+    client = TierClient(tier, runner.config.tier(tier).endpoint, "_admin", "test")
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+def test_frozen_nvme_leaves_dram_lookups_and_write_back_fast(tmp_path):
+    runner = start_node(tmp_path, CHAIN)
+    engine = Engine(runner, pages=64, write_policy="write_back", model="frozen-below")
+    nvme = runner.pid("nvme")
+    try:
+        held = make_keys(16, salt=1, page_size=16)
+        assert engine.write(held, 0, seed=1)[0] == 16
+        assert engine.driver.exists(held) == 16  # both tiers answer while NVMe is alive
+        os.kill(nvme, signal.SIGSTOP)
+        lookups = []
+        for _ in range(40):
+            started = time.perf_counter()
+            assert engine.driver.exists(held) == 16
+            lookups.append(time.perf_counter() - started)
+        # Write-back batches that evict (32 pages of DRAM): nothing of them waits on NVMe.
+        writes = []
+        for batch in range(6):
+            keys = make_keys(8, salt=100 + batch, page_size=16)
+            started = time.perf_counter()
+            assert engine.write(keys, 16 + (batch % 4) * 8, seed=batch)[0] == 8
+            writes.append(time.perf_counter() - started)
+        dram = _admin_stats(runner, "dram")
+        assert dram["evictions"] >= 16
+        queued, dropped = dram["demotion_queued_pages"], dram["demotion_dropped"]
+        assert queued >= 1 and queued + dropped >= dram["evictions"] - 1
+        print(f"\nfrozen NVMe: lookup max {max(lookups) * 1e3:.1f} ms, write-back batch max "
+              f"{max(writes) * 1e3:.1f} ms; {queued} pages queued for NVMe, {dropped} dropped (counted)")
+        assert max(lookups) < 0.1, f"a DRAM-covered lookup took {max(lookups) * 1e3:.0f} ms"
+        assert max(writes) < 0.5, f"a write-back batch took {max(writes) * 1e3:.0f} ms"
+        os.kill(nvme, signal.SIGCONT)
+        # Thawed: what was queued reaches NVMe.
+        end = time.monotonic() + 15
+        while _admin_stats(runner, "dram")["demotion_queued_pages"] and time.monotonic() < end:
+            time.sleep(0.1)
+        after = _admin_stats(runner, "dram")
+        assert after["demotion_queued_pages"] == 0 and after["demotions"] >= queued
+    finally:
+        try:
+            os.kill(nvme, signal.SIGCONT)
+        except OSError:
+            pass
+        engine.close()
+        runner.stop()

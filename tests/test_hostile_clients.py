@@ -1,0 +1,225 @@
+"""A buggy or hostile local client cannot crash, wedge or bloat a daemon, nor starve another tenant."""
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import socket
+import time
+
+import pytest
+import zmq
+
+from tiers import protocol as P
+from tiers.client import Deadlines, TierClient
+from tests.nodes import RawPeer, dram_config, rss_bytes, start_node
+from tiers.node_runner import NodeRunner
+
+NVME = """
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "64MiB"
+fsync = false
+staging_bytes = "16MiB"
+"""
+
+
+def _attach(fd_socket: str, session, fd=None, size=0):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.connect(fd_socket)
+    header = {"v": P.PROTOCOL_VERSION, "s": session, "size": size}
+    if fd is None:
+        P.send_framed(conn, header)
+    else:
+        P.send_register(conn, fd, header)
+    reply, arena_fd = P.recv_framed_fd(conn)
+    if arena_fd is not None:
+        os.close(arena_fd)
+    return conn, reply
+
+
+def _stats(endpoint: str) -> dict:
+    client = TierClient("t", endpoint, "_admin", "test")
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("tier", ["dram", "nvme"])
+def test_a_truncated_host_pool_is_a_refusal_not_a_dead_daemon(tmp_path, tier):
+    config = dram_config(capacity="16MiB") if tier == "dram" else "[node]\n" + NVME
+    runner = start_node(tmp_path, config)
+    endpoint = runner.config.tier(tier).endpoint
+    fd = os.memfd_create("hostile-pool")
+    os.ftruncate(fd, 1 << 20)
+    pool = mmap.mmap(fd, 1 << 20)
+    pool[:] = b"k" * (1 << 20)
+    client = TierClient(tier, endpoint, "victim", "test", Deadlines(base=2.0), attach=True)
+    try:
+        client.attach_region(fd, 1 << 20)
+        assert client.lookup(["x"]) == b"\x00" and client.region_id is not None
+        desc, counts = P.encode_descriptors([[(i * 65536, 65536)] for i in range(8)])
+        keys = [f"p{i}" for i in range(8)]
+        assert client.put_region(keys, desc, counts, 8 * 65536) == [True] * 8
+        os.ftruncate(fd, 0)  # the engine's host pool shrinks under the daemon's mapping
+        for _ in range(3):
+            assert client.put_region(["q0", "q1"], desc[:32], counts[:8], 2 * 65536) == [False, False]
+        # The daemon is alive, serves, and the pages stored before are intact.
+        base = None
+        found, frames = client.get_frames(keys, 8 * 65536)
+        assert found == [True] * 8 and all(f.bytes == b"k" * 65536 for f in frames)
+        stats = _stats(endpoint)
+        assert stats["source_gone"] >= 3
+        assert base is None
+    finally:
+        client.close()
+        pool.close()
+        os.close(fd)
+        assert runner.stop() == {tier: 0}, open(runner.log_path).read()[-3000:]
+
+
+def test_attach_needs_a_session_a_size_bound_and_idle_connections_go(tmp_path):
+    runner = start_node(tmp_path, dram_config(capacity="8MiB"))
+    fd_socket = runner.config.tier("dram").fd_socket(runner.runtime_dir)
+    endpoint = runner.config.tier("dram").endpoint
+    peer = RawPeer(endpoint)
+    try:
+        conn, reply = _attach(fd_socket, 1)  # no hello: no session
+        assert (reply["ok"], reply["code"]) == (False, "no_session")
+        conn.close()
+        session = peer.hello()
+        fd = os.memfd_create("huge")
+        os.ftruncate(fd, 1 << 50)  # sparse, and far larger than this machine's memory
+        conn, reply = _attach(fd_socket, session, fd, 1 << 50)
+        assert (reply["ok"], reply["code"]) == (False, "too_large")
+        conn.close()
+        os.close(fd)
+        # 300 connections that never attach: they time out and real engines attach meanwhile.
+        idle = []
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(fd_socket)
+            idle.append(s)
+        time.sleep(3.5)
+        conn, reply = _attach(fd_socket, session)
+        assert reply["ok"] is True and reply["arena_size"] > 0
+        conn.close()
+        for s in idle:
+            s.close()
+        assert _stats(endpoint)["attach_refused"] >= 300
+    finally:
+        peer.close()
+        assert runner.stop() == {"dram": 0}
+
+
+def test_too_many_bytes_in_flight_get_busy_and_unread_replies_stay_bounded(tmp_path):
+    config = dram_config(capacity="64MiB", max_page_bytes="8MiB").replace(
+        'max_page_bytes = "8MiB"', 'max_page_bytes = "8MiB"\nmax_inflight_bytes = "32MiB"')
+    runner = start_node(tmp_path, config)
+    endpoint = runner.config.tier("dram").endpoint
+    peer = RawPeer(endpoint)
+    try:
+        session = peer.hello()
+        before = rss_bytes(runner.pid("dram"))
+        frame = b"z" * (5 << 20)
+        reply, _ = peer.call("put", s=session, keys=[f"b{i}" for i in range(12)], frames=[frame] * 12)
+        assert (reply["ok"], reply["code"]) == (False, "busy")
+        # 400 gets of a 1 MiB page whose replies are never read: the daemon drops what the peer
+        # does not take (a high-water mark), it does not keep them.
+        assert peer.call("put", s=session, keys=["one"], frames=[b"r" * (1 << 20)])[0]["ok"]
+        for i in range(400):
+            peer.sock.send_multipart([P.request("get", 100 + i, session=session, keys=["one"])])
+        time.sleep(2.0)
+        grown = rss_bytes(runner.pid("dram")) - before
+        assert grown < 128 << 20, f"daemon grew {grown >> 20} MiB"
+        other = RawPeer(endpoint)
+        try:
+            assert other.hello()  # still serving others
+        finally:
+            other.close()
+    finally:
+        peer.close()
+        assert runner.stop() == {"dram": 0}
+
+
+def test_a_flood_of_idle_connections_leaves_the_daemon_serving(tmp_path):
+    """1,100 idle connections at a 1,024 soft descriptor limit: the daemon raises it and keeps serving."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 4096:
+        pytest.skip(f"this test needs a hard descriptor limit of 4096; it is {hard} here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+    runner = NodeRunner(dram_config(capacity="8MiB"), str(tmp_path / "run"), str(tmp_path / "data"))
+    runner.limit_fds = (1024, 4096)  # soft as on most machines, hard above it
+    runner.start()
+    endpoint = runner.config.tier("dram").endpoint
+    early = TierClient("dram", endpoint, "early", "test", Deadlines(base=2.0))
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 2048)  # libzmq's default is 1,023 sockets a context
+    flood = []
+    try:
+        assert early.put_frames(["k"], [[b"v" * 4096]], 4096) == [True]
+        for _ in range(1100):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            flood.append(s)
+        time.sleep(2.0)
+        found, frames = early.get_frames(["k"], 4096)
+        assert found == [True] and frames[0].bytes == b"v" * 4096
+        stats = _stats(endpoint)
+        assert stats["fd_limit"] == 4096 and stats["open_fds"] > 1100
+    finally:
+        for s in flood:
+            s.close(linger=0)
+        ctx.term()
+        early.close()
+        assert runner.stop() == {"dram": 0}, open(runner.log_path).read()[-3000:]
+
+
+def test_two_models_sharing_a_tier_both_keep_their_fair_share(tmp_path):
+    page = 64 << 10
+    runner = start_node(tmp_path, dram_config(capacity=f"{32 * page}", block_size="64KiB"))
+    endpoint = runner.config.tier("dram").endpoint
+    a = TierClient("dram", endpoint, "model-a.tp0-1", "a", Deadlines(base=2.0))
+    b = TierClient("dram", endpoint, "model-b.tp0-1", "b", Deadlines(base=2.0))
+    try:
+        b_keys = [f"b{i}" for i in range(8)]
+        assert b.put_frames(b_keys, [[b"b" * page]] * 8, 8 * page) == [True] * 8
+        for start in range(0, 96, 16):
+            keys = [f"a{i}" for i in range(start, start + 16)]
+            assert a.put_frames(keys, [[b"a" * page]] * 16, 16 * page) == [True] * 16
+        assert b.lookup(b_keys) == b"\x01" * 8  # 8 pages are below its share (16 of 32)
+        b_more = [f"b{i}" for i in range(8, 24)]
+        assert b.put_frames(b_more, [[b"b" * page]] * 16, 16 * page) == [True] * 16
+        held_b = sum(b.lookup(b_keys + b_more))
+        held_a = sum(a.lookup([f"a{i}" for i in range(96)]))
+        assert held_b == 16 and held_a == 16, (held_a, held_b)
+        # A tenant sees its own namespace's figures only; the operator sees all.
+        own = b.stats()["per_namespace"]
+        assert list(own) == ["model-b.tp0-1"] and own["model-b.tp0-1"]["pages"] == 16
+        everything = _stats(endpoint)["per_namespace"]
+        assert set(everything) == {"model-a.tp0-1", "model-b.tp0-1"}
+        assert everything["model-a.tp0-1"]["evictions"] >= 80
+    finally:
+        a.close()
+        b.close()
+        assert runner.stop() == {"dram": 0}
+
+
+def test_a_quota_caps_a_model_below_its_fair_share(tmp_path):
+    page = 64 << 10
+    config = dram_config(capacity=f"{32 * page}", block_size="64KiB") + f'\n[quotas]\n"model-a" = {8 * page}\n'
+    runner = start_node(tmp_path, config)
+    endpoint = runner.config.tier("dram").endpoint
+    a = TierClient("dram", endpoint, "model-a.tp0-1", "a", Deadlines(base=2.0))
+    try:
+        keys = [f"a{i}" for i in range(20)]
+        assert a.put_frames(keys, [[b"a" * page]] * 20, 20 * page) == [True] * 20
+        assert sum(a.lookup(keys)) == 8
+        assert a.lookup(keys[-8:]) == b"\x01" * 8  # LRU within the model
+    finally:
+        a.close()
+        assert runner.stop() == {"dram": 0}

@@ -1,0 +1,106 @@
+"""No byte lands in engine memory after the engine stopped waiting, whatever moment a daemon freezes.
+
+Each trial reads a batch through the real backend (SGLang's page functions,
+a real memfd host pool) while another thread SIGSTOPs the tier daemon at a
+random moment.  When the call returns, the test does what SGLang does next:
+it reuses the slots (writes a pattern of its own), thaws the daemon, lets it
+finish whatever it was doing, and checks the slots still hold that pattern
+byte for byte.  Pages the call reported loaded must be the written bytes.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from hicache_ext.sglang_harness import fill_pages, page_checksums
+from tests.backend_env import Engine, make_keys
+from tests.nodes import start_node
+
+SHAPE = dict(layers=8, kv_heads=2, head_dim=128, page_size=32)  # 256 KiB pages
+PAGES = 48
+TRIALS = 12
+
+NVME_BELOW = """
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "256MiB"
+fsync = false
+staging_bytes = "64MiB"
+"""
+
+
+def _config(tiers: str) -> str:
+    dram = """
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = "64MiB"
+block_size = "64KiB"
+"""
+    return "[node]\nwrite_policy = \"write_through\"\n" + (dram if "dram" in tiers else "") + \
+        (NVME_BELOW if "nvme" in tiers else "")
+
+
+def _wait_up(engine: Engine, keys, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if engine.backend.batch_exists(keys[:1]) == 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the tier did not come back after SIGCONT")
+
+
+@pytest.mark.parametrize("tiers, frozen", [("dram", "dram"), ("nvme", "nvme")])
+def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, frozen):
+    rng = random.Random(1234)
+    runner = start_node(tmp_path, _config(tiers))
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=0.15, deadline_min_gbps=50.0,
+                    lookup_timeout_s=1.0)
+    try:
+        keys = make_keys(PAGES, 5)
+        written, expected = engine.write(keys, 0, seed=11)
+        assert written == PAGES
+        pid = runner.pid(frozen)
+        # Freezes land anywhere in the first half of a read (the daemon's part comes first).
+        spans = []
+        for _ in range(3):
+            started = time.perf_counter()
+            assert engine.driver.prefetch(keys, engine.indices(PAGES, PAGES)) == PAGES
+            spans.append(time.perf_counter() - started)
+        window = sorted(spans)[1] / 2
+        cut_short = late = wrong = 0
+        for trial in range(TRIALS):
+            _wait_up(engine, keys)
+            idx = engine.indices(PAGES, PAGES)  # the second half of the pool: the read's destination
+            fill_pages(engine.pool, idx, seed=1000 + trial)
+            delay = rng.uniform(0.0, window)
+            stopper = threading.Timer(delay, os.kill, (pid, signal.SIGSTOP))
+            stopper.start()
+            done = engine.driver.prefetch(keys, idx)
+            stopper.join()
+            loaded = page_checksums(engine.pool, idx)
+            wrong += sum(1 for i in range(done) if loaded[i] != expected[i])
+            cut_short += done < PAGES
+            # SGLang reuses the slots at once: the engine's own bytes go there now.
+            fill_pages(engine.pool, idx, seed=5000 + trial)
+            mine = page_checksums(engine.pool, idx)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.4)  # let the thawed daemon finish whatever it was doing
+            late += sum(1 for a, b in zip(page_checksums(engine.pool, idx), mine) if a != b)
+        assert wrong == 0, f"{wrong} pages reported loaded held other bytes"
+        assert late == 0, f"{late} pages changed after the engine stopped waiting"
+        # The freezes must have cut calls short, or the test proved nothing.
+        assert cut_short >= 3, f"only {cut_short} of {TRIALS} reads were cut short by a freeze"
+    finally:
+        try:
+            os.kill(runner.pid(frozen), signal.SIGCONT)
+        except (OSError, KeyError):
+            pass
+        engine.close()
+        runner.stop()
