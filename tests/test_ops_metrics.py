@@ -69,6 +69,11 @@ def test_counters_move_during_a_workload(daemon):
     assert value(after, "hicache_tier_request_duration_seconds_bucket", op="get", le="+Inf") == 3
     assert value(after, "hicache_tier_request_duration_seconds_sum", op="put") > 0
     assert ("process_resident_memory_bytes", frozenset()) in after
+    # Per namespace, with the namespace as a label.
+    assert value(after, "hicache_tier_namespace_pages", namespace="metrics-ns") == 16
+    assert value(after, "hicache_tier_namespace_bytes", namespace="metrics-ns") == 16 * 65536
+    assert value(after, "hicache_tier_namespace_evictions_total", namespace="metrics-ns") >= 32
+    assert value(after, "hicache_tier_namespace_hits_total", namespace="metrics-ns") >= 12
 
 
 def test_metrics_are_off_unless_configured(tmp_path):

@@ -168,6 +168,18 @@ def unanswered(sock: zmq.Socket) -> bool:
     return not sock.poll(1000)
 
 
+def test_the_servers_own_key_admits_no_client(curve_node):
+    """keys generate writes server.key next to client.key: that certificate names the server, not a client."""
+    endpoint = curve_node["endpoint"]
+    server_public, server_secret = security.load_key_file(str(curve_node["keys"] / "server.key_secret"),
+                                                          need_secret=True)
+    impostor = raw_dealer(endpoint, (server_public, server_secret, server_public))
+    try:
+        assert unanswered(impostor)
+    finally:
+        impostor.close()
+
+
 def test_unauthenticated_clients_are_refused_and_logged(curve_node):
     endpoint = curve_node["endpoint"]
     server_public, _ = security.load_key_file(str(curve_node["keys"] / "server.key"), need_secret=False)

@@ -88,7 +88,9 @@ class DramStore(PageStore):
         return entry
 
     def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
-        namespace = only or self._fair.victim(writer, {ns: t.bytes for ns, t in self._tenants.items()}, need)
+        own = self._tenants.get(writer) if writer is not None else None
+        over = own is not None and self._fair.over_quota(writer, own.bytes + need)
+        namespace = only or self._fair.victim(writer, {ns: t.bytes for ns, t in self._tenants.items()}, over)
         tenant = self._tenants.get(namespace) if namespace is not None else None
         victim = tenant.policy.pop_victim() if tenant is not None else None
         if victim is None:

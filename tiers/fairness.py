@@ -13,7 +13,7 @@ name matches all its shards).
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Dict, Hashable, Mapping, Optional
 
 
 class FairShare:
@@ -38,12 +38,16 @@ class FairShare:
         limit = self.quota(namespace)
         return limit is not None and usage > limit
 
-    def victim(self, writer: Optional[str], usage: Mapping[str, int], need: int = 0) -> Optional[str]:
-        """The namespace that loses a page so writer can store need more bytes (None: nothing held)."""
+    def victim(self, writer: Optional[Hashable], usage: Mapping[Hashable, int],
+               writer_over_quota: bool = False) -> Optional[Hashable]:
+        """The namespace that loses a page so writer can store more (None: nothing held).
+
+        Namespaces are any hashable name (the NVMe tier knows some only by a hash of it).
+        """
         held = {ns: n for ns, n in usage.items() if n > 0}
         if not held:
             return None
-        if writer is not None and writer in held and self.over_quota(writer, held[writer] + need):
+        if writer is not None and writer in held and writer_over_quota:
             return writer
         share = self.share(len(held) + (0 if writer is None or writer in held else 1))
         worst, excess = None, 0.0

@@ -42,8 +42,19 @@ COUNTERS = {
     "promotions": ("promotions", "Pages put here because a lower tier served them."),
     "demotions": ("demotions", "Pages written down to the tier below."),
     "demotion_failures": ("demotion_failures", "Pages the tier below refused or could not take."),
+    "demotion_dropped": ("demotion_dropped", "Dirty pages evicted while the demotion queue was full (lost to the tiers below)."),
+    "source_gone": ("source_gone", "Writes refused because the engine's host pool shrank under the copy."),
+    "staging_full": ("staging_full", "Pages not moved because the staging arena was full."),
+    "leases_expired": ("leases_expired", "Read leases that ended by time instead of a release."),
 }
 SKIP = {"requests", "errors", "pages_put", "pages_got", "bytes_put", "bytes_got", "lower_tier", "tier"}
+# Per-namespace figures (the largest 32 namespaces only: label cardinality stays bounded).
+NAMESPACE_GAUGES = {"bytes": ("namespace_bytes", "Bytes of pages held, per namespace."),
+                    "pages": ("namespace_pages", "Pages held, per namespace."),
+                    "fair_share": ("namespace_fair_share_bytes", "Capacity over namespaces holding pages."),
+                    "quota": ("namespace_quota_bytes", "The namespace's configured quota (0: none).")}
+NAMESPACE_COUNTERS = {"hits": ("namespace_hits", "Page reads served, per namespace."),
+                      "evictions": ("namespace_evictions", "Pages evicted, per namespace.")}
 
 
 class TierCollector:
@@ -86,6 +97,13 @@ class TierCollector:
         for code, count in sorted(stats.get("errors", {}).items()):
             errors.add_metric([tier, code], float(count))
         yield errors
+        per_ns = stats.get("per_namespace", {})
+        for table, family_type in ((NAMESPACE_GAUGES, GaugeMetricFamily), (NAMESPACE_COUNTERS, CounterMetricFamily)):
+            for key, (name, text) in table.items():
+                family = family_type(PREFIX + name, text, labels=["tier", "namespace"])
+                for namespace, figures in sorted(per_ns.items()):
+                    family.add_metric([tier, namespace], float(figures.get(key, 0)))
+                yield family
         detail = GaugeMetricFamily(PREFIX + "store_detail", "Tier-specific figures the store reports.",
                                    labels=["tier", "name"])
         for key, value in sorted(stats.items()):

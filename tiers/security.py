@@ -270,7 +270,12 @@ def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name:
                          f"node.curve_server_key (hicache-tiers keys generate DIR) or allow_insecure_tcp = true")
     public, secret = load_key_file(settings.server_key, need_secret=True)
     authorized_dir = settings.authorized_keys or os.path.dirname(os.path.abspath(settings.client_key or settings.server_key))
-    authorized = load_authorized(authorized_dir)
+    # The server's own certificate often sits in the same directory (keys generate writes both): it
+    # names this server, not a client, so it admits nobody.
+    authorized = load_authorized(authorized_dir) - {public}
+    if not authorized:
+        raise KeyFileError(f"authorized keys directory {authorized_dir} holds no client certificate "
+                           f"(only the server's own key)")
     zap = ZapHandler(context, authorized, name)
     zap.watch(router)
     router.curve_server = True

@@ -16,7 +16,7 @@ def build_store(tier: TierConfig, quotas=None) -> PageStore:
                          quotas=quotas)
     if tier.kind == "nvme":
         from tiers.nvme import NvmeStore
-        return NvmeStore.from_config(tier)
+        return NvmeStore.from_config(tier, quotas)
     if tier.kind == "remote":
         from tiers.remote.store import RemoteStore
         return RemoteStore.from_config(tier)

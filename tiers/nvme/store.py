@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from tiers.buffers import as_bytes_view
 from tiers.logs import RateLimitedLog
@@ -41,7 +41,8 @@ class NvmeStore(PageStore):
 
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
-                 direct_io: bool = True, io_threads: int = 4, name: str = "nvme"):
+                 direct_io: bool = True, io_threads: int = 4, name: str = "nvme",
+                 quotas: Optional[dict] = None):
         if capacity < cf.HEADER_SIZE + 1:
             raise ValueError("capacity must hold at least one chunk")
         self.root = os.path.abspath(path)
@@ -51,7 +52,7 @@ class NvmeStore(PageStore):
         self.name = name
         self.io_threads = io_threads  # the daemon's I/O pool size for this store (several reads in flight)
         self._codec = Codec(compression, compression_level)
-        self._ledger = Ledger(capacity, policy)
+        self._ledger = Ledger(capacity, policy, quotas)
         self._stripes = [threading.Lock() for _ in range(N_STRIPES)]
         self._dirsync = DirSyncer()
         self._warned: set = set()
@@ -70,7 +71,7 @@ class NvmeStore(PageStore):
         self._evict_hook = hook
 
     @classmethod
-    def from_config(cls, tier) -> "NvmeStore":
+    def from_config(cls, tier, quotas: Optional[dict] = None) -> "NvmeStore":
         """Build the store a tiers.config.TierConfig of kind nvme describes."""
         from tiers.config import KIND_OPTIONS
         opt = {k: tier.options[k] if k in tier.options else parser(default, k)
@@ -79,7 +80,7 @@ class NvmeStore(PageStore):
             raise ValueError(f"nvme tier {tier.name}: options.path is required")
         return cls(opt["path"], tier.capacity, policy=tier.policy, max_page_bytes=tier.max_page_bytes,
                    fsync=opt["fsync"], compression=opt["compression"], compression_level=opt["compression_level"],
-                   direct_io=opt["direct_io"], io_threads=opt["io_threads"], name=tier.name)
+                   direct_io=opt["direct_io"], io_threads=opt["io_threads"], name=tier.name, quotas=quotas)
 
     # ------------------------------------------------------------ start-up
     def _lock_directory(self) -> int:
@@ -183,7 +184,7 @@ class NvmeStore(PageStore):
         header = cf.pack_header(cf.header_block("write"), namespace, name, 0 if encoded is None else
                                 self._codec.codec_id, size, stored, cf.payload_hash(payload))
         try:
-            for victim in self._ledger.reserve(disk):
+            for victim in self._ledger.reserve(disk, ns_hash, namespace):
                 self._discard(*victim, evicted=True)
         except StoreFull as exc:
             raise StoreFull(f"{self.name}: {exc}") from None
@@ -192,7 +193,7 @@ class NvmeStore(PageStore):
             entry = Entry(path, ns_hash, disk, key, size, touched=time.monotonic())
             self._rename_commit(digest, tmp, entry, key_digest(namespace, parent) if parent else None)
         except BaseException:
-            self._ledger.release(disk)
+            self._ledger.release(disk, ns_hash)
             raise
         if self.fsync:
             try:
@@ -332,6 +333,13 @@ class NvmeStore(PageStore):
 
     def clear(self, namespace: Optional[str] = None) -> int:
         return self._remove(self._ledger.digests(None if namespace is None else namespace_hash(namespace)))
+
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
+                                           full_disk=False)
+        for victim in victims:
+            self._discard(*victim, evicted=True)
+        return len(victims), sum(entry.disk_size for _d, entry in victims)
 
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
