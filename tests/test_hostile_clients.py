@@ -218,6 +218,14 @@ def test_two_models_sharing_a_tier_both_keep_their_fair_share(tmp_path, kind):
         everything = _stats(endpoint)["per_namespace"]
         assert set(everything) == {"model-a.tp0-1", "model-b.tp0-1"}
         assert everything["model-a.tp0-1"]["evictions"] >= 80
+        # The operator evicts one namespace's pages (NVMe answered `internal` before it could).
+        admin = TierClient(kind, endpoint, "_admin", "test")
+        try:
+            reply = admin.call("evict", 2.0, bytes=4 * page, ns="model-a.tp0-1")
+            assert reply.header["ok"] and reply.header["evicted_pages"] == 4, reply.header
+        finally:
+            admin.close()
+        assert sum(a.lookup([f"a{i}" for i in range(96)])) == 12 and sum(b.lookup(b_keys + b_more)) == 16
     finally:
         a.close()
         b.close()

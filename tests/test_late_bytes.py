@@ -20,6 +20,8 @@ import pytest
 from hicache_ext.sglang_harness import fill_pages, page_checksums
 from tests.backend_env import Engine, make_keys
 from tests.nodes import start_node
+from tiers.node_runner import NodeRunner
+from tiers.remote.loopback import free_ports, pool_config, remote_node_config
 
 SHAPE = dict(layers=8, kv_heads=2, head_dim=128, page_size=32)  # 256 KiB pages
 PAGES = 48
@@ -56,17 +58,36 @@ def _wait_up(engine: Engine, keys, timeout: float = 10.0) -> None:
     raise AssertionError("the tier did not come back after SIGCONT")
 
 
-@pytest.mark.parametrize("tiers, frozen", [("dram", "dram"), ("nvme", "nvme")])
+def _remote_node(tmp_path):
+    """A pool daemon and a remote tier daemon on loopback: (the engine's node, the pool's node)."""
+    (port,) = free_ports(1)
+    pool = NodeRunner(pool_config([port], capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
+                      str(tmp_path / "pool" / "run"), str(tmp_path / "pool" / "data"))
+    pool.start()
+    node = start_node(tmp_path / "node", "[node]\n" + remote_node_config([port], max_page_bytes="4MiB")
+                      + 'staging_bytes = "64MiB"\n')
+    return node, pool
+
+
+@pytest.mark.parametrize("tiers, frozen", [("dram", "dram"), ("nvme", "nvme"), ("remote", "remote"),
+                                           ("remote", "pool0")])
 def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, frozen):
     rng = random.Random(1234)
-    runner = start_node(tmp_path, _config(tiers))
-    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=0.15, deadline_min_gbps=50.0,
+    pool = None
+    if tiers == "remote":
+        runner, pool = _remote_node(tmp_path)
+    else:
+        runner = start_node(tmp_path, _config(tiers))
+    owner = pool if frozen.startswith("pool") else runner
+    # A remote read crosses two daemons and the Transfer Engine: a looser (still short) deadline.
+    base = 0.6 if tiers == "remote" else 0.15
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=base, deadline_min_gbps=50.0,
                     lookup_timeout_s=1.0)
     try:
         keys = make_keys(PAGES, 5)
         written, expected = engine.write(keys, 0, seed=11)
         assert written == PAGES
-        pid = runner.pid(frozen)
+        pid = owner.pid(frozen)
         # Freezes land anywhere in the first half of a read (the daemon's part comes first).
         spans = []
         for _ in range(3):
@@ -93,14 +114,18 @@ def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, 
             os.kill(pid, signal.SIGCONT)
             time.sleep(0.4)  # let the thawed daemon finish whatever it was doing
             late += sum(1 for a, b in zip(page_checksums(engine.pool, idx), mine) if a != b)
+        print(f"\n{tiers}, {frozen} frozen: {TRIALS} trials, {cut_short} cut short, {TRIALS * PAGES} slots checked, "
+              f"{late} changed late, {wrong} wrong")
         assert wrong == 0, f"{wrong} pages reported loaded held other bytes"
         assert late == 0, f"{late} pages changed after the engine stopped waiting"
         # The freezes must have cut calls short, or the test proved nothing.
         assert cut_short >= 3, f"only {cut_short} of {TRIALS} reads were cut short by a freeze"
     finally:
         try:
-            os.kill(runner.pid(frozen), signal.SIGCONT)
+            os.kill(owner.pid(frozen), signal.SIGCONT)
         except (OSError, KeyError):
             pass
         engine.close()
         runner.stop()
+        if pool is not None:
+            pool.stop()

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tiers.buffers import block_extents, populate
 
@@ -39,10 +39,20 @@ Extents = List[Tuple[int, int]]
 
 
 @dataclass
+class Alloc:
+    """The blocks one page (or staged page) takes, and their (offset, length) runs, computed once."""
+
+    alloc_id: int
+    blocks: List[int]
+    size: int
+    extents: Extents
+
+
+@dataclass
 class _Lease:
     owner: int
     expiry: float  # time.monotonic(): CLOCK_MONOTONIC is one clock for every process of the machine
-    blocks: List[int]
+    allocs: List[int]
     nbytes: int
 
 
@@ -64,8 +74,10 @@ class BlockArena:
         if prefault:
             self._prefault()
         self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
+        # Pins count leases per allocation (a page), not per block: a batch of 8 MiB pages in
+        # 64 KiB blocks is 128 pins, not 16,384.
         self._pins: Dict[int, int] = {}
-        self._parked: Set[int] = set()  # given back while leased: freed when the last lease ends
+        self._parked: Dict[int, Alloc] = {}  # given back while leased: freed when the last lease ends
         self._leases: Dict[int, _Lease] = {}
         self._owner_bytes: Dict[int, int] = {}
         self._ids = itertools.count(1)
@@ -102,7 +114,7 @@ class BlockArena:
     def blocks_for(self, nbytes: int) -> int:
         return -(-nbytes // self.block_size)
 
-    def take(self, nbytes: int) -> Optional[List[int]]:
+    def take(self, nbytes: int) -> Optional[Alloc]:
         """Free blocks for nbytes (lowest first, so a fresh arena gives contiguous runs), or None."""
         needed = self.blocks_for(nbytes)
         with self._lock:
@@ -110,35 +122,33 @@ class BlockArena:
                 self._expire_locked(time.monotonic())
                 if len(self._free) < needed:
                     return None
-            return [self._free.pop() for _ in range(needed)]
+            blocks = [self._free.pop() for _ in range(needed)]
+        return Alloc(next(self._ids), blocks, nbytes, block_extents(blocks, self.block_size, nbytes))
 
-    def give(self, blocks: Sequence[int]) -> None:
-        """Blocks back to the arena; leased ones wait for their leases to end."""
+    def give(self, alloc: Alloc) -> None:
+        """An allocation back to the arena; a leased one waits for its leases to end."""
         with self._lock:
-            for block in reversed(blocks):
-                if block in self._pins:
-                    self._parked.add(block)
-                else:
-                    self._free.append(block)
+            if alloc.alloc_id in self._pins:
+                self._parked[alloc.alloc_id] = alloc
+            else:
+                self._free.extend(reversed(alloc.blocks))
 
     def free_blocks(self) -> int:
         with self._lock:
             return len(self._free)
 
-    def extents(self, blocks: Sequence[int], nbytes: int) -> Extents:
-        return block_extents(blocks, self.block_size, nbytes)
-
-    def views(self, blocks: Sequence[int], nbytes: int) -> List[memoryview]:
-        return [self.view[off:off + n] for off, n in self.extents(blocks, nbytes)]
+    def views(self, alloc: Alloc) -> List[memoryview]:
+        return [self.view[off:off + n] for off, n in alloc.extents]
 
     # ---------------------------------------------------------------- leases
-    def lease(self, owner: int, blocks: Sequence[int], nbytes: int, expiry: float) -> int:
-        """Pin blocks for owner until release or expiry (time.monotonic()); returns the lease id."""
+    def lease(self, owner: int, allocs: Sequence[Alloc], expiry: float) -> int:
+        """Pin allocations for owner until release or expiry (time.monotonic()); returns the lease id."""
+        nbytes = sum(a.size for a in allocs)
         with self._lock:
             lease_id = next(self._ids)
-            self._leases[lease_id] = _Lease(owner, expiry, list(blocks), nbytes)
-            for block in blocks:
-                self._pins[block] = self._pins.get(block, 0) + 1
+            self._leases[lease_id] = _Lease(owner, expiry, [a.alloc_id for a in allocs], nbytes)
+            for alloc in allocs:
+                self._pins[alloc.alloc_id] = self._pins.get(alloc.alloc_id, 0) + 1
             self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
             return lease_id
 
@@ -154,14 +164,6 @@ class BlockArena:
                 return False
             self._end_locked(lease_id)
             return True
-
-    def release_owner(self, owner: int) -> int:
-        """End every lease of owner (its session is gone); returns how many."""
-        with self._lock:
-            mine = [i for i, lease in self._leases.items() if lease.owner == owner]
-            for lease_id in mine:
-                self._end_locked(lease_id)
-            return len(mine)
 
     def expire(self) -> int:
         """End leases past their expiry; returns how many (the daemon calls this every tick)."""
@@ -183,21 +185,21 @@ class BlockArena:
             self._owner_bytes[lease.owner] = left
         else:
             self._owner_bytes.pop(lease.owner, None)
-        for block in lease.blocks:
-            pins = self._pins[block] - 1
+        for alloc_id in lease.allocs:
+            pins = self._pins[alloc_id] - 1
             if pins:
-                self._pins[block] = pins
+                self._pins[alloc_id] = pins
                 continue
-            del self._pins[block]
-            if block in self._parked:
-                self._parked.discard(block)
-                self._free.append(block)
+            del self._pins[alloc_id]
+            parked = self._parked.pop(alloc_id, None)
+            if parked is not None:
+                self._free.extend(reversed(parked.blocks))
 
     def lease_count(self) -> int:
         with self._lock:
             return len(self._leases)
 
-    def pinned_blocks(self) -> int:
+    def pinned_allocations(self) -> int:
         with self._lock:
             return len(self._pins)
 

@@ -26,7 +26,7 @@ import zmq
 
 from tiers import protocol as P
 from tiers import security
-from tiers.buffers import MemoryFault, address_of, copy_runs, scatter_runs
+from tiers.buffers import MemoryFault, address_of, copy_runs, populate, scatter_runs
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
@@ -84,6 +84,7 @@ class TierClient:
         self._region_conn: Optional[socket.socket] = None
         self.region_id: Optional[int] = None
         self._attach_wanted = attach
+        self._done_leases: List[int] = []  # read leases copied out: released with the next get
         self.arena: Optional[_ArenaMap] = None  # the daemon's arena, mapped read-only
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
@@ -199,17 +200,6 @@ class TierClient:
         sent = self._send(op, timeout, fields, frames, session)
         return None if sent is None else self._receive(*sent, op)
 
-    def _send_quietly(self, op: str, **fields) -> None:
-        """A request whose reply nobody waits for (a stale reply is skipped by id later)."""
-        session = self._session
-        if session is None or self._down:
-            return
-        header = P.request(op, next(self._ids), deadline=time.time() + self.deadlines.base, session=session, **fields)
-        try:
-            self._socket().send_multipart([header], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
                                 {"ns": self.namespace, "client": self.client_name})
@@ -311,7 +301,10 @@ class TierClient:
             raise ValueError("the daemon's arena is smaller than it says")
         # Read-only and sealed by the daemon against shrinking: copying from it can never fault.
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        old, self.arena = self.arena, _ArenaMap(arena_id, mapping)
+        # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
+        # populating it would allocate all of it.
+        resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
+        old, self.arena = self.arena, _ArenaMap(arena_id, mapping, populate_now=resident)
         if old is not None:
             old.close()
 
@@ -325,7 +318,9 @@ class TierClient:
         session = self._ensure_session()
         if session is None:
             return None
-        return self._send("lookup", self.deadlines.lookup, {"keys": keys}, session=session)
+        fields = {"keys": keys}
+        self._add_done(fields)
+        return self._send("lookup", self.deadlines.lookup, fields, session=session)
 
     def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
         """The reply to req_id if it is the next message waiting (None: a stale one was skipped)."""
@@ -366,6 +361,7 @@ class TierClient:
         fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts, **extra)
         if parents:
             fields["parents"] = parents
+        self._add_done(fields)
         return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), "stored", len(keys))
 
     def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
@@ -380,6 +376,7 @@ class TierClient:
             fields["frames_per_page"] = counts
         if parents:
             fields["parents"] = parents
+        self._add_done(fields)
         return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields),
                            "stored", len(keys))
 
@@ -390,7 +387,7 @@ class TierClient:
         """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
 
         The daemon pins the pages in its arena until our own give-up time; we
-        copy them out, and keep a page only if its copy ended by then.  A page
+        copy them out in one call, and keep them only if the copy ended by then.  A page
         is never written after this call returns.
         """
         arena = self.arena
@@ -401,7 +398,9 @@ class TierClient:
         expiry = time.monotonic() + timeout  # CLOCK_MONOTONIC is one clock for the whole machine
         if arena is None:
             return [False] * n
-        reply = self.call("get", timeout, keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
+        fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
+        self._add_done(fields)
+        reply = self.call("get", timeout, **fields)
         found = self._flags(reply, "found", n)
         if not any(found):
             return found
@@ -422,23 +421,39 @@ class TierClient:
         if not arena.use():
             return out
         try:
+            runs_d: List[int] = []
+            runs_s: List[int] = []
+            runs_n: List[int] = []
             for i in range(n):
-                if not found[i]:
-                    continue
-                src = [(arena.base + off, length) for off, length in next(pages)]
-                if time.monotonic() >= expiry:
-                    break
-                copy_runs(*scatter_runs(list(dst[i]), src))
-                if time.monotonic() > expiry:
-                    break  # the copy may have overlapped a reuse of the blocks: this page is not kept
-                out[i] = True
+                if found[i]:
+                    d, s, k = scatter_runs(list(dst[i]), [(arena.base + off, m) for off, m in next(pages)])
+                    runs_d += d
+                    runs_s += s
+                    runs_n += k
+            # One C call for the whole batch (no GIL); kept only when it ended by the lease's expiry,
+            # after which the daemon may reuse the blocks.
+            if time.monotonic() < expiry:
+                copy_runs(runs_d, runs_s, runs_n)
+                if time.monotonic() <= expiry:
+                    out = list(found)
         except (MemoryFault, ValueError) as exc:
-            self._warn.warning(f"copy:{self.name}", "tier %s: copy of a leased page failed: %s", self.name, exc)
+            self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
         finally:
             arena.done()
         if isinstance(lease, int) and lease:
-            self._send_quietly("release", lease=lease)
+            with self._lock:
+                self._done_leases.append(lease)
         return out
+
+    def _add_done(self, fields: dict) -> None:
+        """Leases of earlier reads, copied out: released by the next request of any kind (no message
+        of their own), so a write right after a read finds the blocks free."""
+        if not self._done_leases:
+            return
+        with self._lock:
+            done, self._done_leases = self._done_leases[:P.MAX_DONE_LEASES], self._done_leases[P.MAX_DONE_LEASES:]
+        if done:
+            fields["done"] = done
 
     def get_frames(self, keys: List[str], nbytes: int) -> Tuple[List[bool], List[zmq.Frame]]:
         """(found flags, one frame per found page in key order)."""
@@ -493,7 +508,7 @@ class TierClient:
 class _ArenaMap:
     """A daemon's arena, mapped read-only in this process; unmapped once closed and no copy uses it."""
 
-    def __init__(self, arena_id: int, mapping: mmap.mmap):
+    def __init__(self, arena_id: int, mapping: mmap.mmap, populate_now: bool = False):
         self.arena_id = arena_id
         self.size = len(mapping)
         self._mapping: Optional[mmap.mmap] = mapping
@@ -502,6 +517,24 @@ class _ArenaMap:
         self._lock = threading.Lock()
         with memoryview(mapping) as view:
             self.base = address_of(view)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # the daemon's shmem THP, where enabled
+        except (AttributeError, OSError, ValueError):
+            pass
+        # Build the page tables off the engine's threads: a copy out of a fresh mapping would
+        # otherwise take a minor fault every 4 KiB (the daemon prefaulted the memory itself).
+        if populate_now:
+            self._users += 1
+            threading.Thread(target=self._populate, name="arena-populate", daemon=True).start()
+
+    def _populate(self) -> None:
+        try:
+            if self._mapping is not None:
+                populate(self._mapping, write=False)
+        except (OSError, ValueError, TypeError):
+            pass
+        finally:
+            self.done()
 
     def use(self) -> bool:
         """Hold the mapping for a copy (False once closed)."""

@@ -57,7 +57,7 @@ class TierDaemon:
     def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
                  lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024,
-                 staging_bytes: int = 1 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
+                 staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
                  demotion_queue_bytes: int = 256 << 20):
         self.name = name
         self.store = store
@@ -354,6 +354,7 @@ class TierDaemon:
     # ----------------------------------------------------------- operations
     def handle_lookup(self, header: dict, frames) -> list:
         ns = self._namespace(header)
+        self._release_done(header)
         keys = P.keys_field(header)
         held = self.store.held(ns, keys)
         prefix = P.leading_run(held)
@@ -362,8 +363,9 @@ class TierDaemon:
 
     def handle_put(self, header: dict, frames):
         ns = self._namespace(header)
+        self._release_done(header)
         keys = P.keys_field(header)
-        pages, foreign = self.transfers.page_sources(header, frames, keys, self._regions)
+        sources = self.transfers.page_sources(header, frames, keys, self._regions)
         parents = header.get("parents")
         if not isinstance(parents, list) or len(parents) != len(keys):
             parents = [None] * len(keys)
@@ -376,12 +378,12 @@ class TierDaemon:
         req_id, deadline = header["id"], header.get("dl")
 
         def work(_frames_kept_alive=frames) -> list:
-            stored, refusal = self.transfers.put_pages(ns, keys, pages, foreign, parents, deadline)
+            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline)
             if self.lower is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
                         self.dirty.add((ns, key), mode, min_reads)
-            self.metrics.pages("put", sum(stored), sum(sum(v.nbytes for v in p) for p, ok in zip(pages, stored) if ok))
+            self.metrics.pages("put", sum(stored), sum(n for n, ok in zip(sources.sizes, stored) if ok))
             fields = {"stored": P.flags(stored)}
             if refusal:
                 fields["refusal"] = list(refusal)
@@ -405,6 +407,7 @@ class TierDaemon:
             return self._pool.submit(frame_work)
         expiry = P.lease_field(header)
         sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)
+        self._release_done(header)
         result = self.transfers.lease_reads(ns, keys, sizes, header["s"], expiry)
         if isinstance(result, Future):
             out: Future = Future()
@@ -417,6 +420,14 @@ class TierDaemon:
             result.add_done_callback(finished)
             return out
         return self._lease_reply(req_id, result)
+
+    def _release_done(self, header: dict) -> None:
+        """Leases of earlier reads the session copied out, released on the way (before any new work)."""
+        done = header.get("done")
+        if isinstance(done, list):
+            for lease in done[:P.MAX_DONE_LEASES]:
+                if type(lease) is int:
+                    self.arena.release(lease, header["s"])
 
     def _lease_reply(self, req_id: int, result) -> list:
         fields, pages, nbytes = result

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from tiers.arena import BlockArena, Extents
+from tiers.arena import Alloc, BlockArena, Extents
 from tiers.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.fairness import FairShare, bounded_top
 from tiers.policies import EvictionPolicy, make_policy
@@ -28,9 +28,12 @@ log = logging.getLogger("hicache.dram")
 
 @dataclass
 class _Entry:
-    size: int
-    blocks: List[int]
+    alloc: Alloc
     reads: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.alloc.size
 
 
 @dataclass
@@ -80,7 +83,7 @@ class DramStore(PageStore):
     def _release_locked(self, key: PageKey) -> Optional[_Entry]:
         entry = self._index.pop(key, None)
         if entry is not None:
-            self.arena.give(entry.blocks)  # parked while a reader's lease holds them
+            self.arena.give(entry.alloc)  # parked while a reader's lease holds them
             self._stats.used_bytes -= entry.size
             tenant = self._tenants[key[0]]
             tenant.bytes -= entry.size
@@ -99,37 +102,48 @@ class DramStore(PageStore):
         if self._evict_hook is not None:
             # Runs inside the lock: the hook copies the page into the demotion queue (bounded memory,
             # tiers/demotion.py) and never waits on a peer; the blocks are free for the writer at once.
-            self._evict_hook(victim, self.arena.views(entry.blocks, entry.size), entry.reads)
+            self._evict_hook(victim, self.arena.views(entry.alloc), entry.reads)
         self._release_locked(victim)
         tenant.evictions += 1
         self._stats.evictions += 1
         return True
 
-    def _allocate_locked(self, namespace: str, size: int) -> List[int]:
+    def _allocate_locked(self, namespace: str, size: int) -> Alloc:
         limit = self._fair.quota(namespace)
         tenant = self._tenants.get(namespace)
         while limit is not None and tenant is not None and tenant.bytes + size > limit:
             if not self._evict_one_locked(namespace, only=namespace):
                 break  # a page larger than the quota still fits once the namespace holds nothing else
         while True:
-            blocks = self.arena.take(size)
-            if blocks is not None:
-                return blocks
+            alloc = self.arena.take(size)
+            if alloc is not None:
+                return alloc
             if not self._evict_one_locked(namespace, size):
                 raise StoreFull("arena full (every page is being read or written)")
 
     # ----------------------------------------------------------- interface
-    def reserve(self, key: PageKey, size: int) -> List[int]:
-        """Blocks for a page of size bytes, evicting as needed; fill them, then commit or abort."""
+    def reserve(self, key: PageKey, size: int, evict: bool = True) -> Optional[Alloc]:
+        """Blocks for a page of size bytes, evicting as needed; fill them, then commit or abort.
+
+        With evict=False: None instead of evicting (the caller commits what it holds first, so
+        eviction sees pages in the order they were written, as the simulator does).
+        """
         if size > self.max_page_bytes or size > self.capacity or size <= 0:
             raise PageTooLarge(f"page of {size} bytes not accepted (max {min(self.max_page_bytes, self.capacity)})")
         with self._lock:
+            if not evict:
+                tenant = self._tenants.get(key[0])
+                limit = self._fair.quota(key[0])
+                if limit is not None and tenant is not None and tenant.bytes + size > limit:
+                    return None
+                return self.arena.take(size)
             return self._allocate_locked(key[0], size)
 
-    def commit(self, key: PageKey, blocks: List[int], size: int, parent: Optional[str] = None) -> None:
+    def commit(self, key: PageKey, alloc: Alloc, parent: Optional[str] = None) -> None:
+        size = alloc.size
         with self._lock:
             self._release_locked(key)
-            self._index[key] = _Entry(size=size, blocks=blocks)
+            self._index[key] = _Entry(alloc)
             tenant = self._tenant(key[0])
             tenant.policy.insert(key, (key[0], parent) if parent else None)
             tenant.bytes += size
@@ -137,22 +151,22 @@ class DramStore(PageStore):
             self._stats.inserts += 1
             self._stats.bytes_written += size
 
-    def abort(self, blocks: List[int]) -> None:
-        self.arena.give(blocks)
+    def abort(self, alloc: Alloc) -> None:
+        self.arena.give(alloc)
 
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         src = [as_bytes_view(b) for b in buffers]
         size = total_size(src)
-        blocks = self.reserve(key, size)
+        alloc = self.reserve(key, size)
         try:
-            scatter_copy(self.arena.views(blocks, size), src)
+            scatter_copy(self.arena.views(alloc), src)
         except MemoryFault as exc:
-            self.abort(blocks)
+            self.abort(alloc)
             raise SourceGone(str(exc)) from None
         except BaseException:
-            self.abort(blocks)
+            self.abort(alloc)
             raise
-        self.commit(key, blocks, size, parent)
+        self.commit(key, alloc, parent)
 
     def _lookup_for_read_locked(self, key: PageKey, size: Optional[int] = None) -> Optional[_Entry]:
         entry = self._index.get(key)
@@ -171,7 +185,7 @@ class DramStore(PageStore):
                     max_bytes: int) -> Tuple[Optional[int], List[Optional[Extents]]]:
         """Pin the leading pages held with the expected sizes, up to max_bytes, for an engine to copy out."""
         found: List[Optional[Extents]] = []
-        blocks: List[int] = []
+        allocs: List[Alloc] = []
         leased = 0
         with self._lock:
             for key, size in zip(keys, sizes):
@@ -181,10 +195,10 @@ class DramStore(PageStore):
                     found.append(None)
                     continue
                 self._lookup_for_read_locked(key)
-                found.append(self.arena.extents(entry.blocks, entry.size))
-                blocks.extend(entry.blocks)
+                found.append(entry.alloc.extents)
+                allocs.append(entry.alloc)
                 leased += size
-            lease = self.arena.lease(owner, blocks, leased, expiry) if blocks else None
+            lease = self.arena.lease(owner, allocs, expiry) if allocs else None
         return lease, found
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
@@ -194,10 +208,10 @@ class DramStore(PageStore):
             entry = self._lookup_for_read_locked(key, size)
             if entry is None:
                 return False
-            blocks = list(entry.blocks)
-            lease = self.arena.lease(0, blocks, size, float("inf"))  # held only for this copy
+            alloc = entry.alloc
+            lease = self.arena.lease(0, [alloc], float("inf"))  # held only for this copy
         try:
-            scatter_copy(dst, self.arena.views(blocks, size))
+            scatter_copy(dst, self.arena.views(alloc))
         finally:
             self.arena.release(lease, 0)
         return True
@@ -207,12 +221,12 @@ class DramStore(PageStore):
             entry = self._lookup_for_read_locked(key)
             if entry is None:
                 return None
-            return b"".join(self.arena.views(entry.blocks, entry.size))
+            return b"".join(self.arena.views(entry.alloc))
 
     def peek(self, key: PageKey) -> Optional[bytes]:
         with self._lock:
             entry = self._index.get(key)
-            return None if entry is None else b"".join(self.arena.views(entry.blocks, entry.size))
+            return None if entry is None else b"".join(self.arena.views(entry.alloc))
 
     def read_count(self, key: PageKey) -> int:
         """How many times key was read since it was stored (0 when absent)."""
@@ -255,7 +269,7 @@ class DramStore(PageStore):
                                  if k not in ("extra", "per_namespace")})
             snap.pages = len(self._index)
             snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
-                          "leases": self.arena.lease_count(), "pinned_blocks": self.arena.pinned_blocks(),
+                          "leases": self.arena.lease_count(), "pinned_pages": self.arena.pinned_allocations(),
                           "leases_expired": self.arena.leases_expired}
             per_ns = {ns: {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
                            "fair_share": int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes))),

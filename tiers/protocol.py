@@ -14,11 +14,12 @@ operation's fields.  Reply header: ``v``, ``id``, ``ok``; on failure ``code``
 
 Operations (fields -> reply fields):
 - hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
-- lookup   keys                 -> held (one byte a key), prefix (leading run held)
-- get      keys [, lease, sizes]  -> found (one byte a key), and either one frame per found page or,
+- lookup   keys [, done]        -> held (one byte a key), prefix (leading run held)
+- get      keys [, lease, sizes, done]
+                                -> found (one byte a key), and either one frame per found page or,
                                    with ``lease``: lease, arena, desc, regions_per_page
 - release  lease                -> released
-- put      keys [, region, desc, regions_per_page | frames_per_page, parents] [+ page frames]
+- put      keys [, region, desc, regions_per_page | frames_per_page, parents, done] [+ page frames]
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
 - stats                         -> stats, tier, sessions
@@ -35,7 +36,9 @@ daemon's arena, which the engine mapped read-only when it attached, until
 ``release`` or that time: the reply's ``desc``/``regions_per_page`` are
 (offset, length) extents into the arena of each found page, ``arena`` the id
 of the arena they refer to.  The engine copies a page only before the lease
-ends and keeps it only if the copy ended by then (tiers/arena.py).
+ends and keeps it only if the copy ended by then (tiers/arena.py).  ``done``
+(at most ``MAX_DONE_LEASES`` lease ids, on a get, put or lookup) releases the
+leases of earlier reads the engine has copied out, in the same round trip.
 
 Pool operations (served by remote memory pools, tiers/remote; pages then move
 one-sided through the Mooncake Transfer Engine, never through ZeroMQ):

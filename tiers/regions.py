@@ -30,7 +30,7 @@ from typing import Callable, Dict, Optional
 import zmq
 
 from tiers import protocol as P
-from tiers.buffers import populate
+from tiers.buffers import address_of, populate
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.regions")
@@ -69,6 +69,7 @@ class Region:
     mapping: mmap.mmap
     view: memoryview
     conn: socket.socket
+    base: int = 0  # the mapping's address in this process
 
 
 @dataclass
@@ -247,7 +248,8 @@ class RegionRegistry:
         finally:
             if memfd is not None:
                 os.close(memfd)  # the mapping keeps the memory alive
-        return Region(secrets.randbits(62), session, size, mapping, memoryview(mapping), conn)
+        view = memoryview(mapping)
+        return Region(secrets.randbits(62), session, size, mapping, view, conn, address_of(view))
 
     def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:
         try:

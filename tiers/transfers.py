@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers import protocol as P
-from tiers.arena import BlockArena
-from tiers.buffers import MemoryFault, scatter_copy
+from tiers.arena import Alloc, BlockArena
+from tiers.buffers import MemoryFault, address_of, copy_runs, scatter_copy, scatter_runs
 from tiers.logs import RateLimitedLog
 from tiers.store import PageStore, StoreError
 
@@ -38,57 +39,111 @@ class PageTransfers:
         self.store = store
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
+        self.arena_base = address_of(arena.view)
         self._pool = pool
         self._page_pool = ThreadPoolExecutor(max_workers=max(2, page_workers), thread_name_prefix=f"{name}-page")
         self.max_page_bytes = max_page_bytes
         # One session may pin at most this much: pinning DRAM pages costs no memory (only eviction
         # choices, for milliseconds); staging blocks are memory every tenant shares.
-        self.max_lease_bytes = int(arena.size * (lease_share if self.stages else 1.0))
+        # At least one whole SGLang batch (128 pages of 8 MiB) when the arena holds it.
+        self.max_lease_bytes = int(arena.size if not self.stages else min(arena.size, max(arena.size * lease_share,
+                                                                                         1 << 30)))
         self.staging_full = 0
         self.source_gone = 0
 
     # ------------------------------------------------------------------ puts
-    def page_sources(self, header: dict, frames, keys: list, regions) -> Tuple[List[List[memoryview]], bool]:
-        """Each page's source views, and whether they lie in an engine's host pool (not daemon-owned)."""
+    def page_sources(self, header: dict, frames, keys: list, regions) -> "Sources":
+        """Where each page's bytes are: frames we own, or runs of an engine's host pool."""
         region_id = header.get("region")
         if region_id is None:
-            return _frame_pages(header, keys, frames), False
+            pages = _frame_pages(header, keys, frames)
+            return Sources(pages, [sum(v.nbytes for v in p) for p in pages], None)
         if regions is None:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
         region = regions.get(region_id, header.get("s"))
-        pages = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
-        view = region.view
-        return [[view[off:off + n] for off, n in page] for page in pages], True
+        extents = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
+        return Sources([[region.view[off:off + n] for off, n in page] for page in extents],
+                       [sum(n for _o, n in page) for page in extents],
+                       [[(region.base + off, n) for off, n in page] for page in extents])
 
-    def put_pages(self, ns: str, keys: list, pages: List[List[memoryview]], foreign: bool, parents: list,
+    def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
                   deadline: Optional[float]) -> Tuple[List[bool], Refusal]:
         """Store each page; (stored flags, first refusal)."""
-        for page in pages:
-            if sum(v.nbytes for v in page) > self.max_page_bytes:
-                raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
-        if self.stages and foreign:
-            return self._put_staged(ns, keys, pages, parents, deadline)
-        if not self.stages and foreign:
-            work = lambda i: self._put_into_arena(ns, keys[i], pages[i], parents[i], deadline)  # noqa: E731
-        else:
-            work = lambda i: self._put_owned(ns, keys[i], pages[i], parents[i])  # noqa: E731
-        return _outcomes(self._each(len(keys), work))
+        if max(sources.sizes, default=0) > self.max_page_bytes:
+            raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
+        if sources.runs is not None and self.stages:
+            return self._put_staged(ns, keys, sources.views, parents, deadline)
+        if sources.runs is not None:
+            return self._put_into_arena(ns, keys, sources, parents, deadline)
+        return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i])))
 
-    def _put_into_arena(self, ns, key, src, parent, deadline) -> Tuple[bool, Refusal]:
-        """A store that keeps pages in its arena: reserve blocks, guarded copy from the host pool, commit."""
-        if _late(deadline):
-            return False, ("deadline", "deadline passed during the batch")
-        size = sum(v.nbytes for v in src)
+    def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+        """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
+
+        Pages are copied in groups, one C call a group without the GIL: a group grows while the arena
+        has free blocks, and is copied and committed before a reservation that must evict (so
+        eviction sees the pages in the order they were written, as the trace simulator does).
+        """
+        n = len(keys)
+        stored = [False] * n
+        group: List[Tuple[int, Alloc]] = []
+        failed: Refusal = None
+
+        def flush() -> Refusal:
+            refusal = self._copy_group(sources, group, deadline)
+            for i, alloc in group:
+                if refusal is not None:
+                    self.store.abort(alloc)
+                else:
+                    parent = parents[i]
+                    self.store.commit((ns, keys[i]), alloc, parent if isinstance(parent, str) else None)
+                    stored[i] = True
+            group.clear()
+            return refusal
+
+        for i in range(n):
+            if _late(deadline):
+                failed = ("deadline", "deadline passed during the batch")
+                break
+            try:
+                alloc = self.store.reserve((ns, keys[i]), sources.sizes[i], evict=False)
+                if alloc is None:
+                    failed = flush()
+                    if failed is not None:
+                        break
+                    alloc = self.store.reserve((ns, keys[i]), sources.sizes[i])
+            except StoreError as exc:
+                failed = failed or (exc.code, str(exc))
+                continue
+            group.append((i, alloc))
+        if group:
+            if failed is not None and failed[0] == "deadline":
+                for _i, alloc in group:
+                    self.store.abort(alloc)
+            else:
+                failed = flush() or failed
+        return stored, failed
+
+    def _copy_group(self, sources: "Sources", group: List[Tuple[int, Alloc]], deadline: Optional[float]) -> Refusal:
+        """One guarded copy of a group of pages into their blocks; why not, when it failed or ended late."""
+        runs_d: List[int] = []
+        runs_s: List[int] = []
+        runs_n: List[int] = []
+        base = self.arena_base
+        for i, alloc in group:
+            d, s, k = scatter_runs([(base + off, m) for off, m in alloc.extents], sources.runs[i])
+            runs_d += d
+            runs_s += s
+            runs_n += k
         try:
-            blocks = self.store.reserve((ns, key), size)
-        except StoreError as exc:
-            return False, (exc.code, str(exc))
-        refusal = self._copy_in(self.arena.views(blocks, size), src, deadline)
-        if refusal is not None:
-            self.store.abort(blocks)
-            return False, refusal
-        self.store.commit((ns, key), blocks, size, parent if isinstance(parent, str) else None)
-        return True, None
+            copy_runs(runs_d, runs_s, runs_n)
+        except MemoryFault:
+            self.source_gone += 1
+            _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
+                                  "pages refused", self.name)
+            return ("bad_request", "the host pool went away under the copy")
+        # Bytes copied after the engine gave up may be torn (it reuses its buffers at once).
+        return ("deadline", "deadline passed during the copy") if _late(deadline) else None
 
     def _put_owned(self, ns, key, page, parent) -> Tuple[bool, Refusal]:
         """Pages in daemon-owned memory (frames): the store takes them as they are."""
@@ -100,23 +155,21 @@ class PageTransfers:
 
     def _put_staged(self, ns, keys, pages, parents, deadline) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy each page into staging first, then hand the store our own memory."""
-        staged: List[Optional[List[int]]] = []
+        staged: List[Optional[Alloc]] = []
         refusal: Refusal = None
         for page in pages:
-            size = sum(v.nbytes for v in page)
-            blocks = self.arena.take(size)
-            if blocks is None:
+            alloc = self.arena.take(sum(v.nbytes for v in page))
+            if alloc is None:
                 self.staging_full += 1
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
-                failed = self._copy_in(self.arena.views(blocks, size), page, deadline)
+                failed = self._copy_in(self.arena.views(alloc), page, deadline)
                 if failed is not None:
-                    self.arena.give(blocks)
-                    refusal, blocks = refusal or failed, None
-            staged.append(blocks)
+                    self.arena.give(alloc)
+                    refusal, alloc = refusal or failed, None
+            staged.append(alloc)
         try:
-            views = [self.arena.views(b, sum(v.nbytes for v in p)) if b is not None else None
-                     for b, p in zip(staged, pages)]
+            views = [self.arena.views(a) if a is not None else None for a in staged]
             if self.store.batched:
                 idx = [i for i, v in enumerate(views) if v is not None]
                 out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx], [parents[i] for i in idx], deadline)
@@ -127,9 +180,9 @@ class PageTransfers:
                 results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i])
                                      if views[i] is not None else (False, None))
         finally:
-            for blocks in staged:
-                if blocks is not None:
-                    self.arena.give(blocks)
+            for alloc in staged:
+                if alloc is not None:
+                    self.arena.give(alloc)
         stored, first = _outcomes(results)
         return stored, refusal or first
 
@@ -158,14 +211,14 @@ class PageTransfers:
         return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
 
     def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
-        blocks: List[Optional[List[int]]] = []
+        allocs: List[Optional[Alloc]] = []
         for size in sizes:
             got = self.arena.take(size) if 0 < size <= budget else None
             if got is None and 0 < size <= budget:
                 self.staging_full += 1
             budget -= size if got is not None else 0
-            blocks.append(got)
-        views = [self.arena.views(b, s) if b is not None else None for b, s in zip(blocks, sizes)]
+            allocs.append(got)
+        views = [self.arena.views(a) if a is not None else None for a in allocs]
         if self.store.batched:
             idx = [i for i, v in enumerate(views) if v is not None]
             got = self.store.get_many_into([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
@@ -176,19 +229,17 @@ class PageTransfers:
             found = self._each(len(keys), lambda i: views[i] is not None and time.monotonic() < expiry
                                and self.store.get_into((ns, keys[i]), views[i]))
         extents: List[Optional[list]] = []
-        pinned: List[int] = []
-        leased = 0
-        for ok, b, size in zip(found, blocks, sizes):
-            if ok and b is not None:
-                extents.append(self.arena.extents(b, size))
-                pinned.extend(b)
-                leased += size
+        pinned: List[Alloc] = []
+        for ok, alloc in zip(found, allocs):
+            if ok and alloc is not None:
+                extents.append(alloc.extents)
+                pinned.append(alloc)
             else:
                 extents.append(None)
-        lease = self.arena.lease(owner, pinned, leased, expiry) if pinned else None
-        for b in blocks:  # given back now; the lease keeps the pinned ones out of use until it ends
-            if b is not None:
-                self.arena.give(b)
+        lease = self.arena.lease(owner, pinned, expiry) if pinned else None
+        for alloc in allocs:  # given back now; the lease keeps the pinned ones out of use until it ends
+            if alloc is not None:
+                self.arena.give(alloc)
         return self._lease_reply(lease, extents)
 
     def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]]) -> list:
@@ -216,6 +267,16 @@ class PageTransfers:
 
     def close(self) -> None:
         self._page_pool.shutdown(wait=True)
+
+
+@dataclass
+class Sources:
+    """The pages of a put: views of each (frames, or slices of a host pool), their sizes, and for a
+    host pool their (address, length) runs in this process (None for frames: memory we own)."""
+
+    views: List[List[memoryview]]
+    sizes: List[int]
+    runs: Optional[List[List[Tuple[int, int]]]]
 
 
 def _late(deadline: Optional[float]) -> bool:
