@@ -167,9 +167,11 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
         for i in range(2):
             slot(view, i)[:] = page(20 + i)
         start = time.monotonic()
+        # A deadline a loaded machine still meets up to the transfer's start (the test is about
+        # the transfer given up after it started, not about a batch refused before it).
         outcomes = store.put_many([("ns", "torn-0"), ("ns", "torn-1")], [[slot(view, 0)], [slot(view, 1)]],
-                                  [None, None], deadline=time.time() + 0.6)
-        assert time.monotonic() - start < 1.0
+                                  [None, None], deadline=time.time() + 1.5)
+        assert time.monotonic() - start < 2.5
         assert all(o is not None for o in outcomes)
         # Not released yet: the pool must not hand these blocks to another page while late bytes may come.
         assert store._abandoned.pending() >= 1
