@@ -59,7 +59,7 @@ class _Lease:
 class BlockArena:
     """capacity bytes of blocks in a sealed memfd; blocks are taken, given back, and leased to readers."""
 
-    def __init__(self, capacity: int, block_size: int, name: str, prefault: bool = True):
+    def __init__(self, capacity: int, block_size: int, name: str, prefault: bool = True, background: bool = False):
         if block_size <= 0 or capacity < block_size:
             raise ValueError("capacity must hold at least one block")
         self.block_size = block_size
@@ -71,7 +71,9 @@ class BlockArena:
         self._map = mmap.mmap(self.fd, self.size)
         self.view = memoryview(self._map)
         self.write_sealed = self._seal()
-        if prefault:
+        if prefault and background:  # serve at once; blocks fault in from the bottom up meanwhile
+            threading.Thread(target=self._prefault, name=f"{name}-prefault", daemon=True).start()
+        elif prefault:
             self._prefault()
         self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
         # Pins count leases per allocation (a page), not per block: a batch of 8 MiB pages in

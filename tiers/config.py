@@ -131,10 +131,10 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
     "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
     "allow_insecure_tcp": (_node_default_bool, "node", "serve this tier's tcp:// endpoint without CurveZMQ; default node.allow_insecure_tcp"),
-    "staging_bytes": (parse_size, "2GiB", "memory (a sparse memfd, resident once used) that pages of NVMe and remote "
-                                          "tiers pass through between host pools and the store; one session may use "
-                                          "half, at least 1 GiB (a batch of 128 pages of 8 MiB); a batch that finds it "
-                                          "full is served in part"),
+    "staging_bytes": (parse_size, "2GiB", "memory that pages of NVMe and remote tiers pass through between host "
+                                          "pools and the store, faulted in at start (in the background; under 64 MiB: "
+                                          "on use); one session may use half, at least 1 GiB (a batch of 128 pages of "
+                                          "8 MiB); a batch that finds it full is served in part"),
     "max_region_bytes": (parse_size, "0", "largest host pool an engine may attach; 0: the machine's RAM"),
     "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get busy"),
 }

@@ -69,8 +69,10 @@ class TierDaemon:
         self._router: Optional[zmq.Socket] = None
         self._zap: Optional[security.ZapHandler] = None  # CurveZMQ admission on tcp:// endpoints
         self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/fds.py)
+        # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
+        # NVMe or remote page passes through it.
         self.arena = store.export_arena() or BlockArena(max(staging_bytes, 64 << 10), 64 << 10, f"{name}-staging",
-                                                        prefault=False)
+                                                        prefault=staging_bytes >= 64 << 20, background=True)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
         self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)
         if self.transfers.stages:
