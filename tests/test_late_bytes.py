@@ -26,6 +26,7 @@ from tiers.remote.loopback import free_ports, pool_config, remote_node_config
 SHAPE = dict(layers=8, kv_heads=2, head_dim=128, page_size=32)  # 256 KiB pages
 PAGES = 48
 TRIALS = 12
+MAX_TRIALS = 40
 
 NVME_BELOW = """
 [[tiers]]
@@ -95,8 +96,15 @@ def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, 
             assert engine.driver.prefetch(keys, engine.indices(PAGES, PAGES)) == PAGES
             spans.append(time.perf_counter() - started)
         window = sorted(spans)[1] / 2
-        cut_short = late = wrong = 0
-        for trial in range(TRIALS):
+        cut_short = late = wrong = trials = 0
+        # At least TRIALS freezes, more (up to MAX_TRIALS) until 3 of them cut a read short: with DRAM
+        # the daemon's part of a read is a millisecond, so many freezes land after it.
+        for trial in range(MAX_TRIALS):
+            if trial >= TRIALS and cut_short >= 3:
+                break
+            trials += 1
+            if trial >= TRIALS:
+                window = max(window / 2, 0.001)
             _wait_up(engine, keys)
             idx = engine.indices(PAGES, PAGES)  # the second half of the pool: the read's destination
             fill_pages(engine.pool, idx, seed=1000 + trial)
@@ -114,12 +122,12 @@ def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, 
             os.kill(pid, signal.SIGCONT)
             time.sleep(0.4)  # let the thawed daemon finish whatever it was doing
             late += sum(1 for a, b in zip(page_checksums(engine.pool, idx), mine) if a != b)
-        print(f"\n{tiers}, {frozen} frozen: {TRIALS} trials, {cut_short} cut short, {TRIALS * PAGES} slots checked, "
+        print(f"\n{tiers}, {frozen} frozen: {trials} trials, {cut_short} cut short, {trials * PAGES} slots checked, "
               f"{late} changed late, {wrong} wrong")
         assert wrong == 0, f"{wrong} pages reported loaded held other bytes"
         assert late == 0, f"{late} pages changed after the engine stopped waiting"
         # The freezes must have cut calls short, or the test proved nothing.
-        assert cut_short >= 3, f"only {cut_short} of {TRIALS} reads were cut short by a freeze"
+        assert cut_short >= 3, f"only {cut_short} of {trials} reads were cut short by a freeze"
     finally:
         try:
             os.kill(owner.pid(frozen), signal.SIGCONT)
