@@ -3,9 +3,10 @@
 The daemon (tiers/daemon.py) speaks the protocol and resolves page bytes into
 memoryviews; a store only keeps pages.  A page is handed over as a *list* of
 memoryviews whose concatenation is the page (SGLang's page_first layout gives
-2 regions a page, layer_first 2 x layers), so a store can copy or
-``os.pwritev``/``os.preadv`` straight from and into the engine's host pool with
-no staging copy.
+2 regions a page, layer_first 2 x layers).  The views are always daemon-owned
+memory (ZeroMQ frames, the DRAM arena, staging blocks of the daemon's arena):
+the daemon alone reads an engine's host pool, through a SIGBUS-guarded copy
+(tiers/transfers.py), and nothing writes into one but the engine itself.
 
 Keys are ``(namespace, key)`` pairs of str; the daemon has validated both.
 Methods never raise for a missing key; they raise ``StoreError`` subclasses
