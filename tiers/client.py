@@ -26,7 +26,8 @@ import zmq
 
 from tiers import protocol as P
 from tiers import security
-from tiers.buffers import MemoryFault, address_of, copy_runs, populate, scatter_runs
+from tiers.arena_map import ArenaMap
+from tiers.buffers import MemoryFault
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
@@ -85,7 +86,7 @@ class TierClient:
         self.region_id: Optional[int] = None
         self._attach_wanted = attach
         self._done_leases: List[int] = []  # read leases copied out: released with the next get
-        self.arena: Optional[_ArenaMap] = None  # the daemon's arena, mapped read-only
+        self.arena: Optional[ArenaMap] = None  # the daemon's arena, mapped read-only
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
         self._warn = RateLimitedLog(log)
@@ -304,7 +305,7 @@ class TierClient:
         # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
         # populating it would allocate all of it.
         resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
-        old, self.arena = self.arena, _ArenaMap(arena_id, mapping, populate_now=resident)
+        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident)
         if old is not None:
             old.close()
 
@@ -339,14 +340,6 @@ class TierClient:
 
     def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
         if reply.header.get("code") == "no_session":
-            with self._lock:
-                self._session = None
-            return self.lookup(keys)  # the daemon restarted: one ordinary retry
-        return _held(reply, len(keys))
-
-    def finish_lookup(self, pending, keys: List[str]) -> Optional[bytes]:
-        reply = self._receive(*pending, "lookup")
-        if reply is not None and reply.header.get("code") == "no_session":
             with self._lock:
                 self._session = None
             return self.lookup(keys)  # the daemon restarted: one ordinary retry
@@ -416,30 +409,11 @@ class TierClient:
                 if self.arena is arena:
                     self._session = None  # attach again on the next call
             return [False] * n
-        out = [False] * n
-        pages = iter(extents)
-        if not arena.use():
-            return out
         try:
-            runs_d: List[int] = []
-            runs_s: List[int] = []
-            runs_n: List[int] = []
-            for i in range(n):
-                if found[i]:
-                    d, s, k = scatter_runs(list(dst[i]), [(arena.base + off, m) for off, m in next(pages)])
-                    runs_d += d
-                    runs_s += s
-                    runs_n += k
-            # One C call for the whole batch (no GIL); kept only when it ended by the lease's expiry,
-            # after which the daemon may reuse the blocks.
-            if time.monotonic() < expiry:
-                copy_runs(runs_d, runs_s, runs_n)
-                if time.monotonic() <= expiry:
-                    out = list(found)
+            out = arena.copy_out(extents, dst, found, expiry)
         except (MemoryFault, ValueError) as exc:
             self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
-        finally:
-            arena.done()
+            out = [False] * n
         if isinstance(lease, int) and lease:
             with self._lock:
                 self._done_leases.append(lease)
@@ -503,61 +477,6 @@ class TierClient:
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
-
-
-class _ArenaMap:
-    """A daemon's arena, mapped read-only in this process; unmapped once closed and no copy uses it."""
-
-    def __init__(self, arena_id: int, mapping: mmap.mmap, populate_now: bool = False):
-        self.arena_id = arena_id
-        self.size = len(mapping)
-        self._mapping: Optional[mmap.mmap] = mapping
-        self._users = 0
-        self._closed = False
-        self._lock = threading.Lock()
-        with memoryview(mapping) as view:
-            self.base = address_of(view)
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)  # the daemon's shmem THP, where enabled
-        except (AttributeError, OSError, ValueError):
-            pass
-        # Build the page tables off the engine's threads: a copy out of a fresh mapping would
-        # otherwise take a minor fault every 4 KiB (the daemon prefaulted the memory itself).
-        if populate_now:
-            self._users += 1
-            threading.Thread(target=self._populate, name="arena-populate", daemon=True).start()
-
-    def _populate(self) -> None:
-        try:
-            if self._mapping is not None:
-                populate(self._mapping, write=False)
-        except (OSError, ValueError, TypeError):
-            pass
-        finally:
-            self.done()
-
-    def use(self) -> bool:
-        """Hold the mapping for a copy (False once closed)."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._users += 1
-            return True
-
-    def done(self) -> None:
-        with self._lock:
-            self._users -= 1
-            self._unmap_if_idle_locked()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._unmap_if_idle_locked()
-
-    def _unmap_if_idle_locked(self) -> None:
-        if self._closed and not self._users and self._mapping is not None:
-            self._mapping.close()  # the daemon's memory is freed only when no engine maps it
-            self._mapping = None
 
 
 def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:

@@ -16,11 +16,11 @@ import logging
 import time
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from tiers import protocol as P
 from tiers.arena import Alloc, BlockArena
-from tiers.buffers import MemoryFault, address_of, copy_runs, scatter_copy, scatter_runs
+from tiers.buffers import MemoryFault, address_of, copy_runs, scatter_runs
 from tiers.logs import RateLimitedLog
 from tiers.store import PageStore, StoreError
 
@@ -72,7 +72,7 @@ class PageTransfers:
         if max(sources.sizes, default=0) > self.max_page_bytes:
             raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
         if sources.runs is not None and self.stages:
-            return self._put_staged(ns, keys, sources.views, parents, deadline)
+            return self._put_staged(ns, keys, sources, parents, deadline)
         if sources.runs is not None:
             return self._put_into_arena(ns, keys, sources, parents, deadline)
         return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i])))
@@ -125,7 +125,10 @@ class PageTransfers:
         return stored, failed
 
     def _copy_group(self, sources: "Sources", group: List[Tuple[int, Alloc]], deadline: Optional[float]) -> Refusal:
-        """One guarded copy of a group of pages into their blocks; why not, when it failed or ended late."""
+        """One guarded copy of a group of pages out of a host pool into their blocks; why not, when the
+        pool went away under it or it ended after the deadline."""
+        if _late(deadline):
+            return ("deadline", "deadline passed during the batch")
         runs_d: List[int] = []
         runs_s: List[int] = []
         runs_n: List[int] = []
@@ -153,26 +156,31 @@ class PageTransfers:
             return False, (exc.code, str(exc))
         return True, None
 
-    def _put_staged(self, ns, keys, pages, parents, deadline) -> Tuple[List[bool], Refusal]:
-        """Stores without an arena: copy each page into staging first, then hand the store our own memory."""
-        staged: List[Optional[Alloc]] = []
+    def _put_staged(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+        """Stores without an arena: copy the batch into staging first (one guarded C call, as
+        _put_into_arena does), then hand the store our own memory."""
+        group: List[Tuple[int, Alloc]] = []
         refusal: Refusal = None
-        for page in pages:
-            alloc = self.arena.take(sum(v.nbytes for v in page))
+        for i, size in enumerate(sources.sizes):
+            alloc = self.arena.take(size)
             if alloc is None:
                 self.staging_full += 1
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
-                failed = self._copy_in(self.arena.views(alloc), page, deadline)
-                if failed is not None:
-                    self.arena.give(alloc)
-                    refusal, alloc = refusal or failed, None
-            staged.append(alloc)
+                group.append((i, alloc))
+        failed = self._copy_group(sources, group, deadline) if group else None
+        if failed is not None:
+            for _i, alloc in group:
+                self.arena.give(alloc)
+            return [False] * len(keys), failed
+        views: List[Optional[List[memoryview]]] = [None] * len(keys)
+        for i, alloc in group:
+            views[i] = self.arena.views(alloc)
         try:
-            views = [self.arena.views(a) if a is not None else None for a in staged]
             if self.store.batched:
-                idx = [i for i, v in enumerate(views) if v is not None]
-                out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx], [parents[i] for i in idx], deadline)
+                idx = [i for i, _alloc in group]
+                out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx],
+                                          [parents[i] for i in idx], deadline)
                 results = [(False, None)] * len(keys)
                 for i, exc in zip(idx, out):
                     results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
@@ -180,26 +188,10 @@ class PageTransfers:
                 results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i])
                                      if views[i] is not None else (False, None))
         finally:
-            for alloc in staged:
-                if alloc is not None:
-                    self.arena.give(alloc)
+            for _i, alloc in group:
+                self.arena.give(alloc)
         stored, first = _outcomes(results)
         return stored, refusal or first
-
-    def _copy_in(self, dst: Sequence[memoryview], src: Sequence[memoryview], deadline: Optional[float]) -> Refusal:
-        """Guarded copy out of an engine's host pool; None when it ended before the deadline, else why not."""
-        late = ("deadline", "deadline passed during the batch")
-        if _late(deadline):
-            return late
-        try:
-            scatter_copy(dst, src)
-        except MemoryFault:
-            self.source_gone += 1
-            _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
-                                  "page refused", self.name)
-            return ("bad_request", "the host pool went away under the copy")
-        # The engine may reuse its buffer once it stops waiting: a copy that ended later may be torn.
-        return late if _late(deadline) else None
 
     # ------------------------------------------------------------------ gets
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float):
