@@ -24,7 +24,7 @@ import zmq
 from tiers import protocol as P
 from tiers import security
 from tiers.arena import BlockArena
-from tiers.demotion import DemotionLink, DemotionQueue, DirtySet, MODES, should_demote
+from tiers.demotion import Demoter, DemotionLink, DirtySet, MODES
 from tiers.fds import open_fds, raise_fd_limit
 from tiers.logs import RateLimitedLog
 from tiers.metrics import DaemonMetrics
@@ -88,12 +88,8 @@ class TierDaemon:
         self._inflight_bytes = 0
         self.ready = threading.Event()
         # Write-back and selective pages go to the next tier down (if there is one), through a queue.
-        self.lower = lower
         self.dirty = DirtySet(max_dirty_pages)
-        self._demotion = DemotionQueue(lower, demotion_queue_bytes) if lower is not None else None
-        self._flushing = False
-        if lower is not None:
-            store.set_evict_hook(self._on_evict)
+        self.demoter = Demoter(store, self.dirty, lower, demotion_queue_bytes) if lower is not None else None
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -183,10 +179,8 @@ class TierDaemon:
         self._pool.shutdown(wait=True)
         self.transfers.close()
         self._send_done()
-        if self._demotion is not None:
-            self._demotion.close()  # pushes what is queued
-            self._flush_all()
-            self.lower.close()
+        if self.demoter is not None:
+            self.demoter.close()
         if self._regions is not None:
             self._regions.close()
         if self._router is not None:
@@ -284,48 +278,12 @@ class TierDaemon:
             self._inflight_bytes -= nbytes
             self._send(ident, reply)
 
-    # ------------------------------------------------------------ demotion
-    def _on_evict(self, key, views, reads: int) -> None:
-        """Called by the store, inside its lock, before an evicted page's memory is reused: only queues a copy."""
-        pending = self.dirty.pop(key)
-        if pending is not None and should_demote(pending[0], pending[1], reads):
-            self._demotion.offer(key, views, copy=True)
-
     def _housekeeping(self, poller) -> None:
         self.arena.expire()
         if self._regions is not None:
             self._regions.tick(poller)
-        if self._demotion is not None and not self._flushing and self.dirty.oldest_over_limit():
-            self._flushing = True
-            self._pool.submit(self._flush_over_limit)
-
-    def _flush_over_limit(self) -> None:
-        """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
-        try:
-            for key in self.dirty.oldest_over_limit():
-                data = self.store.peek(key)
-                if data is None:
-                    self.dirty.pop(key)
-                elif self._demotion.offer(key, [memoryview(data)]):
-                    self.dirty.pop(key)
-                else:
-                    break  # the queue is full: the lower tier is slow or down; try again next tick
-        finally:
-            self._flushing = False
-
-    def _flush_all(self) -> None:
-        """At a graceful stop: every eligible dirty page straight down (no engine waits any more)."""
-        done = total = 0
-        for key, mode, min_reads in self.dirty.snapshot():
-            if not should_demote(mode, min_reads, self.store.read_count(key)):
-                continue
-            data = self.store.peek(key)
-            total += 1
-            if data is not None and self.lower.push(key, [memoryview(data)]):
-                self.dirty.pop(key)
-                done += 1
-        if total:
-            log.info("flushed %d of %d dirty pages to %s", done, total, self.lower.name)
+        if self.demoter is not None:
+            self.demoter.tick(self._pool.submit)
 
     # ------------------------------------------------------------- sessions
     def _session_ok(self, sid) -> bool:
@@ -381,7 +339,7 @@ class TierDaemon:
 
         def work(_frames_kept_alive=frames) -> list:
             stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline)
-            if self.lower is not None:
+            if self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
                         self.dirty.add((ns, key), mode, min_reads)
@@ -489,12 +447,7 @@ class TierDaemon:
         stats.update(self.metrics.snapshot())
         stats["sessions"] = len({s["client"] for s in self._sessions.values() if s["ns"] != ADMIN_NAMESPACE})
         stats["dirty_pages"] = len(self.dirty)
-        stats["demotions"] = self.lower.demoted if self.lower else 0
-        stats["demotion_failures"] = self.lower.failed if self.lower else 0
-        queued = self._demotion.queued() if self._demotion is not None else (0, 0)
-        stats["demotion_queued_pages"], stats["demotion_queued_bytes"] = queued
-        stats["demotion_dropped"] = self._demotion.dropped if self._demotion is not None else 0
-        stats["lower_tier"] = self.lower.name if self.lower else ""
+        stats.update(self.demoter.stats() if self.demoter is not None else Demoter.idle_stats())
         stats["regions"] = len(self._regions) if self._regions is not None else 0
         stats["attach_refused"] = self._regions.refused if self._regions is not None else 0
         stats["leases"] = self.arena.lease_count()

@@ -225,3 +225,70 @@ class DemotionQueue:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+
+
+class Demoter:
+    """A daemon's duty to the tier below: evicted dirty pages and dirty pages over the bound go down
+    through the queue; at a graceful stop every eligible dirty page goes straight down."""
+
+    def __init__(self, store, dirty: DirtySet, link: DemotionLink, queue_bytes: int):
+        self.store = store
+        self.dirty = dirty
+        self.link = link
+        self.queue = DemotionQueue(link, queue_bytes)
+        self._flushing = False
+        store.set_evict_hook(self.on_evict)
+
+    def on_evict(self, key: PageKey, views, reads: int) -> None:
+        """Called by the store, inside its lock, before an evicted page's memory is reused: only queues a copy."""
+        pending = self.dirty.pop(key)
+        if pending is not None and should_demote(pending[0], pending[1], reads):
+            self.queue.offer(key, views, copy=True)
+
+    def tick(self, submit) -> None:
+        """Housekeeping: queue the dirty pages over the bound, off the loop thread (submit runs it)."""
+        if not self._flushing and self.dirty.oldest_over_limit():
+            self._flushing = True
+            submit(self._flush_over_limit)
+
+    def _flush_over_limit(self) -> None:
+        """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
+        try:
+            for key in self.dirty.oldest_over_limit():
+                data = self.store.peek(key)
+                if data is None:
+                    self.dirty.pop(key)
+                elif self.queue.offer(key, [memoryview(data)]):
+                    self.dirty.pop(key)
+                else:
+                    break  # the queue is full: the lower tier is slow or down; try again next tick
+        finally:
+            self._flushing = False
+
+    def close(self) -> None:
+        """Graceful stop: push what is queued, then every eligible dirty page straight down."""
+        self.queue.close()
+        done = total = 0
+        for key, mode, min_reads in self.dirty.snapshot():
+            if not should_demote(mode, min_reads, self.store.read_count(key)):
+                continue
+            data = self.store.peek(key)
+            total += 1
+            if data is not None and self.link.push(key, [memoryview(data)]):
+                self.dirty.pop(key)
+                done += 1
+        if total:
+            log.info("flushed %d of %d dirty pages to %s", done, total, self.link.name)
+        self.link.close()
+
+    def stats(self) -> dict:
+        pages, nbytes = self.queue.queued()
+        return {"demotions": self.link.demoted, "demotion_failures": self.link.failed,
+                "demotion_queued_pages": pages, "demotion_queued_bytes": nbytes,
+                "demotion_dropped": self.queue.dropped, "lower_tier": self.link.name}
+
+    @staticmethod
+    def idle_stats() -> dict:
+        """The same figures for a daemon with no tier below."""
+        return {"demotions": 0, "demotion_failures": 0, "demotion_queued_pages": 0, "demotion_queued_bytes": 0,
+                "demotion_dropped": 0, "lower_tier": ""}
