@@ -21,6 +21,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
+from hicache_ext.engine_stats import TransferStats
+from hicache_ext.head_shards import HeadShards
 from hicache_ext.host_pool import HostPoolView
 from hicache_ext.hybrid import empty_result, pool_hit_result
 from hicache_ext.router import TierRouter
@@ -72,11 +74,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         # One route per host pool: KV, and each side pool of a hybrid model.
         self._routes: Dict[str, _Route] = {}
         self._lock = threading.Lock()
-        self._metrics_lock = threading.Lock()
-        self._prefetch_pgs: List[int] = []
-        self._backup_pgs: List[int] = []
-        self._prefetch_bw: List[float] = []
-        self._backup_bw: List[float] = []
+        self.transfer_stats = TransferStats()
         self._deadlines = Deadlines(base=self.settings.deadline_base_s,
                                     min_bandwidth=self.settings.deadline_min_gbps * 1e9,
                                     lookup=self.settings.lookup_timeout_s)
@@ -106,10 +104,14 @@ class TieredHiCacheStorage(HiCacheStorage):
     def _build_route(self, name: str, pool) -> "_Route":
         # MLA pages are the same on every rank (one writer); Mamba states are TP-sharded.
         shared = self.storage_config.is_mla_model and name != PoolName.MAMBA
-        namespace = self.settings.namespace or derive_namespace(self.storage_config, pool, shared)
+        shards = self._head_shards(pool) if name == PoolName.KV and not shared else None
+        namespace = self.settings.namespace or derive_namespace(self.storage_config, pool, shared,
+                                                                head_shards_of=shards.lcm if shards else 0)
         if name != PoolName.KV:
             namespace = f"{namespace}.{_clean_pool_name(name)}"
-        view = HostPoolView(pool) if pool is not None else None
+        view = HostPoolView(pool, head_split=shards.count if shards else 0) if pool is not None else None
+        if name == PoolName.KV and view is not None:
+            self._warn_if_shm_lost(view)
         client_name = f"sglang-pid{os.getpid()}-tp{self.storage_config.tp_rank}"
         clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines, attach=True)
                    for t in self.node.tiers]
@@ -118,7 +120,26 @@ class TieredHiCacheStorage(HiCacheStorage):
                 client.attach_region(view.memfd, view.memfd_size)
         router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
                             selective_min_reads=self.settings.selective_min_reads)
-        return _Route(namespace, view, router, writes=(not shared) or self.is_writer)
+        return _Route(namespace, view, router, writes=(not shared) or self.is_writer, shards=shards)
+
+    def _head_shards(self, pool) -> Optional[HeadShards]:
+        """Split pages by heads when SGLang's tp_lcm_size asks and the layout allows it."""
+        cfg = self.storage_config
+        if not cfg.tp_lcm_size or pool is None:
+            return None
+        if getattr(pool, "layout", None) != "page_head" or not (cfg.extra_config or {}).get("interface_v1"):
+            log.warning("hicache-tiers: tp_lcm_size %s is ignored: sharing pages between TP sizes needs "
+                        "--hicache-mem-layout page_head and interface_v1 (this pool: %s); pages stay per TP rank",
+                        cfg.tp_lcm_size, getattr(pool, "layout", "?"))
+            return None
+        return HeadShards.for_rank(cfg.tp_rank, cfg.tp_size, cfg.tp_lcm_size, int(pool.head_num))
+
+    def _warn_if_shm_lost(self, view: HostPoolView) -> None:
+        if view.memfd is None and (self.storage_config.extra_config or {}).get("allocator") == "shm":
+            log.warning("hicache-tiers: the extra config asks for \"allocator\": \"shm\" but the host pool is "
+                        "not in a memfd, so pages travel as ZeroMQ frames (slower). SGLang reads \"allocator\" "
+                        "only from inline JSON, not from @file: pass --hicache-storage-backend-extra-config "
+                        "\"$(hicache-tiers sglang-args --json)\" (or \"$(cat FILE)\") instead")
 
     def _route(self, name: str = PoolName.KV) -> "_Route":
         route = self._routes.get(name)
@@ -141,11 +162,11 @@ class TieredHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------ lookups
     @never_raises(0)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._router.lookup(list(keys))
+        return P.leading_run(self._route().held(list(keys)))
 
     @never_raises(False)
     def exists(self, key: str) -> bool:
-        return self._router.lookup([key]) == 1
+        return self.batch_exists([key]) == 1
 
     # ----------------------------------------------------- v1: host indices
     @never_raises(_all_false)
@@ -155,8 +176,8 @@ class TieredHiCacheStorage(HiCacheStorage):
             return []
         started = time.perf_counter()
         route = self._route()
-        found = route.router.read(route.view.batch(list(keys), host_indices))
-        self._record(self._prefetch_pgs, self._prefetch_bw, found, route.view.page_bytes(), started)
+        found = route.fold(route.router.read(route.view.batch(route.storage_keys(keys), host_indices)))
+        self.transfer_stats.record(False, found, route.view.page_bytes(), started)
         return found
 
     @never_raises(_all_false)
@@ -168,9 +189,9 @@ class TieredHiCacheStorage(HiCacheStorage):
         if not route.writes:
             return [True] * len(keys)  # MLA: another rank writes the shared pages
         started = time.perf_counter()
-        batch = route.view.batch(list(keys), host_indices)
-        stored = route.router.write(batch, _parents(keys, extra_info))
-        self._record(self._backup_pgs, self._backup_bw, stored, batch.nbytes // len(keys), started)
+        batch = route.view.batch(route.storage_keys(keys), host_indices)
+        stored = route.fold(route.router.write(batch, route.storage_parents(keys, extra_info)))
+        self.transfer_stats.record(True, stored, batch.nbytes // len(keys), started)
         return stored
 
     # ------------------------------------------------ legacy: flat tensors
@@ -183,7 +204,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         pages = [[_tensor_view(t)] for t in target_locations]
         found = self._router.read_buffers(list(keys), pages)
         nbytes = pages[0][0].nbytes if pages else 0
-        self._record(self._prefetch_pgs, self._prefetch_bw, found, nbytes, started)
+        self.transfer_stats.record(False, found, nbytes, started)
         return [t if ok else None for t, ok in zip(target_locations, found)]
 
     @never_raises(None)
@@ -201,7 +222,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         contiguous = [v.contiguous() for v in values]  # keep alive until sent
         pages = [[_tensor_view(v)] for v in contiguous]
         stored = self._router.write_buffers(list(keys), pages)
-        self._record(self._backup_pgs, self._backup_bw, stored, pages[0][0].nbytes if pages else 0, started)
+        self.transfer_stats.record(True, stored, pages[0][0].nbytes if pages else 0, started)
         return all(stored)
 
     @never_raises(False)
@@ -214,7 +235,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
         keys = list(keys)
-        kv_held = self._router.held(keys)
+        kv_held = self._route().held(keys)
         kv_pages = P.leading_run(kv_held)
         pool_held = {}
         for transfer in pool_transfers or []:
@@ -243,13 +264,12 @@ class TieredHiCacheStorage(HiCacheStorage):
         if write and not route.writes:
             return [True] * len(keys)
         started = time.perf_counter()
-        batch = route.view.batch(keys, transfer.host_indices)
+        batch = route.view.batch(route.storage_keys(keys), transfer.host_indices)
         if write:
-            flags = route.router.write(batch, _parents(keys, extra_info))
-            self._record(self._backup_pgs, self._backup_bw, flags, route.view.page_bytes(), started)
+            flags = route.fold(route.router.write(batch, route.storage_parents(keys, extra_info)))
         else:
-            flags = route.router.read(batch)
-            self._record(self._prefetch_pgs, self._prefetch_bw, flags, route.view.page_bytes(), started)
+            flags = route.fold(route.router.read(batch))
+        self.transfer_stats.record(write, flags, route.view.page_bytes(), started)
         return flags
 
     # ------------------------------------------------------- housekeeping
@@ -259,21 +279,9 @@ class TieredHiCacheStorage(HiCacheStorage):
             for client in route.router.clients:
                 client.clear()
 
-    def _record(self, pages: list, bandwidth: list, flags: List[bool], page_bytes: int, started: float) -> None:
-        done = sum(flags)
-        seconds = max(time.perf_counter() - started, 1e-9)
-        with self._metrics_lock:
-            pages.append(done)
-            bandwidth.append(done * page_bytes / seconds / 1e9)  # GB/s, as SGLang's other backends report
-
     @never_raises(None)
     def get_stats(self):
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-        with self._metrics_lock:
-            metrics = StorageMetrics(prefetch_pgs=self._prefetch_pgs, backup_pgs=self._backup_pgs,
-                                     prefetch_bandwidth=self._prefetch_bw, backup_bandwidth=self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = [], [], [], []
-        return metrics
+        return self.transfer_stats.drain()
 
     def tier_stats(self) -> dict:
         """Each tier daemon's stats (None for a tier that does not answer)."""
@@ -295,6 +303,22 @@ class _Route:
     view: Optional[HostPoolView]
     router: TierRouter
     writes: bool  # False on MLA ranks that are not the storage writer
+    shards: Optional[HeadShards] = None  # pages stored per KV-head shard (tp_lcm_size)
+
+    def storage_keys(self, keys: List[str]) -> List[str]:
+        return self.shards.keys(keys) if self.shards else list(keys)
+
+    def storage_parents(self, keys: List[str], extra_info) -> List[Optional[str]]:
+        parents = _parents(keys, extra_info)
+        return self.shards.parents(parents) if self.shards else parents
+
+    def fold(self, flags: List[bool]) -> List[bool]:
+        """Per page, from per stored key."""
+        return self.shards.fold(flags) if self.shards else flags
+
+    def held(self, keys: List[str]) -> bytes:
+        held = self.router.held(self.storage_keys(keys))
+        return self.shards.fold_held(held) if self.shards else held
 
 
 def _parents(keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> List[Optional[str]]:

@@ -57,12 +57,30 @@ class PageBatch:
         return out
 
 
+def page_buffer_meta(pool, indices):
+    """SGLang's ``pool.get_page_buffer_meta``, plus the ``page_unified`` layout.
+
+    0.5.23 ships page_unified pools whose get_page_buffer_meta raises; their
+    buffer is page-major with one contiguous block a page
+    (``page_unified_layout.bytes_per_page``), so each page is one region.
+    """
+    if getattr(pool, "layout", None) == "page_unified":
+        page_size = int(pool.page_size)
+        block = int(pool.page_unified_layout.bytes_per_page)
+        base = pool.kv_buffer.data_ptr()
+        firsts = indices[::page_size].tolist()
+        return [base + (slot // page_size) * block for slot in firsts], [block] * len(firsts)
+    return pool.get_page_buffer_meta(indices)
+
+
 class HostPoolView:
     """Address arithmetic over one registered host pool."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, head_split: int = 0):
         self.pool = pool
         self.page_size = int(pool.page_size)
+        # > 0: each page is head_split (K, V) shard pairs (hicache_ext/head_shards.py)
+        self.head_split = head_split
         self.memfd: Optional[int] = None
         self.memfd_base = 0
         self.memfd_size = 0
@@ -88,16 +106,24 @@ class HostPoolView:
         """Bytes of one page of this pool (all its regions)."""
         if self._page_bytes is None:
             import torch
-            _, sizes = self.pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+            _, sizes = page_buffer_meta(self.pool, torch.arange(self.page_size, dtype=torch.int64))
             self._page_bytes = int(sum(sizes))
         return self._page_bytes
 
     def batch(self, keys: List[str], host_indices) -> PageBatch:
-        """The regions of len(keys) pages starting at host_indices[i * page_size]."""
+        """The regions of the pages starting at host_indices[i * page_size].
+
+        Split by heads, ``keys`` are shard keys (head_split per page) and each
+        shard is one (K, V) pair of the page.
+        """
         n = len(keys)
-        if len(host_indices) != n * self.page_size:
-            raise ValueError(f"{len(host_indices)} host slots for {n} pages of {self.page_size}")
-        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        pages = n // self.head_split if self.head_split else n
+        if len(host_indices) != pages * self.page_size or (self.head_split and n % self.head_split):
+            raise ValueError(f"{len(host_indices)} host slots for {n} keys of {self.page_size}-slot pages")
+        if self.head_split:
+            ptrs, sizes = self.pool.get_split_heads_page_buffer_meta(host_indices, self.head_split)
+        else:
+            ptrs, sizes = page_buffer_meta(self.pool, host_indices)
         pointers = np.asarray(ptrs, dtype=np.int64)
         lengths = np.asarray(sizes, dtype=np.int64)
         if n == 0 or pointers.size % n:

@@ -5,16 +5,21 @@ Precedence: the extra-config object, then the node configuration it names
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
 from tiers.config import WRITE_POLICIES
 
-# Keys SGLang itself reads from the same object; never ours to reject.
+log = logging.getLogger("hicache.backend")
+
+# Keys SGLang itself reads from the same object (some it pops before we see
+# them, some it leaves); never ours to warn about.
 SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "prefetch_threshold",
-               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
-               "tp_lcm_size"}
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max",
+               "hicache_storage_pass_prefix_keys", "tp_lcm_size"}
 
 
 # One line per key, for the README's reference (scripts/readme_reference.py).
@@ -45,35 +50,65 @@ class BackendSettings:
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "BackendSettings":
+        """Our keys from SGLang's extra config.
+
+        A key nobody knows is logged once and ignored: refusing it would take
+        L3 away from the whole server for a key a newer SGLang (or a typo in
+        an unrelated tool) put there.  A known key with a malformed value is
+        refused, since silently running with another value would surprise.
+        """
         extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name for f in fields(cls)}
         values = {}
         for key, value in extra.items():
             if key in SGLANG_KEYS:
                 continue
             if key not in known:
-                raise ValueError(f"unknown hicache-tiers extra-config key {key!r}; known: {', '.join(sorted(known))}")
+                log.warning("hicache-tiers: ignoring unknown extra-config key %r%s", key, _nearest(key, known))
+                continue
             values[key] = value
         settings = cls(**values)
-        if settings.write_policy is not None and settings.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy {settings.write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
-        for name in ("deadline_base_s", "deadline_min_gbps", "lookup_timeout_s"):
-            if not isinstance(getattr(settings, name), (int, float)) or getattr(settings, name) <= 0:
-                raise ValueError(f"{name} must be a positive number")
+        settings._check()
         return settings
+
+    def _check(self) -> None:
+        for name in ("tiers_config", "runtime_dir", "write_policy", "namespace"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"extra-config {name} must be a non-empty string, got {value!r}")
+        if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"extra-config write_policy {self.write_policy!r} is not one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        for name in ("deadline_base_s", "deadline_min_gbps", "lookup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"extra-config {name} must be a positive number, got {value!r}")
+        if not isinstance(self.promote, bool):
+            raise ValueError(f"extra-config promote must be true or false, got {self.promote!r}")
+        if isinstance(self.selective_min_reads, bool) or not isinstance(self.selective_min_reads, int) \
+                or self.selective_min_reads < 1:
+            raise ValueError(f"extra-config selective_min_reads must be an integer >= 1, got {self.selective_min_reads!r}")
+
+
+def _nearest(key: str, known) -> str:
+    close = difflib.get_close_matches(key, sorted(set(known) | SGLANG_KEYS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _clean(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "x"
 
 
-def derive_namespace(storage_config, pool, shared: Optional[bool] = None) -> str:
+def derive_namespace(storage_config, pool, shared: Optional[bool] = None, head_shards_of: int = 0) -> str:
     """Model, shard and page format: pages under one namespace are interchangeable.
 
     MHA ranks each hold their own shard (tp rank and size in the name); MLA
     pages are the same on every rank, so the name leaves the TP rank out.
     ``shared`` overrides that for pools sharded differently from the KV pool
-    (a Mamba state is per TP rank even in an MLA model).
+    (a Mamba state is per TP rank even in an MLA model).  ``head_shards_of``
+    (tp_lcm_size) names pages split by heads: the shard is in each key, so the
+    namespace leaves the TP rank and size out and engines of any TP size
+    dividing it share.
     """
     model = _clean(storage_config.model_name or "model")
     parts = [model]
@@ -83,6 +118,8 @@ def derive_namespace(storage_config, pool, shared: Optional[bool] = None) -> str
         parts.append("mla")
         if getattr(storage_config, "dcp_size", 1) > 1:
             parts.append(f"dcp{storage_config.dcp_rank}-{storage_config.dcp_size}")
+    elif head_shards_of:
+        parts.append(f"heads-of-{head_shards_of}")
     else:
         parts.append(f"tp{storage_config.tp_rank}-{storage_config.tp_size}")
     if storage_config.pp_size > 1:

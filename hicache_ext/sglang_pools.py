@@ -17,7 +17,11 @@ Page regions (``pool.get_page_buffer_meta(indices)``, one page = page_size slots
 - MHA page_first / page_first_direct: [K, V] per page, each
   layers*page_size*heads*dim*itemsize bytes; V = K + layers*size*heads*dim*itemsize.
 - MHA layer_first: [K_l0, V_l0, K_l1, V_l1, ...], each page_size*heads*dim*itemsize.
-- MLA page_first / page_first_direct: one region per page; layer_first: one per layer.
+- MHA page_head: [K, V] per page, heads-major inside each ([heads, page_size, layers, dim]).
+- MHA page_unified: one block per page (SGLang 0.5.23 has no get_page_buffer_meta
+  for it; hicache_ext.host_pool.page_buffer_meta supplies it).
+- MLA page_first / page_first_direct: one region per page; layer_first: one per layer;
+  page_first_kv_split: [K latent, V rope] per page, each its own buffer (two memfds with shm).
 """
 from __future__ import annotations
 
@@ -29,8 +33,10 @@ from typing import List
 import torch
 import xxhash
 
-MHA_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
-MLA_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+from hicache_ext.host_pool import page_buffer_meta
+
+MHA_LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_head", "page_unified")
+MLA_LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_first_kv_split")
 ALLOCATORS = ("default", "shm")
 
 # Integer views of each float width; clearing the second-highest bit keeps the
@@ -80,6 +86,8 @@ def build_mla_host_pool(layout: str = "page_first", allocator: str = "default", 
                               qk_rope_head_dim=qk_rope_head_dim, layer_num=layers, device="cpu",
                               enable_memory_saver=False)
     info = device.get_device_pool_infos()[0].buffer_info
+    if layout == "page_first_kv_split":
+        info = _split_buffer_info(info, device)
     pool = MLATokenToKVPoolHost(
         info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
         override_kv_cache_dim=device.kv_cache_dim, device_capacity_tokens=device.size,
@@ -87,6 +95,25 @@ def build_mla_host_pool(layout: str = "page_first", allocator: str = "default", 
         host_token_capacity=pages * page_size)
     pool.harness_device_pool = device
     return pool
+
+
+def _split_buffer_info(info, device):
+    """The split (K latent, V rope) buffer info an Ascend MLA device pool reports.
+
+    page_first_kv_split host pools are built only from native split buffers
+    (NPUMLATokenToKVPool._mla_native_buffers); CPU tensors of the same shapes
+    stand in for the NPU ones, without a DSA indexer.
+    """
+    import msgspec
+    from sglang.srt.mem_cache.device_pool_info import MLASplitBuffers
+
+    slots = device.size + device.page_size
+    split = MLASplitBuffers(
+        k=torch.zeros((device.layer_num, slots, 1, device.kv_lora_rank), dtype=info.dtype),
+        v=torch.zeros((device.layer_num, slots, 1, device.qk_rope_head_dim), dtype=info.dtype),
+        index_k=None, index_scales=None, index_layer_indices=(), k_width=device.kv_lora_rank,
+        v_width=device.qk_rope_head_dim, index_width=0)
+    return msgspec.structs.replace(info, buffers=split, data_ptrs=None)
 
 
 def host_indices_for_pages(pool, first_page: int, n_pages: int) -> torch.Tensor:
@@ -103,7 +130,7 @@ def page_regions(pool, host_indices: torch.Tensor) -> List[List[tuple]]:
     n = _page_count(pool, host_indices)
     if n == 0:
         return []
-    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    ptrs, sizes = page_buffer_meta(pool, host_indices)
     if len(ptrs) % n:
         raise ValueError("page buffer meta does not split evenly into pages")
     per = len(ptrs) // n
@@ -116,31 +143,29 @@ def _page_count(pool, host_indices: torch.Tensor) -> int:
     return len(host_indices) // pool.page_size
 
 
-def _page_views(pool, host_indices: torch.Tensor) -> List[torch.Tensor]:
-    # get_data_page(flat=False) is a view into kv_buffer for every layout we build.
-    ps = pool.page_size
-    return [pool.get_data_page(int(host_indices[i * ps]), flat=False)
-            for i in range(_page_count(pool, host_indices))]
-
-
 def fill_pages(pool, host_indices: torch.Tensor, seed: int) -> None:
-    """Write deterministic finite pseudo-random values into each page (one stream per seed)."""
+    """Write deterministic finite pseudo-random values into each page (one stream per seed).
+
+    Region by region (get_page_buffer_meta order), so every layout is filled
+    the same way, page_first_kv_split and page_unified included.
+    """
     bits_dtype = _BITS_DTYPES.get(pool.dtype.itemsize)
     if bits_dtype is None:
         raise ValueError(f"no fill for {pool.dtype}")
     gen = torch.Generator().manual_seed(seed)
     top = 1 << (8 * pool.dtype.itemsize - 2)  # the second-highest bit
-    for view in _page_views(pool, host_indices):
-        raw = torch.randint(0, 256, (view.numel() * pool.dtype.itemsize,), dtype=torch.uint8, generator=gen)
-        bits = raw.view(bits_dtype)
-        bits.bitwise_and_(~top)
-        view.copy_(bits.view(pool.dtype).view(view.shape))
+    for regions in page_regions(pool, host_indices):
+        for ptr, nbytes in regions:
+            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+            raw.view(bits_dtype).bitwise_and_(~top)
+            ctypes.memmove(ptr, raw.data_ptr(), nbytes)
 
 
 def zero_pages(pool, host_indices: torch.Tensor) -> None:
     """Zero every region of the pages (what a fresh prefetch target looks like)."""
-    for view in _page_views(pool, host_indices):
-        view.zero_()
+    for regions in page_regions(pool, host_indices):
+        for ptr, nbytes in regions:
+            ctypes.memset(ptr, 0, nbytes)
 
 
 def page_bytes(pool, host_indices: torch.Tensor) -> List[bytes]:

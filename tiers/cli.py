@@ -13,6 +13,7 @@ from typing import List, Optional
 
 COMMAND_MODULES = [
     "tiers.cli_serve",
+    "tiers.cli_sglang",
     "tiers.cli_ops",
     "tiers.cli_demo",
     "tiers.cli_experiments",

@@ -1,5 +1,4 @@
-"""``serve`` (run the node's tier daemons), ``sglang-args`` (flags that connect SGLang to them)
-and ``install-units`` (put the systemd units in place).
+"""``serve`` (run the node's tier daemons) and ``install-units`` (put the systemd units in place).
 
 Under systemd a daemon follows the notify protocol: READY=1 once its sockets
 are bound, WATCHDOG=1 every WatchdogSec/2, RELOADING=1 then READY=1 around a
@@ -11,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -126,16 +123,6 @@ def register(sub) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("sglang-args", help="print the SGLang flags that connect a server to this node",
-                       description="Print the SGLang launch flags for this node's daemons. "
-                                   "Exit codes: 0 printed, 2 configuration error.")
-    add_config_args(p)
-    p.add_argument("--json", action="store_true", help="print only the extra-config JSON object")
-    p.add_argument("--write-policy", choices=["write_through", "write_back", "selective"],
-                   help="override the node's default write policy for this server")
-    p.add_argument("--no-shm", action="store_true", help="do not ask SGLang for a memfd host pool (pages then travel as frames)")
-    p.set_defaults(func=cmd_sglang_args)
-
     p = sub.add_parser("install-units", help="install the systemd units and example configuration files",
                        description="Copy hicache-tier@.service and hicache-pool.service into --prefix and write "
                                    "example node.toml and pool.toml files into --config-dir unless they exist. Then: systemctl "
@@ -148,40 +135,6 @@ def register(sub) -> None:
                    help="the hicache-tiers executable for ExecStart (default: the one on PATH)")
     p.add_argument("--source", metavar="DIR", default=UNIT_SOURCE, help="where the unit files are (default scripts/systemd)")
     p.set_defaults(func=cmd_install_units)
-
-
-def extra_config(config: NodeConfig, args) -> dict:
-    """The --hicache-storage-backend-extra-config object for this node."""
-    extra = {
-        "backend_name": "hicache_tiers",
-        "module_path": "hicache_ext",
-        "class_name": "TieredHiCacheStorage",
-        "interface_v1": 1,
-        "runtime_dir": config.runtime_dir,
-    }
-    if not args.no_shm:
-        extra["allocator"] = "shm"
-    path = config_path(args)
-    if path:
-        extra["tiers_config"] = os.path.abspath(path)
-    if getattr(args, "write_policy", None):
-        extra["write_policy"] = args.write_policy
-    return extra
-
-
-def cmd_sglang_args(args) -> int:
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"hicache-tiers: {exc}", file=sys.stderr)
-        return 2
-    extra = extra_config(config, args)
-    if args.json:
-        print(json.dumps(extra))
-        return 0
-    print("--enable-hierarchical-cache --hicache-storage-backend dynamic "
-          f"--hicache-storage-backend-extra-config {shlex.quote(json.dumps(extra))}")
-    return 0
 
 
 def cmd_serve(args) -> int:
