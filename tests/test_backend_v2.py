@@ -124,3 +124,29 @@ def test_exists_v2_against_brute_force_on_random_holes(node, tmp_path):
         assert result.kv_hit_pages == (expected[-1] if expected else 0), (present, window)
         assert list(result.restorable_prefix_pages) == expected
     backend.close()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_block_groups_report_leading_whole_groups_and_never_gate_the_kv_hit(node, tmp_path, group):
+    """BLOCK_GROUPS as SGLang 0.5.23 documents it (PoolHitPolicy); no built-in backend implements it yet."""
+    rng = random.Random(group)
+    backend, pools = build("tiers", node, tmp_path, f"v2-groups-{group}")
+    try:
+        for trial in range(5):
+            keys = make_keys(N, salt=2000 + 10 * group + trial, page_size=PAGE)
+            present = {PoolName.KV: list(range(rng.randint(0, N))),
+                       PoolName.INDEXER: sorted(rng.sample(range(N), rng.randint(0, N)))}
+            write_pattern(backend, pools, keys, present)
+            result = backend.batch_exists_v2(keys, [PoolTransfer(
+                name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS, group_pages=group)])
+            kv = len(present[PoolName.KV])
+            groups = 0
+            while (groups + 1) * group <= kv and all(i in present[PoolName.INDEXER]
+                                                     for i in range(groups * group, (groups + 1) * group)):
+                groups += 1
+            assert result.kv_hit_pages == kv, (present, group)  # never gated by the side pool
+            assert result.extra_pool_hit_pages.get(PoolName.INDEXER, 0) == groups * group, (present, group)
+            assert list(result.restorable_prefix_pages) == list(range(1, kv + 1))
+            backend.clear()
+    finally:
+        backend.close()
