@@ -41,3 +41,23 @@ def test_readme_names_the_two_first_commands_and_ci_runs_the_test_one():
     test_command = "scripts/install.sh --test && python3 -m pytest -q"
     assert "scripts/install.sh && hicache-tiers demo" in readme
     assert test_command in readme and test_command in ci
+
+
+def test_the_compatibility_table_names_tests_that_exist():
+    """docs/COMPATIBILITY.md cites `tests/file.py::test` (or `::test` of the file cited last)."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "COMPATIBILITY.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    cited, current = 0, None
+    for match in re.finditer(r"`(tests/\w+\.py)?(::\w+)?`", text):
+        path, test = match.groups()
+        if path:
+            current = os.path.join(ROOT, path)
+            assert os.path.exists(current), path
+            cited += 1
+        if test:
+            with open(current, encoding="utf-8") as fh:
+                assert f"def {test[2:]}(" in fh.read(), f"{current} has no {test[2:]}"
+            cited += 1
+    assert cited >= 20
