@@ -135,7 +135,13 @@ class TieredHiCacheStorage(HiCacheStorage):
         return HeadShards.for_rank(cfg.tp_rank, cfg.tp_size, cfg.tp_lcm_size, int(pool.head_num))
 
     def _warn_if_shm_lost(self, view: HostPoolView) -> None:
-        if view.memfd is None and (self.storage_config.extra_config or {}).get("allocator") == "shm":
+        if view.memfd is not None or (self.storage_config.extra_config or {}).get("allocator") != "shm":
+            return
+        memfds = len(getattr(getattr(view.pool, "allocator", None), "fds", None) or [])
+        if memfds > 1:  # page_first_kv_split: one memfd per buffer; one mapping per pool is what we attach
+            log.info("hicache-tiers: the %s host pool spans %d memfds; its pages travel as ZeroMQ frames",
+                     view.pool.layout, memfds)
+        else:
             log.warning("hicache-tiers: the extra config asks for \"allocator\": \"shm\" but the host pool is "
                         "not in a memfd, so pages travel as ZeroMQ frames (slower). SGLang reads \"allocator\" "
                         "only from inline JSON, not from @file: pass --hicache-storage-backend-extra-config "
