@@ -63,3 +63,16 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def module_node(prefix: str, config_text: str = None):
+    """A module-scoped pytest fixture: one real node (default: one DRAM tier) for every test of a module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def node(tmp_path_factory):
+        runner = start_node(tmp_path_factory.mktemp(prefix), config_text or dram_config())
+        yield runner
+        runner.stop()
+
+    return node

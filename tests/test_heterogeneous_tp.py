@@ -9,17 +9,13 @@ import torch
 
 from hicache_ext.sglang_harness import make_keys
 from tests.backend_env import Engine
-from tests.nodes import dram_config, start_node
+from tests.nodes import module_node
 
 HEADS, LCM, PAGES = 4, 4, 40  # 40 pages: one 128-page batch is not the point here
 SHAPE = dict(layers=2, head_dim=32, page_size=4)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    runner = start_node(tmp_path_factory.mktemp("hetero"), dram_config())
-    yield runner
-    runner.stop()
+node = module_node("hetero")
 
 
 def model_kv(seed: int) -> torch.Tensor:

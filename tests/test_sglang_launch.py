@@ -18,7 +18,7 @@ from sglang.srt.server_args import ServerArgs
 from hicache_ext.settings import BackendSettings
 from hicache_ext.sglang_harness import build_mha_host_pool, create_backend, make_storage_config
 from tests.backend_env import backend_extra
-from tests.nodes import dram_config, start_node
+from tests.nodes import dram_config, module_node
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 ODD_DIR = "dir with space*and[glob]?"
@@ -125,11 +125,7 @@ def test_a_malformed_value_of_a_known_key_is_refused_by_name(key, value):
         BackendSettings.from_extra_config({key: value})
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    runner = start_node(tmp_path_factory.mktemp("launch"), dram_config())
-    yield runner
-    runner.stop()
+node = module_node("launch")
 
 
 def test_a_backend_built_by_the_factory_ignores_unknown_keys(node, caplog):

@@ -13,7 +13,7 @@ from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, build_m
                                         fill_pages, host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
 from tests.backend_env import backend_extra
-from tests.nodes import dram_config, start_node
+from tests.nodes import module_node
 
 N, PAGE_SIZE = 6, 4
 MHA = dict(layers=2, kv_heads=2, head_dim=32, page_size=PAGE_SIZE)
@@ -29,11 +29,7 @@ CASES = [(attn, layout, allocator, path)
          if not (path == "generic" and layout in FLATLESS)]
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    runner = start_node(tmp_path_factory.mktemp("layouts"), dram_config())
-    yield runner
-    runner.stop()
+node = module_node("layouts")
 
 
 def rank(node, attn, layout, allocator, path, tp_rank):

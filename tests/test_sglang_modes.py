@@ -1,19 +1,14 @@
 """SGLang's failure injector around the backend, and buffer_only host mode's storage-existence beliefs."""
-import pytest
 from sglang.srt.mem_cache.buffer_mode.storage_existence_cache import ChainPagesPolicy, StorageExistenceCache
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName
 
 from hicache_ext.sglang_harness import make_keys, page_checksums
 from tests.backend_env import Engine
-from tests.nodes import dram_config, start_node
+from tests.nodes import module_node
 from tiers.client import TierClient
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    runner = start_node(tmp_path_factory.mktemp("modes"), dram_config())
-    yield runner
-    runner.stop()
+node = module_node("modes")
 
 
 def test_random_failures_and_delays_from_sglangs_injector_lose_nothing_written(node, monkeypatch):
