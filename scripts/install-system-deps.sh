@@ -23,8 +23,6 @@ if ! command -v apt-get >/dev/null 2>&1; then
     exit 1
 fi
 
-apt-get update
-DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $PACKAGES
-python3 -c "from mooncake.engine import TransferEngine" 2>/dev/null \
-    && echo "install-system-deps: the Mooncake Transfer Engine loads" \
-    || echo "install-system-deps: packages installed; pip install mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine) next" >&2
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null
+echo "install-system-deps: installed $PACKAGES"

@@ -30,15 +30,20 @@ if ! dpkg -s libibverbs1 ibverbs-providers >/dev/null 2>&1; then
     fi
 fi
 
-PIP="python3 -m pip"
+# --no-warn-conflicts: sglang is installed without its CUDA-only dependencies on
+# purpose, so pip's resolver would list ~50 "sglang requires X, which is not
+# installed" lines (and a few pins it calls incompatible) that are not errors.
+export PIP_ROOT_USER_ACTION=ignore  # a root install in a container is the common case here
+PIP="python3 -m pip --disable-pip-version-check"
+PIP_INSTALL="$PIP install --quiet --no-warn-conflicts"
 # 2. The engine side: torch at the version SGLang pins, SGLang without its CUDA-only
 #    dependencies, then the pure-Python packages its HiCache modules import.
 if [ "$engine" -eq 1 ]; then
-    $PIP install --quiet torch==2.14.1 torchvision==0.29.1
-    $PIP install --quiet --no-deps sglang==0.5.23
-    $PIP install --quiet --no-deps -r scripts/sglang-cpu-requirements.txt
+    $PIP_INSTALL torch==2.14.1 torchvision==0.29.1
+    $PIP_INSTALL --no-deps sglang==0.5.23
+    $PIP_INSTALL --no-deps -r scripts/sglang-cpu-requirements.txt
 fi
 
 # 3. This project.
-$PIP install --quiet -e ".[$extras]"
+$PIP_INSTALL -e ".[$extras]"
 echo "install.sh: hicache-tiers $(python3 -c 'import tiers; print(tiers.__version__)') installed ($extras)"

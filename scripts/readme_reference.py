@@ -47,11 +47,26 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _shown(value) -> str:
+    """A default as a user types it: lists comma-joined, checkout paths relative."""
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    # Paths inside the checkout are shown relative to it: the reference must not depend on where it lives.
+    return text.replace(ROOT + os.sep, "")
+
+
 def _default(action) -> str:
     if action.default in (None, False, argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
         return ""
-    # Paths inside the checkout are shown relative to it: the reference must not depend on where it lives.
-    return f"`{str(action.default).replace(ROOT + os.sep, '')}`"
+    return f"`{_shown(action.default)}`"
+
+
+def _help(action, prog: str) -> str:
+    """The help line as --help prints it (%(default)s and friends expanded)."""
+    text = action.help or ""
+    if "%" in text:
+        params = dict(vars(action), prog=prog, default=_shown(action.default))
+        text = text % params
+    return text
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str, out: list) -> None:
@@ -63,7 +78,8 @@ def _commands(parser: argparse.ArgumentParser, prefix: str, out: list) -> None:
 
 
 def _command(parser: argparse.ArgumentParser, name: str, summary: str, out: list) -> None:
-    options = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    options = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+               and a.help != argparse.SUPPRESS]
     out.append(f"**`{name}`**: {_cell(summary or parser.description or '')}")
     out.append("")
     if options:
@@ -71,7 +87,7 @@ def _command(parser: argparse.ArgumentParser, name: str, summary: str, out: list
         out.append("|---|---|---|")
         for action in options:
             flag = ", ".join(action.option_strings) or action.metavar or action.dest.upper()
-            out.append(f"| `{flag}` | {_default(action)} | {_cell(action.help or '')} |")
+            out.append(f"| `{flag}` | {_default(action)} | {_cell(_help(action, parser.prog))} |")
         out.append("")
     _commands(parser, name, out)
 

@@ -1,13 +1,17 @@
-"""The ``hicache-tiers`` command: one sub-command per module in COMMAND_MODULES.
+"""The ``hicache-tiers`` command: run, operate and measure a node's KV-cache tier daemons.
 
-Each module exposes ``register(subparsers)``, which adds its parsers and sets
-``func`` (args -> exit code).  Exit codes: 0 success, 1 the work failed,
-2 usage or configuration error.
+Each module of COMMAND_MODULES exposes ``register(subparsers)``, which adds its
+parsers and sets ``func`` (args -> exit code).  Exit codes: 0 success, 1 the
+work failed, 2 usage or configuration error.  A command never ends in a
+traceback: argparse errors, unwritable outputs and anything unexpected become
+one line on stderr (HICACHE_TIERS_DEBUG=1 shows the traceback of the latter).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 from typing import List, Optional
 
@@ -23,9 +27,37 @@ COMMAND_MODULES = [
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
+DESCRIPTION = ("Run, operate and measure the tier daemons that give SGLang's HiCache an L3: "
+               "DRAM, NVMe and remote memory pools shared by every engine on a node.")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, and values such as ``-5t`` read as values, not options."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes any "-<digit>..." that is not a plain number for an option and then
+        # says "expected one argument"; no option of ours starts with a digit.
+        self._negative_number_matcher = re.compile(r"^-\d")
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def output_file(path: str) -> str:
+    """An argparse type for files a command writes: refuse before the work, not after it."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {directory} is not writable")
+    return path
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-tiers", description=__doc__.splitlines()[0])
+    parser = Parser(prog="hicache-tiers", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.import_module('tiers').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -39,7 +71,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"hicache-tiers {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a file that went away, a full disk, a closed pipe: not a bug
+        print(f"hicache-tiers {args.command}: {exc.strerror or exc}"
+              + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:
+        if os.environ.get("HICACHE_TIERS_DEBUG"):
+            raise
+        print(f"hicache-tiers {args.command}: internal error: {type(exc).__name__}: {exc} "
+              "(HICACHE_TIERS_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from tiers.cli import output_file
+
 PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks")
 
 
@@ -35,9 +37,9 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions")
     p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
                    "(default /var/tmp/hicache-bench-PID; removed afterwards)")
-    p.add_argument("--json", metavar="FILE", help="write every sample here")
-    p.add_argument("--out", metavar="FILE", help="write the Markdown report here (e.g. BENCHMARKS.md)")
-    p.add_argument("--plot", metavar="PNG", help="write a bar chart here (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write every sample here")
+    p.add_argument("--out", metavar="FILE", type=output_file, help="write the Markdown report here (e.g. BENCHMARKS.md)")
+    p.add_argument("--plot", metavar="PNG", type=output_file, help="write a bar chart here (needs matplotlib)")
     p.add_argument("--command", help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress lines, no report on stdout")
     p.add_argument("--verbose", action="store_true", help="tracebacks of failed parts")

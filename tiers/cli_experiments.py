@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from tiers.cli import output_file
 from tiers.policies import policy_names
 from tiers.sim.capacity import DEFAULT_CAPACITIES, SYNTAX, parse_capacities
 from tiers.sim import prefill
@@ -60,6 +61,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if len(args.traces) > 1:
+        print(f"merging {len(args.traces)} traces by timestamp into one cache (hash ids kept apart per file)")
     best = sweep.ceiling(trace, flat=args.flat)
     if args.live:
         return cmd_replay_live(args, trace, policies, capacities, best)
@@ -89,12 +92,15 @@ def _report_rows(args: argparse.Namespace, trace, rows, best, extra_meta: dict) 
             "requests": trace.n_requests, "accesses": trace.n_accesses, "unique_blocks": trace.n_keys, **extra_meta}
     if args.json:
         report.write_json(args.json, rows, best, meta)
+        print(f"wrote {args.json}")
     if args.csv:
         report.write_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
     if args.plot:
         from tiers.sim.plots import hit_rate_plot
         names = ", ".join(n.rsplit("/", 1)[-1] for n in args.traces)
         hit_rate_plot(args.plot, rows, best, title=f"{names}: {'flat' if args.flat else 'prefix'} token hit rate")
+        print(f"wrote {args.plot}")
     return EXIT_OK
 
 
@@ -162,9 +168,12 @@ def model_from_args(args: argparse.Namespace) -> PrefillModel:
     shape = ModelShape(layers=args.layers or base.layers, kv_heads=args.kv_heads or base.kv_heads,
                        head_dim=args.head_dim or base.head_dim, dtype_bytes=args.dtype_bytes or base.dtype_bytes,
                        params=args.params or base.params)
-    for name in ("tflops", "mfu", "read_gbps", "write_gbps"):
+    for name in ("tflops", "mfu", "read_gbps", "write_gbps", "tokens"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("layers", "kv_heads", "head_dim", "dtype_bytes", "params"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive (0: the preset's)")
     return PrefillModel(shape=shape, tflops=args.tflops, mfu=args.mfu, read_gbps=args.read_gbps,
                         write_gbps=args.write_gbps)
 
@@ -191,10 +200,13 @@ def cmd_model(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"model": args.model, "kv_bytes_per_token": kv, "T_s": model.compute_s, "R_s": model.read_s,
                        "W_s": model.write_s, "e": model.e, "crossover": model.crossover, "curve": curve}, handle, indent=1)
+        print(f"wrote {args.json}")
     if args.plot:
         from tiers.sim.plots import speedup_plot
         speedup_plot(args.plot, model.curve(args.tokens, 401), model.crossover,
-                     f"{args.model}: {args.read_gbps:g} GB/s reads, {args.tflops:g} TFLOPs x {args.mfu:g}")
+                     f"{args.model}: {args.read_gbps:g} GB/s reads, {args.write_gbps:g} GB/s writes, "
+                     f"{args.tflops:g} TFLOPs x {args.mfu:g}, N = {args.tokens:,} tokens")
+        print(f"wrote {args.plot}")
     return EXIT_OK
 
 
@@ -213,9 +225,9 @@ def register(subparsers) -> None:
     replay.add_argument("--engine", choices=["auto", "kernel", "policy"], default="auto",
                         help="auto: stack distances for lru, compiled kernels for the rest; "
                              "policy: the Python policy classes (slow) (default: %(default)s)")
-    replay.add_argument("--json", metavar="FILE", help="write rows and the ceiling as JSON")
-    replay.add_argument("--csv", metavar="FILE", help="write rows as CSV")
-    replay.add_argument("--plot", metavar="FILE.png", help="plot token hit rate against capacity")
+    replay.add_argument("--json", metavar="FILE", type=output_file, help="write rows and the ceiling as JSON")
+    replay.add_argument("--csv", metavar="FILE", type=output_file, help="write rows as CSV")
+    replay.add_argument("--plot", metavar="FILE.png", type=output_file, help="plot token hit rate against capacity")
     replay.add_argument("--bench", action="store_true", help="measure accesses/s per policy and engine instead")
     replay.add_argument("--quiet", action="store_true", help="no progress bar")
     replay.add_argument("--live", action="store_true",
@@ -248,6 +260,6 @@ def register(subparsers) -> None:
     model.add_argument("--write-gbps", type=float, default=1.7, help="tier write bandwidth in GB/s (default: %(default)s)")
     model.add_argument("--tokens", type=int, default=8192, help="prompt length N for absolute TTFT (default: %(default)s)")
     model.add_argument("--points", type=int, default=21, help="values of a from 0 to 1 (default: %(default)s)")
-    model.add_argument("--json", metavar="FILE", help="write the curve as JSON")
-    model.add_argument("--plot", metavar="FILE.png", help="plot the speed-up curve")
+    model.add_argument("--json", metavar="FILE", type=output_file, help="write the curve as JSON")
+    model.add_argument("--plot", metavar="FILE.png", type=output_file, help="plot the speed-up curve")
     model.set_defaults(func=cmd_model)

@@ -53,8 +53,11 @@ class Trace:
         return np.clip(tokens, 0, self.block_tokens)
 
 
+FIELDS = ("timestamp", "input_length", "hash_ids")
+
+
 def _read_one(path: str) -> tuple:
-    """(timestamps, input_lengths, hash id lists) of one JSONL file."""
+    """(timestamps, input_lengths, hash id lists) of one JSONL file; a bad line is named with its number."""
     timestamps, lengths, blocks = [], [], []
     with open(path, "r", encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -62,12 +65,33 @@ def _read_one(path: str) -> tuple:
                 continue
             try:
                 row = json.loads(line)
-                timestamps.append(int(row["timestamp"]))
-                lengths.append(int(row["input_length"]))
-                blocks.append(row["hash_ids"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a Mooncake trace line ({exc})") from None
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.args[0] if exc.args else exc})") from None
+            problem = _line_problem(row)
+            if problem:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace line: {problem}")
+            timestamps.append(int(row["timestamp"]))
+            lengths.append(int(row["input_length"]))
+            blocks.append(row["hash_ids"])
+    if not timestamps:
+        raise ValueError(f"{path}: no requests (the file is empty or blank)")
     return timestamps, lengths, blocks
+
+
+def _line_problem(row) -> str:
+    """What is wrong with one decoded trace line, or '' when nothing is."""
+    if not isinstance(row, dict):
+        return f"expected an object with {', '.join(FIELDS)}, got {type(row).__name__}"
+    missing = [f for f in FIELDS if f not in row]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for field in ("timestamp", "input_length"):
+        if isinstance(row[field], bool) or not isinstance(row[field], (int, float)) or row[field] < 0:
+            return f"{field} must be a number >= 0, got {row[field]!r}"
+    ids = row["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in ids):
+        return "hash_ids must be a list of integers >= 0"
+    return ""
 
 
 def from_requests(requests: Sequence[tuple], block_tokens: int = DEFAULT_BLOCK_TOKENS, name: str = "inline") -> Trace:
