@@ -1,5 +1,11 @@
 """Shared fixtures: the SGLang harness (hicache_ext/sglang_harness.py) on small pools."""
+import os
+
 import pytest
+
+# The Transfer Engine logs through glog at INFO to the terminal (fd 2), past pytest's
+# capture when an engine is torn down between tests; warnings and errors still show.
+os.environ.setdefault("GLOG_minloglevel", "1")
 
 # Small enough that a test file of round trips stays well under 30 s on 2 cores.
 SMALL_MHA = dict(layers=4, kv_heads=2, head_dim=64, page_size=16)

@@ -165,10 +165,15 @@ def test_install_units_and_systemd_analyze_verify(tmp_path, capsys):
     fake.parent.mkdir()
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} -m tiers.cli \"$@\"\n")
     fake.chmod(0o755)
-    prefix, etc = tmp_path / "units", tmp_path / "etc"
-    args = ["install-units", "--prefix", str(prefix), "--config-dir", str(etc), "--exec", str(fake)]
+    prefix, etc, doc = tmp_path / "units", tmp_path / "etc", tmp_path / "doc"
+    args = ["install-units", "--prefix", str(prefix), "--config-dir", str(etc), "--exec", str(fake),
+            "--doc-dir", str(doc)]
     assert main(args) == 0
+    # tmp_path is where the units' PrivateTmp= would hide the executable: said, not refused.
+    assert "PrivateTmp" in capsys.readouterr().err
     unit = (prefix / "hicache-tier@.service").read_text()
+    # Documentation= names a file install-units put there.
+    assert f"Documentation=file://{doc}/OPERATIONS.md" in unit and (doc / "OPERATIONS.md").exists()
     assert f"ExecStart={fake} serve --config {etc}/node.toml --tier %i" in unit
     assert f"ExecStart={fake} serve --config {etc}/pool.toml --tier pool" in (prefix / "hicache-pool.service").read_text()
     for directive in ("Type=notify", "WatchdogSec=", "RuntimeDirectory=hicache-tiers", "RuntimeDirectoryPreserve=yes",

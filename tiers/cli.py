@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import sys
+import warnings
 from typing import List, Optional
 
 COMMAND_MODULES = [
@@ -44,6 +45,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts and sizes that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def output_file(path: str) -> str:
     """An argparse type for files a command writes: refuse before the work, not after it."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
@@ -66,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # SGLang warns at import that AWQ/GGUF kernels need a GPU; the commands that load it
+    # (demo, bench, replay --live) never quantize, so the lines are noise here.
+    warnings.filterwarnings("ignore", message=r"Only CUDA, .* support", category=UserWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

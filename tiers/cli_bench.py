@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 import os
 
-from tiers.cli import output_file
+from tiers.cli import output_file, positive_int
 
 PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks")
 
 
 def _list(kind, allowed=None):
     def parse(text: str):
-        items = [kind(p.strip()) for p in text.split(",") if p.strip()]
+        try:
+            items = [kind(p.strip()) for p in text.split(",") if p.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
         bad = [i for i in items if allowed is not None and i not in allowed]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(map(str, allowed))}" if allowed else "empty list")
@@ -32,8 +35,8 @@ def register(sub) -> None:
                    help=f"comma-separated parts: {','.join(PARTS)} (default all)")
     p.add_argument("--page-mib", type=_list(int), default=[1, 4, 8], metavar="SIZES",
                    help="page sizes in MiB (default 1,4,8)")
-    p.add_argument("--pages", type=int, default=128, help="pages a batch (default 128)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions; figures are medians (default 3)")
+    p.add_argument("--pages", type=positive_int, default=128, help="pages a batch (default 128)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="repetitions; figures are medians (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions")
     p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
                    "(default /var/tmp/hicache-bench-PID; removed afterwards)")

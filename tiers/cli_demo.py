@@ -1,6 +1,8 @@
 """``demo``: the main job on one machine, no GPU needed (registration only; the work is in hicache_ext.demo)."""
 from __future__ import annotations
 
+from tiers.cli import positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -14,17 +16,17 @@ def register(sub) -> None:
     p.add_argument("--data-dir", metavar="DIR", help="NVMe data (default: a fresh temporary directory)")
     p.add_argument("--use-running", action="store_true",
                    help="use daemons already running under --runtime-dir instead of starting them")
-    p.add_argument("--pages", type=int, default=256, help="pages to write and read (default 256 = 2 GiB)")
+    p.add_argument("--pages", type=positive_int, default=256, help="pages to write and read (default 256 = 2 GiB)")
     p.add_argument("--layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"],
                    help="host pool layout (default page_first)")
     p.add_argument("--no-shm", action="store_true", help="host pool without memfd: pages travel as ZeroMQ frames")
     p.add_argument("--write-policy", choices=["write_through", "write_back", "selective"],
                    help="override the node's write policy")
-    p.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
-    p.add_argument("--page-tokens", type=int, default=64, help="tokens per page (default 64)")
-    p.add_argument("--repeat", type=int, default=3, help="write/read rounds; figures are medians (default 3)")
+    p.add_argument("--layers", type=positive_int, default=32, help="model layers (default 32)")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default 128)")
+    p.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per page (default 64)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="write/read rounds; figures are medians (default 3)")
     p.set_defaults(func=_run)
 
 

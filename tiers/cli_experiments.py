@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from tiers.cli import output_file
+from tiers.cli import output_file, positive_int
 from tiers.policies import policy_names
 from tiers.sim.capacity import DEFAULT_CAPACITIES, SYNTAX, parse_capacities
 from tiers.sim import prefill
@@ -53,12 +53,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     policies = policy_names() if args.policy == "all" else [p.lower() for p in _split(args.policy)]
     unknown = [p for p in policies if p not in policy_names()]
     if unknown:
-        print(f"unknown policy {', '.join(unknown)}; choose from {', '.join(policy_names())}", file=sys.stderr)
+        print(f"replay: unknown policy {', '.join(unknown)}; choose from {', '.join(policy_names())}", file=sys.stderr)
         return EXIT_USAGE
     try:
         capacities = parse_capacities(args.capacity, args.block_tokens)
         trace = read_traces(args.traces, block_tokens=args.block_tokens)
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        print(f"replay: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if len(args.traces) > 1:
@@ -220,7 +223,7 @@ def register(subparsers) -> None:
                              "default: %(default)s)")
     replay.add_argument("--capacity", default=DEFAULT_CAPACITIES,
                         help=f"comma-separated capacities, {SYNTAX} (default: %(default)s)")
-    replay.add_argument("--block-tokens", type=int, default=512, help="tokens per hash block (default: %(default)s)")
+    replay.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash block (default: %(default)s)")
     replay.add_argument("--flat", action="store_true", help="score every access, no prefix rule (libCacheSim's view)")
     replay.add_argument("--engine", choices=["auto", "kernel", "policy"], default="auto",
                         help="auto: stack distances for lru, compiled kernels for the rest; "
@@ -240,7 +243,7 @@ def register(subparsers) -> None:
                         help="with --live: node configuration of the running daemons (default $HICACHE_TIERS_CONFIG, "
                              "then the system file, then the embedded default)")
     replay.add_argument("--runtime-dir", metavar="DIR", help="with --live: where the running daemons' sockets are")
-    replay.add_argument("--live-parallel", type=int, default=4, metavar="N",
+    replay.add_argument("--live-parallel", type=positive_int, default=4, metavar="N",
                         help="with --live --start: nodes run and replayed at once (default: %(default)s)")
     replay.set_defaults(func=cmd_replay)
 
@@ -258,7 +261,7 @@ def register(subparsers) -> None:
     model.add_argument("--read-gbps", type=float, default=1.7,
                        help="tier read bandwidth in GB/s (default: %(default)s, shared memory end to end here)")
     model.add_argument("--write-gbps", type=float, default=1.7, help="tier write bandwidth in GB/s (default: %(default)s)")
-    model.add_argument("--tokens", type=int, default=8192, help="prompt length N for absolute TTFT (default: %(default)s)")
+    model.add_argument("--tokens", type=positive_int, default=8192, help="prompt length N for absolute TTFT (default: %(default)s)")
     model.add_argument("--points", type=int, default=21, help="values of a from 0 to 1 (default: %(default)s)")
     model.add_argument("--json", metavar="FILE", type=output_file, help="write the curve as JSON")
     model.add_argument("--plot", metavar="FILE.png", type=output_file, help="plot the speed-up curve")

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -231,9 +232,20 @@ def cmd_clear(args) -> int:
     return EXIT_OK
 
 
-@config_errors_exit_2
 def cmd_config_check(args) -> int:
-    config = load_config(args.file)
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        if len(exc.problems) == 1:
+            return fail(exc.problems[0], EXIT_USAGE)
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return fail(f"{args.file}: {len(exc.problems)} errors", EXIT_USAGE)
+    disk_errors = disk_problems(config)
+    for level, message in disk_errors:
+        print(f"{args.file}: {level}: {message}", file=sys.stderr)
+    if any(level == "error" for level, _ in disk_errors):
+        return EXIT_USAGE
     metrics = (f"metrics on {config.metrics_address}" if any(t.metrics_port for t in config.tiers) else "metrics off")
     print(f"{args.file}: valid")
     print(f"node {config.node_name}: write_policy {config.write_policy}, log_level {config.log_level}, "
@@ -242,6 +254,28 @@ def cmd_config_check(args) -> int:
         port = f", metrics port {tier.metrics_port}" if tier.metrics_port else ""
         print(f"  tier {tier.name}: {tier.kind}, {human(tier.capacity)}, policy {tier.policy}, {tier.endpoint}{port}")
     return EXIT_OK
+
+
+def disk_problems(config) -> list:
+    """NVMe capacities against the disk under their path on this machine: (level, message) pairs."""
+    out = []
+    for tier in config.tiers:
+        if tier.kind != "nvme":
+            continue
+        path = tier.options.get("path") or ""
+        existing = path
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing.rstrip(os.sep)) or os.sep
+        if not existing:
+            continue
+        usage = shutil.disk_usage(existing)
+        if tier.capacity > usage.total:
+            out.append(("error", f"tier {tier.name}: capacity {human(tier.capacity)} is more than the whole disk "
+                                 f"under {path} ({human(usage.total)})"))
+        elif tier.capacity > usage.free:
+            out.append(("warning", f"tier {tier.name}: capacity {human(tier.capacity)} is more than the "
+                                   f"{human(usage.free)} free under {path}; the tier evicts when the disk fills"))
+    return out
 
 
 @config_errors_exit_2

@@ -31,6 +31,10 @@ SYSTEM_CONFIG = "/etc/hicache-tiers/node.toml"
 UNIT_DIR = "/etc/systemd/system"
 UNIT_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "systemd")
 UNIT_EXEC = "/usr/local/bin/hicache-tiers"  # the ExecStart binary as written in scripts/systemd
+DOC_DIR = "/usr/share/doc/hicache-tiers"  # where the units' Documentation= points
+DOC_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "OPERATIONS.md")
+# ProtectHome= and PrivateTmp= in the units hide these from the daemon.
+HIDDEN_FROM_UNITS = ("/home/", "/root/", "/run/user/", "/tmp/", "/var/tmp/")
 # Node keys the running daemon uses: a change needs a restart (log_level applies live).
 RESTART_NODE_KEYS = ("runtime_dir", "data_dir", "max_dirty_pages", "metrics_address")
 
@@ -134,6 +138,8 @@ def register(sub) -> None:
     p.add_argument("--exec", metavar="PATH", dest="exec_path",
                    help="the hicache-tiers executable for ExecStart (default: the one on PATH)")
     p.add_argument("--source", metavar="DIR", default=UNIT_SOURCE, help="where the unit files are (default scripts/systemd)")
+    p.add_argument("--doc-dir", metavar="DIR", default=DOC_DIR,
+                   help=f"where OPERATIONS.md goes, for the units' Documentation= (default {DOC_DIR})")
     p.set_defaults(func=cmd_install_units)
 
 
@@ -332,15 +338,23 @@ def cmd_install_units(args) -> int:
         return 1
     if not os.access(exec_path, os.X_OK):
         print(f"hicache-tiers: warning: {exec_path} is not an executable; pass --exec PATH", file=sys.stderr)
+    _warn_if_hidden_from_units(exec_path)
     config_dir = os.path.abspath(args.config_dir)
+    doc_dir = os.path.abspath(args.doc_dir)
     try:
         os.makedirs(args.prefix, exist_ok=True)
         for name in sources:
             with open(os.path.join(args.source, name), encoding="utf-8") as fh:
                 text = fh.read()
             text = text.replace(UNIT_EXEC, exec_path).replace(os.path.dirname(SYSTEM_CONFIG) + "/", config_dir + "/")
+            text = text.replace(f"file://{DOC_DIR}/", f"file://{doc_dir}/")
             write_file(os.path.join(args.prefix, name), text, 0o644)
             print(f"installed {os.path.join(args.prefix, name)}")
+        if os.path.exists(DOC_SOURCE):
+            os.makedirs(doc_dir, mode=0o755, exist_ok=True)
+            with open(DOC_SOURCE, encoding="utf-8") as fh:
+                write_file(os.path.join(doc_dir, "OPERATIONS.md"), fh.read(), 0o644)
+            print(f"installed {os.path.join(doc_dir, 'OPERATIONS.md')} (the units' Documentation=)")
         os.makedirs(config_dir, mode=0o755, exist_ok=True)
         for name, text in EXAMPLES.items():
             example = os.path.join(config_dir, name)
@@ -354,6 +368,18 @@ def cmd_install_units(args) -> int:
         return 1
     print("next: systemctl daemon-reload && systemctl enable --now hicache-tier@dram hicache-tier@nvme")
     return 0
+
+
+def _warn_if_hidden_from_units(exec_path: str) -> None:
+    """The units set ProtectHome= and PrivateTmp=: an install under /home, /root or /tmp cannot start."""
+    import tiers
+    for what, path in (("executable", os.path.realpath(exec_path)),
+                       ("package", os.path.realpath(os.path.dirname(tiers.__file__)))):
+        if (path + "/").startswith(HIDDEN_FROM_UNITS):
+            print(f"hicache-tiers: warning: the {what} {path} is where the units' ProtectHome=/PrivateTmp= hide it; "
+                  "install hicache-tiers system-wide (a root pip install, or a venv under /opt) or relax them "
+                  "in a drop-in", file=sys.stderr)
+            return
 
 
 def write_file(path: str, text: str, mode: int) -> None:

@@ -13,7 +13,7 @@ import re
 import socket
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 DEFAULT_CONFIG_TOML = """\
 # hicache-tiers embedded default: DRAM in front of NVMe, every page in both.
@@ -33,90 +33,24 @@ capacity = "64GiB"
 policy = "lru"
 """
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-              "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-WRITE_POLICIES = ("write_through", "write_back", "selective")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+from tiers.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
+    WRITE_POLICIES,
+    LOG_LEVELS,
+    ConfigError,
+    _Problems,
+    parse_size,
+    _bool,
+    _node_default_bool,
+    _str,
+    _int,
+    _choice,
+    _port,
+    _tier_port,
+    _list_of,
+    _endpoint,
+    _weight,
+    _policy)
 
-
-class ConfigError(ValueError):
-    """A configuration mistake, with where it is and what is allowed."""
-
-
-def parse_size(value: Any, where: str = "size") -> int:
-    """'4GiB', '512MB', '64k' or an int -> bytes (K/M/G/T alone are binary)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).lower() in SIZE_UNITS:
-            return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-    raise ConfigError(f"{where}: {value!r} is not a size (examples: 4GiB, 512MB, 65536)")
-
-
-def _bool(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(f"{where}: {value!r} is not true or false")
-
-
-def _node_default_bool(value: Any, where: str) -> Optional[bool]:
-    return None if value == "node" else _bool(value, where)  # "node": inherit the [node] setting
-
-
-def _str(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    raise ConfigError(f"{where}: {value!r} is not a string")
-
-
-def _int(value: Any, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConfigError(f"{where}: {value!r} is not an integer")
-
-
-def _choice(*allowed: str) -> Callable[[Any, str], str]:
-    def check(value: Any, where: str) -> str:
-        if value in allowed:
-            return value
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
-    return check
-
-
-def _port(value: Any, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
-        return value
-    raise ConfigError(f"{where}: {value!r} is not a TCP port (0 turns metrics off, 1-65535)")
-
-
-def _tier_port(value: Any, where: str) -> int:
-    return -1 if value == -1 and not isinstance(value, bool) else _port(value, where)  # -1: node.metrics_port + index
-
-
-def _list_of(parser: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
-    def check(value: Any, where: str) -> list:
-        if isinstance(value, list):
-            return [parser(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        raise ConfigError(f"{where}: {value!r} is not a list")
-    return check
-
-
-def _endpoint(value: Any, where: str) -> str:
-    if isinstance(value, str) and value.startswith(("tcp://", "ipc://")):
-        return value
-    raise ConfigError(f"{where}: {value!r} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
-
-
-def _weight(value: Any, where: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ConfigError(f"{where}: {value!r} is not a positive number")
-
-
-def _policy(value: Any, where: str) -> str:
-    from tiers.policies import policy_names
-    return _choice(*policy_names())(value, where)
 
 
 # Options of each tier kind: key -> (parser, default, help).  The loader
@@ -269,46 +203,58 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    problems = _Problems()
     unknown = set(raw) - {"node", "tiers", "quotas"}
     if unknown:
-        raise ConfigError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas")
+        problems.append(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas")
     node = raw.get("node", {})
     if not isinstance(node, dict):
-        raise ConfigError(f"{source}: [node] must be a table")
+        problems.append(f"{source}: [node] must be a table")
+        node = {}
     for key in node:
         if key not in NODE_KEYS:
-            raise ConfigError(f"{source}: node.{key} is not a known key; allowed: {', '.join(sorted(NODE_KEYS))}")
+            problems.append(f"{source}: node.{key} is not a known key; allowed: {', '.join(sorted(NODE_KEYS))}")
+    node = {k: v for k, v in node.items() if k in NODE_KEYS}
     env = os.environ
     runtime = runtime_dir or env.get("HICACHE_TIERS_RUNTIME_DIR") or node.get("runtime_dir") or default_runtime_dir()
     data = data_dir or env.get("HICACHE_TIERS_DATA_DIR") or node.get("data_dir") or default_data_dir()
     level = log_level or env.get("HICACHE_TIERS_LOG_LEVEL") or node.get("log_level", "info")
+    check = problems.check
     config = NodeConfig(
         tiers=[],
-        runtime_dir=_str(runtime, f"{source}: node.runtime_dir"),
-        data_dir=_str(data, f"{source}: node.data_dir"),
-        write_policy=_choice(*WRITE_POLICIES)(node.get("write_policy", "write_through"), f"{source}: node.write_policy"),
-        log_level=_choice(*LOG_LEVELS)(level, f"{source}: node.log_level"),
-        node_name=_str(node.get("name", socket.gethostname()), f"{source}: node.name"),
-        max_dirty_pages=_int(node.get("max_dirty_pages", 1024), f"{source}: node.max_dirty_pages"),
+        runtime_dir=check("/", _str, runtime, f"{source}: node.runtime_dir"),
+        data_dir=check("/", _str, data, f"{source}: node.data_dir"),
+        write_policy=check("write_through", _choice(*WRITE_POLICIES), node.get("write_policy", "write_through"),
+                           f"{source}: node.write_policy"),
+        log_level=check("info", _choice(*LOG_LEVELS), level, f"{source}: node.log_level"),
+        node_name=check("", _str, node.get("name", socket.gethostname()), f"{source}: node.name"),
+        max_dirty_pages=check(1024, _int, node.get("max_dirty_pages", 1024), f"{source}: node.max_dirty_pages"),
         source=source,
-        metrics_port=_port(node.get("metrics_port", 0), f"{source}: node.metrics_port"),
-        metrics_address=_str(node.get("metrics_address", "127.0.0.1"), f"{source}: node.metrics_address"),
-        curve_server_key=_key_path(node.get("curve_server_key", ""), f"{source}: node.curve_server_key", source),
-        curve_client_key=_key_path(node.get("curve_client_key", ""), f"{source}: node.curve_client_key", source),
-        curve_authorized_keys=_key_path(node.get("curve_authorized_keys", ""), f"{source}: node.curve_authorized_keys",
-                                        source),
-        allow_insecure_tcp=_bool(node.get("allow_insecure_tcp", False), f"{source}: node.allow_insecure_tcp"),
-        demotion_queue_bytes=parse_size(node.get("demotion_queue_bytes", "256MiB"), f"{source}: node.demotion_queue_bytes"),
-        quotas=_quotas(raw.get("quotas", {}), source),
+        metrics_port=check(0, _port, node.get("metrics_port", 0), f"{source}: node.metrics_port"),
+        metrics_address=check("", _str, node.get("metrics_address", "127.0.0.1"), f"{source}: node.metrics_address"),
+        curve_server_key=check("", _key_path, node.get("curve_server_key", ""), f"{source}: node.curve_server_key",
+                               source),
+        curve_client_key=check("", _key_path, node.get("curve_client_key", ""), f"{source}: node.curve_client_key",
+                               source),
+        curve_authorized_keys=check("", _key_path, node.get("curve_authorized_keys", ""),
+                                    f"{source}: node.curve_authorized_keys", source),
+        allow_insecure_tcp=check(False, _bool, node.get("allow_insecure_tcp", False), f"{source}: node.allow_insecure_tcp"),
+        demotion_queue_bytes=check(0, parse_size, node.get("demotion_queue_bytes", "256MiB"),
+                                   f"{source}: node.demotion_queue_bytes"),
+        quotas=check({}, _quotas, raw.get("quotas", {}), source),
     )
     tiers = raw.get("tiers", [])
     if not isinstance(tiers, list) or not tiers:
-        raise ConfigError(f"{source}: at least one [[tiers]] table is required")
+        problems.append(f"{source}: at least one [[tiers]] table is required")
+        tiers = []
     for index, table in enumerate(tiers):
-        config.tiers.append(_parse_tier(table, f"{source}: tiers[{index}]", config))
+        tier = _parse_tier(table, f"{source}: tiers[{index}]", config, problems)
+        if tier is not None:
+            config.tiers.append(tier)
     names = [t.name for t in config.tiers]
     if len(set(names)) != len(names):
-        raise ConfigError(f"{source}: tier names must be unique, got {', '.join(names)}")
+        problems.append(f"{source}: tier names must be unique, got {', '.join(names)}")
+    problems.raise_any()
     _resolve_metrics_ports(config)
     _register_curve(config)
     return config
@@ -360,27 +306,40 @@ def _resolve_metrics_ports(config: NodeConfig) -> None:
         used[tier.metrics_port] = tier.name
 
 
-def _parse_tier(table: Any, where: str, node: NodeConfig) -> TierConfig:
+def _parse_tier(table: Any, where: str, node: NodeConfig, problems: _Problems) -> Optional[TierConfig]:
+    """One [[tiers]] table; its mistakes go to problems (then None)."""
     if not isinstance(table, dict):
-        raise ConfigError(f"{where}: must be a table")
-    kind = COMMON_TIER_OPTIONS["kind"][0](table.get("kind"), f"{where}.kind")
+        problems.append(f"{where}: must be a table")
+        return None
+    before = len(problems)
+    kind = problems.check(None, COMMON_TIER_OPTIONS["kind"][0], table.get("kind"), f"{where}.kind")
+    if kind is None:
+        return None
     specs = {**COMMON_TIER_OPTIONS, **KIND_OPTIONS[kind]}
     for key in table:
         if key not in specs:
-            raise ConfigError(f"{where}.{key} is not a known key for a {kind} tier; allowed: {', '.join(sorted(specs))}")
+            problems.append(f"{where}.{key} is not a known key for a {kind} tier; allowed: {', '.join(sorted(specs))}")
     values = {}
     for key, (parser, default, _help) in specs.items():
         if key not in table and default is None:
-            raise ConfigError(f"{where}.{key} is required")
-        values[key] = parser(table.get(key, default), f"{where}.{key}")
-    name = values["name"]
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name):
-        raise ConfigError(f"{where}.name: {name!r} must be 1-32 chars of a-z, 0-9, _ and -")
-    if values["capacity"] <= 0:
-        raise ConfigError(f"{where}.capacity must be positive")
+            problems.append(f"{where}.{key} is required")
+            continue
+        values[key] = problems.check(None, parser, table.get(key, default), f"{where}.{key}")
+    name, capacity = values.get("name"), values.get("capacity")
+    if isinstance(name, str) and not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name):
+        problems.append(f"{where}.name: {name!r} must be 1-32 chars of a-z, 0-9, _ and -")
+    if capacity is not None and capacity <= 0:
+        problems.append(f"{where}.capacity must be positive")
+    elif capacity is not None and values.get("block_size") and capacity < values["block_size"]:
+        problems.append(f"{where}.capacity: {capacity} bytes is less than one block "
+                        f"(block_size {values['block_size']} bytes)")
+    if len(problems) > before:
+        return None
     endpoint = values.pop("endpoint") or f"ipc://{os.path.join(node.runtime_dir, name)}.sock"
     if not endpoint.startswith(("ipc://", "tcp://")):
-        raise ConfigError(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+        problems.append(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+    if len(problems) > before:
+        return None
     common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port",
                                          "allow_insecure_tcp", "staging_bytes", "max_region_bytes",
                                          "max_inflight_bytes")}
