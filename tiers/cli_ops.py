@@ -239,7 +239,7 @@ def cmd_config_check(args) -> int:
         if len(exc.problems) == 1:
             return fail(exc.problems[0], EXIT_USAGE)
         for problem in exc.problems:
-            print(problem, file=sys.stderr)
+            fail(problem, EXIT_USAGE)
         return fail(f"{args.file}: {len(exc.problems)} errors", EXIT_USAGE)
     disk_errors = disk_problems(config)
     for level, message in disk_errors:
