@@ -113,7 +113,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         if name == PoolName.KV and view is not None:
             self._warn_if_shm_lost(view)
         client_name = f"sglang-pid{os.getpid()}-tp{self.storage_config.tp_rank}"
-        clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines, attach=True)
+        clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines, attach=True, curve=t.curve)
                    for t in self.node.tiers]
         if view is not None and view.memfd is not None:
             for client in clients:

@@ -130,24 +130,40 @@ def curve_node(tmp_path_factory):
     path.write_text(tcp_config(port, node_extra='curve_server_key = "keys/server.key_secret"\n'
                                                 'curve_client_key = "keys/client.key_secret"'))
     from tiers.config import load_config
-    load_config(str(path))  # registers the endpoint's keys for this process's clients
+    curve = load_config(str(path)).tier("net").curve  # the keys this node's clients are handed
     log = str(tmp / "log")
     proc = serve(str(path), "net", log)
     wait_log(log, "serving on")
-    yield dict(endpoint=f"tcp://127.0.0.1:{port}", keys=keys, log=log, proc=proc, tmp=tmp)
+    yield dict(endpoint=f"tcp://127.0.0.1:{port}", keys=keys, log=log, proc=proc, tmp=tmp, curve=curve)
     stop(proc)
-    security.forget([f"tcp://127.0.0.1:{port}"])
 
 
 def test_curve_client_with_the_configured_keys_is_served(curve_node):
     assert "CurveZMQ on" in open(curve_node["log"]).read()
-    client = TierClient("net", curve_node["endpoint"], "tenant", deadlines=FAST)
+    client = TierClient("net", curve_node["endpoint"], "tenant", deadlines=FAST, curve=curve_node["curve"])
     try:
         assert client.put_frames(["k1"], [[b"s" * 4096]], 4096) == [True]
         found, frames = client.get_frames(["k1"], 4096)
         assert found == [True] and frames[0].bytes == b"s" * 4096
     finally:
         client.close()
+
+
+def test_two_configurations_in_one_process_keep_their_own_keys(curve_node, tmp_path):
+    """Loading a second configuration for the same endpoint (without keys) changes nothing for the first."""
+    from tiers.config import parse_config
+    port = curve_node["endpoint"].rsplit(":", 1)[1]
+    plain = parse_config(tcp_config(int(port), node_extra="allow_insecure_tcp = true"), "<plain>").tier("net").curve
+    assert security.client_keys(plain, curve_node["endpoint"]) is None
+    assert security.client_keys(curve_node["curve"], curve_node["endpoint"]) is not None
+    keyed = TierClient("net", curve_node["endpoint"], "tenant", deadlines=FAST, curve=curve_node["curve"])
+    bare = TierClient("net", curve_node["endpoint"], "tenant", deadlines=FAST, curve=plain)
+    try:
+        assert keyed.lookup(["k"]) is not None  # admitted with the first configuration's keys
+        assert bare.lookup(["k"]) is None  # refused: no keys, whatever was loaded before
+    finally:
+        keyed.close()
+        bare.close()
 
 
 def raw_dealer(endpoint: str, curve=None) -> zmq.Socket:
@@ -416,7 +432,8 @@ endpoint = "tcp://127.0.0.1:{port}"
         pool.procs["pool"] = subprocess.Popen(pool.command("pool"), stdout=log, stderr=subprocess.STDOUT)
     nodes = []
     try:
-        probe = TierClient("pool", f"tcp://127.0.0.1:{port}", "probe", deadlines=FAST)  # keys from pool_text
+        probe = TierClient("pool", f"tcp://127.0.0.1:{port}", "probe", deadlines=FAST,
+                           curve=pool.config.tier("pool").curve)
         try:
             deadline = time.monotonic() + 60
             while probe.lookup(["x"]) is None and time.monotonic() < deadline:
@@ -432,8 +449,10 @@ endpoint = "tcp://127.0.0.1:{port}"
             runner.start(timeout=60)
             nodes.append(runner)
         page = b"p" * 65536
-        ok = TierClient("remote", with_keys.config.tier("remote").endpoint, "tenant", deadlines=FAST)
-        bad = TierClient("remote", without.config.tier("remote").endpoint, "tenant", deadlines=FAST)
+        ok = TierClient("remote", with_keys.config.tier("remote").endpoint, "tenant", deadlines=FAST,
+                        curve=with_keys.config.tier("remote").curve)
+        bad = TierClient("remote", without.config.tier("remote").endpoint, "tenant", deadlines=FAST,
+                         curve=without.config.tier("remote").curve)
         try:
             deadline = time.monotonic() + 20
             while ok.put_frames(["k"], [[page]], len(page)) != [True] and time.monotonic() < deadline:

@@ -124,7 +124,7 @@ def admin_client(tier: TierConfig, timeout: float) -> TierClient:
     """A session in the _admin namespace: may act on every namespace."""
     deadlines = Deadlines(base=timeout, lookup=timeout, connect_wait=min(timeout, 1.0))
     return TierClient(tier.name, tier.endpoint, ADMIN_NAMESPACE, client_name=f"hicache-tiers-cli-{os.getpid()}",
-                      deadlines=deadlines)
+                      deadlines=deadlines, curve=tier.curve)
 
 
 def selected_tiers(args) -> List[TierConfig]:
@@ -314,7 +314,7 @@ def to_toml(config: NodeConfig, source: str) -> str:
     for tier in config.tiers:
         out.append("\n[[tiers]]\n")
         for f in dataclasses.fields(tier):
-            if f.name != "options":
+            if f.name not in ("options", "curve"):  # curve: derived from the node's keys
                 out.append(toml_line(f.name, getattr(tier, f.name)))
         for key, value in tier.options.items():
             out.append(toml_line(key, value))

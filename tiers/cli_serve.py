@@ -316,9 +316,9 @@ def supervise(args, config: NodeConfig, names: List[str]) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
-    pending = {name: config.tier(name).endpoint for name in names}
+    pending = {name: config.tier(name) for name in names}
     while pending and all(child.poll() is None for child in children):
-        pending = {name: ep for name, ep in pending.items() if not ping(ep, 0.2)}
+        pending = {name: t for name, t in pending.items() if not ping(t.endpoint, 0.2, t.curve)}
     if not pending:
         sd_notify(f"READY=1\nSTATUS=serving tiers {', '.join(names)}")
     codes = [child.wait() for child in children]

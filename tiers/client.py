@@ -64,9 +64,10 @@ class TierClient:
 
     def __init__(self, name: str, endpoint: str, namespace: str, client_name: str = "",
                  deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None,
-                 attach: bool = False):
+                 attach: bool = False, curve: Optional[security.CurveSettings] = None):
         self.name = name
         self.endpoint = endpoint
+        self.curve = curve  # CurveZMQ keys for a tcp:// endpoint (the tier's TierConfig.curve)
         self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
         self.namespace = P.check_namespace(namespace)
         self.client_name = client_name or f"pid{os.getpid()}"
@@ -99,7 +100,7 @@ class TierClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
-            security.apply_client(sock, self.endpoint)  # CurveZMQ keys for a tcp:// endpoint that has them
+            security.apply_client(sock, self.endpoint, self.curve)  # CurveZMQ keys for a tcp:// endpoint that has them
             sock.connect(self.endpoint)
             self._local.sock = sock
             with self._lock:

@@ -33,6 +33,7 @@ capacity = "64GiB"
 policy = "lru"
 """
 
+from tiers.security import CurveSettings
 from tiers.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
     WRITE_POLICIES,
     LOG_LEVELS,
@@ -144,6 +145,7 @@ class TierConfig:
     staging_bytes: int = 2 << 30
     max_region_bytes: int = 0
     max_inflight_bytes: int = 2 << 30
+    curve: CurveSettings = field(default_factory=CurveSettings)  # CurveZMQ keys of its tcp:// endpoint(s)
 
     def fd_socket(self, runtime_dir: str) -> str:
         """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
@@ -256,7 +258,7 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         problems.append(f"{source}: tier names must be unique, got {', '.join(names)}")
     problems.raise_any()
     _resolve_metrics_ports(config)
-    _register_curve(config)
+    _attach_curve(config)
     return config
 
 
@@ -280,16 +282,13 @@ def _key_path(value: Any, where: str, source: str) -> str:
     return path
 
 
-def _register_curve(config: NodeConfig) -> None:
-    """Tell tiers/security which keys this configuration's tcp:// endpoints use."""
-    from tiers.security import CurveSettings, register
+def _attach_curve(config: NodeConfig) -> None:
+    """Each tier carries the CurveZMQ settings its daemon serves with and its clients (pools included) use."""
     if config.curve_client_key and not config.curve_server_key:
         raise ConfigError(f"{config.source}: node.curve_client_key needs node.curve_server_key (the server's public key)")
     for tier in config.tiers:
-        pools = tier.options.get("pools", []) if tier.kind == "remote" else []
-        settings = CurveSettings(config.curve_server_key, config.curve_client_key, config.curve_authorized_keys,
-                                 tier.allow_insecure_tcp)
-        register([tier.endpoint], list(pools), settings)
+        tier.curve = CurveSettings(config.curve_server_key, config.curve_client_key, config.curve_authorized_keys,
+                                   tier.allow_insecure_tcp)
 
 
 def _resolve_metrics_ports(config: NodeConfig) -> None:

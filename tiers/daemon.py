@@ -58,8 +58,9 @@ class TierDaemon:
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
                  lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024,
                  staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
-                 demotion_queue_bytes: int = 256 << 20):
+                 demotion_queue_bytes: int = 256 << 20, curve: Optional[security.CurveSettings] = None):
         self.name = name
+        self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
         self.store = store
         self.endpoint = endpoint
         self.max_page_bytes = max_page_bytes
@@ -110,7 +111,7 @@ class TierDaemon:
         router.setsockopt(zmq.RCVHWM, HWM)
         router.setsockopt(zmq.SNDHWM, HWM)
         try:
-            self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name)
+            self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name, self.curve)
             old_umask = os.umask(0o077)  # no moment where the socket file is open to others
             try:
                 router.bind(self.endpoint)

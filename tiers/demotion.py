@@ -20,6 +20,7 @@ from tiers.buffers import scatter_copy
 from tiers.client import Deadlines, TierClient
 from tiers.logs import RateLimitedLog
 from tiers.store import PageKey
+from tiers.security import CurveSettings
 
 log = logging.getLogger("hicache.demotion")
 _warn = RateLimitedLog(log)
@@ -75,9 +76,11 @@ def should_demote(mode: str, min_reads: int, reads: int) -> bool:
 class DemotionLink:
     """Puts pages into the next tier down, one session per namespace (called from the demotion thread only)."""
 
-    def __init__(self, name: str, endpoint: str, deadlines: Optional[Deadlines] = None):
+    def __init__(self, name: str, endpoint: str, deadlines: Optional[Deadlines] = None,
+                 curve: Optional[CurveSettings] = None):
         self.name = name
         self.endpoint = endpoint
+        self.curve = curve
         self.deadlines = deadlines or Deadlines()
         self._clients: Dict[str, TierClient] = {}
         self._lock = threading.Lock()
@@ -88,7 +91,8 @@ class DemotionLink:
         with self._lock:
             client = self._clients.get(namespace)
             if client is None:
-                client = TierClient(self.name, self.endpoint, namespace, "demotion", self.deadlines)
+                client = TierClient(self.name, self.endpoint, namespace, "demotion", self.deadlines,
+                                    curve=self.curve)
                 self._clients[namespace] = client
             return client
 

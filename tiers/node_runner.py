@@ -59,13 +59,13 @@ class NodeRunner:
         resource.setrlimit(resource.RLIMIT_NOFILE, self.limit_fds)
 
     def wait_ready(self, tier: str, timeout: float = 30.0) -> None:
-        endpoint = self.config.tier(tier).endpoint
+        endpoint, curve = self.config.tier(tier).endpoint, self.config.tier(tier).curve
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             proc = self.procs.get(tier)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"tier {tier} exited with {proc.returncode}; see {self.log_path}")
-            if ping(endpoint, 0.5):
+            if ping(endpoint, 0.5, curve):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"tier {tier} did not answer within {timeout}s; see {self.log_path}")
@@ -107,13 +107,13 @@ class NodeRunner:
         self.stop()
 
 
-def ping(endpoint: str, timeout: float = 0.5) -> bool:
+def ping(endpoint: str, timeout: float = 0.5, curve: Optional[security.CurveSettings] = None) -> bool:
     """True when a daemon answers a hello on endpoint within timeout."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        security.apply_client(sock, endpoint)  # CurveZMQ keys of a tcp:// endpoint that has them
+        security.apply_client(sock, endpoint, curve)  # CurveZMQ keys of a tcp:// endpoint that has them
         sock.connect(endpoint)
         sock.send_multipart([P.request("hello", 1, ns="_ping", client="ping")])
         if not sock.poll(int(timeout * 1000)):

@@ -17,17 +17,16 @@ SGLang backend and the CLI):
 - ``allow_insecure_tcp``: serve tcp:// without CurveZMQ (a closed test network only).
 ``hicache-tiers keys generate DIR`` writes server and client pairs (tiers/cli_keys.py).
 
-Loading a configuration registers its tcp:// endpoints here (``register``),
-so every client and daemon in the process finds the keys for an endpoint
-without new arguments (``client_keys``, ``server_settings``).
+A configuration's tiers carry their settings (``TierConfig.curve``); every
+daemon and client is handed them explicitly, so two configurations in one
+process never see each other's keys.
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import zmq
 
@@ -122,41 +121,11 @@ def load_authorized(directory: str) -> FrozenSet[bytes]:
     return frozenset(keys)
 
 
-# ------------------------------------------------- endpoint -> settings registry
+# ------------------------------------------------------------ client side
 
-_lock = threading.Lock()
-_servers: Dict[str, CurveSettings] = {}  # endpoints this process may serve
-_clients: Dict[str, CurveSettings] = {}  # endpoints this process may connect to
-
-
-def register(served: List[str], reached: List[str], settings: CurveSettings) -> None:
-    """Remember which settings apply to a configuration's tcp:// endpoints."""
-    with _lock:
-        for endpoint in served:
-            if endpoint.startswith("tcp://"):
-                _servers[endpoint] = settings
-        for endpoint in served + reached:
-            if endpoint.startswith("tcp://"):
-                _clients[endpoint] = settings
-
-
-def forget(endpoints: List[str]) -> None:
-    with _lock:
-        for endpoint in endpoints:
-            _servers.pop(endpoint, None)
-            _clients.pop(endpoint, None)
-
-
-def server_settings(endpoint: str) -> CurveSettings:
-    with _lock:
-        return _servers.get(endpoint, CurveSettings())
-
-
-def client_keys(endpoint: str) -> Optional[Tuple[bytes, bytes, bytes]]:
+def client_keys(settings: Optional[CurveSettings], endpoint: str) -> Optional[Tuple[bytes, bytes, bytes]]:
     """(client public, client secret, server public) for a tcp:// endpoint, or None (plain)."""
-    with _lock:
-        settings = _clients.get(endpoint)
-    if settings is None or not settings.enabled or not settings.client_key:
+    if not endpoint.startswith("tcp://") or settings is None or not settings.enabled or not settings.client_key:
         return None
     try:
         public, secret = load_key_file(settings.client_key, need_secret=True)
@@ -168,11 +137,9 @@ def client_keys(endpoint: str) -> Optional[Tuple[bytes, bytes, bytes]]:
     return public, secret, server_public
 
 
-def apply_client(sock: zmq.Socket, endpoint: str) -> None:
+def apply_client(sock: zmq.Socket, endpoint: str, settings: Optional[CurveSettings]) -> None:
     """Set a DEALER's curve options when endpoint is a tcp:// endpoint with keys (before connect)."""
-    if not endpoint.startswith("tcp://"):
-        return
-    keys = client_keys(endpoint)
+    keys = client_keys(settings, endpoint)
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
 
@@ -252,7 +219,8 @@ class ZapHandler:
         self.socket.close(linger=0)
 
 
-def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name: str) -> Optional[ZapHandler]:
+def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name: str,
+                  settings: CurveSettings) -> Optional[ZapHandler]:
     """Make a ROUTER about to bind endpoint a CurveZMQ server; the ZAP handler to poll (None: plain).
 
     ValueError (the daemon then refuses to start) for a tcp:// endpoint without
@@ -260,7 +228,6 @@ def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name:
     """
     if not endpoint.startswith("tcp://"):
         return None
-    settings = server_settings(endpoint)
     if not settings.enabled:
         if settings.allow_insecure_tcp:
             log.warning("tier %s serves %s WITHOUT authentication or encryption (allow_insecure_tcp = true)",

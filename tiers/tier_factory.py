@@ -36,8 +36,9 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     position = [t.name for t in node.tiers].index(tier.name)
     below = node.tiers[position + 1] if position + 1 < len(node.tiers) else None
-    lower = DemotionLink(below.name, below.endpoint) if below is not None else None
+    lower = DemotionLink(below.name, below.endpoint, curve=below.curve) if below is not None else None
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
                       io_threads=io_threads, lower=lower, max_dirty_pages=node.max_dirty_pages,
                       staging_bytes=tier.staging_bytes, max_region_bytes=tier.max_region_bytes,
-                      max_inflight_bytes=tier.max_inflight_bytes, demotion_queue_bytes=node.demotion_queue_bytes)
+                      max_inflight_bytes=tier.max_inflight_bytes, demotion_queue_bytes=node.demotion_queue_bytes,
+                      curve=tier.curve)

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 from tiers import protocol as P
 from tiers.client import Deadlines, TierClient
 from tiers.logs import RateLimitedLog
+from tiers.security import CurveSettings
 
 log = logging.getLogger("hicache.remote.pool_client")
 _warn = RateLimitedLog(log)
@@ -34,7 +35,8 @@ class Grant:
 
 
 class PoolClient:
-    def __init__(self, endpoint: str, namespace: str, timeout: float, retry_max: float, client_name: str = ""):
+    def __init__(self, endpoint: str, namespace: str, timeout: float, retry_max: float, client_name: str = "",
+                 curve: Optional[CurveSettings] = None):
         self.endpoint = endpoint
         self.timeout = timeout
         deadlines = Deadlines(base=timeout, lookup=timeout, margin=min(0.05, timeout / 4),
@@ -43,7 +45,7 @@ class PoolClient:
         self._done: List[int] = []  # read leases to release with the next locate
         self._done_lock = threading.Lock()
         self._client = TierClient(f"pool {endpoint}", endpoint, namespace, client_name=client_name,
-                                  deadlines=deadlines)
+                                  deadlines=deadlines, curve=curve)
 
     def is_down(self) -> bool:
         return self._client.is_down()

@@ -17,6 +17,7 @@ from tiers.config import NodeConfig, TierConfig
 from tiers.daemon import TierDaemon
 from tiers.remote.engine import Engine, EngineConfig
 from tiers.remote.pool import PoolStore
+from tiers.security import CurveSettings
 
 log = logging.getLogger("hicache.remote.pool")
 
@@ -26,9 +27,10 @@ MAX_SANE_PAGE = 1 << 40  # larger is a malformed request, not a page to refuse
 class PoolDaemon(TierDaemon):
     """Serves a PoolStore whose arena is registered with this process's Transfer Engine."""
 
-    def __init__(self, name: str, store: PoolStore, endpoint: str, engine: Engine, max_page_bytes: int):
+    def __init__(self, name: str, store: PoolStore, endpoint: str, engine: Engine, max_page_bytes: int,
+                 curve: Optional[CurveSettings] = None):
         super().__init__(name, store, endpoint, fd_socket=None, max_page_bytes=max_page_bytes, io_threads=1,
-                         staging_bytes=1 << 20)  # no engine attaches to a pool: no staging needed
+                         staging_bytes=1 << 20, curve=curve)  # no engine attaches to a pool: no staging needed
         self.pool: PoolStore = store
         self.engine = engine
         engine.register(store.base, store.capacity)
@@ -115,4 +117,4 @@ def build_pool_daemon(node: NodeConfig, tier: TierConfig) -> PoolDaemon:
     store = PoolStore(tier.capacity, tier.policy, block_size=options["block_size"],
                       max_page_bytes=tier.max_page_bytes, max_lease=options["max_lease_ms"] / 1000.0,
                       prefault=options["prefault"])
-    return PoolDaemon(tier.name, store, tier.endpoint, engine, max_page_bytes=tier.max_page_bytes)
+    return PoolDaemon(tier.name, store, tier.endpoint, engine, max_page_bytes=tier.max_page_bytes, curve=tier.curve)

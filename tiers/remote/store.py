@@ -32,6 +32,7 @@ from tiers.remote.placement import Rendezvous
 from tiers.remote.pool_client import PoolClient
 from tiers.remote.staging import Abandoned, Counters, HostPoolStore, Landing, Registrations, Staging, page_views
 from tiers.store import Buffers, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.security import CurveSettings
 
 log = logging.getLogger("hicache.remote.store")
 
@@ -50,7 +51,8 @@ class RemoteStore(HostPoolStore, PageStore):
                  pool_timeout: float = 0.2, retry_max: float = 2.0, transfer_timeout: float = 1.0,
                  min_bandwidth: float = 100e6, lease_margin: float = 2.0, staging_slots: int = 2,
                  weights: Sequence[float] = (), name: str = "remote", direct_reads: bool = False,
-                 landing_bytes: int = 0, landing_chunk: int = LANDING_CHUNK, abandoned_lease: float = 30.0):
+                 landing_bytes: int = 0, landing_chunk: int = LANDING_CHUNK, abandoned_lease: float = 30.0,
+                 curve: Optional[CurveSettings] = None):
         self.placement = Rendezvous(list(pools), weights)
         self.engine = engine
         self.max_page_bytes = max_page_bytes
@@ -60,6 +62,7 @@ class RemoteStore(HostPoolStore, PageStore):
         self.min_bandwidth = min_bandwidth
         self.lease_margin = lease_margin
         self.name = name
+        self.curve = curve  # CurveZMQ keys for tcp:// pools
         self.direct_reads = direct_reads
         self.abandoned_lease = abandoned_lease  # a write lease outlives its deadline by this, for late bytes
         self._clients: Dict[Tuple[str, str], PoolClient] = {}
@@ -86,7 +89,8 @@ class RemoteStore(HostPoolStore, PageStore):
             with self._lock:
                 client = self._clients.get(key)
                 if client is None:
-                    client = PoolClient(pool, namespace, self.pool_timeout, self.retry_max, client_name=self.name)
+                    client = PoolClient(pool, namespace, self.pool_timeout, self.retry_max, client_name=self.name,
+                                        curve=self.curve)
                     self._clients[key] = client
         return client
 
@@ -446,4 +450,5 @@ class RemoteStore(HostPoolStore, PageStore):
                    pool_timeout=options["pool_timeout_ms"] / 1000.0, retry_max=options["pool_retry_max_ms"] / 1000.0,
                    transfer_timeout=options["transfer_timeout_ms"] / 1000.0,
                    min_bandwidth=float(options["min_bandwidth"]), staging_slots=options["io_threads"],
-                   weights=options["pool_weights"], name=tier.name, direct_reads=options["direct_reads"])
+                   weights=options["pool_weights"], name=tier.name, direct_reads=options["direct_reads"],
+                   curve=tier.curve)
