@@ -54,12 +54,29 @@ from tiers.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE
 
 
 
+def _kind(value: Any, where: str) -> str:
+    from tiers.plugins import store_targets
+    builtin = ("dram", "nvme", "remote", "pool", "mooncake_store")
+    return _choice(*builtin, *sorted(set(store_targets()) - set(builtin)))(value, where)
+
+
+def kind_options(kind: str, where: str = "kind") -> Dict[str, tuple]:
+    """The options a tier kind accepts: the built-ins' tables below, a plug-in's own declaration."""
+    if kind in KIND_OPTIONS:
+        return KIND_OPTIONS[kind]
+    from tiers.plugins import PluginError, store_kind
+    try:
+        return store_kind(kind).options
+    except PluginError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 # Options of each tier kind: key -> (parser, default, help).  The loader
 # rejects keys not listed here, so a typo is an error instead of a silent default.
 COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "name": (_str, None, "tier name, unique on the node (socket and unit instance name)"),
-    "kind": (_choice("dram", "nvme", "remote", "pool", "mooncake_store"), None,
-             "dram, nvme, remote (client of pool daemons), pool (a remote memory pool daemon) or mooncake_store"),
+    "kind": (_kind, None, "dram, nvme, remote (client of pool daemons), pool (a remote memory pool daemon), "
+                          "mooncake_store, or a plug-in's kind (tiers/plugins.py)"),
     "capacity": (parse_size, "1GiB", "bytes the tier may hold"),
     "policy": (_policy, "lru", "eviction policy"),
     "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
@@ -314,7 +331,7 @@ def _parse_tier(table: Any, where: str, node: NodeConfig, problems: _Problems) -
     kind = problems.check(None, COMMON_TIER_OPTIONS["kind"][0], table.get("kind"), f"{where}.kind")
     if kind is None:
         return None
-    specs = {**COMMON_TIER_OPTIONS, **KIND_OPTIONS[kind]}
+    specs = {**COMMON_TIER_OPTIONS, **problems.check({}, kind_options, kind, f"{where}.kind")}
     for key in table:
         if key not in specs:
             problems.append(f"{where}.{key} is not a known key for a {kind} tier; allowed: {', '.join(sorted(specs))}")

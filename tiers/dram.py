@@ -22,6 +22,7 @@ from tiers.fairness import FairShare, bounded_top
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.store import (Buffers, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
                          total_size)
+from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.dram")
 
@@ -282,3 +283,13 @@ class DramStore(PageStore):
         with self._lock:
             self._index.clear()
             self.arena.close()
+
+
+def _build(tier, quotas=None) -> DramStore:
+    return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
+                     max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
+                     quotas=quotas)
+
+
+# The dram kind, as tiers/plugins.py finds it (options: tiers/config.py KIND_OPTIONS["dram"]).
+KIND = StoreKind("dram", _build, description="pages in a sealed memfd arena of fixed blocks")

@@ -1,29 +1,21 @@
-"""Builds the page store and daemon of one configured tier."""
+"""Builds the page store and daemon of one configured tier (kinds come from tiers/plugins.py)."""
 from __future__ import annotations
 
 from tiers.config import NodeConfig, TierConfig
 from tiers.daemon import TierDaemon
 from tiers.demotion import DemotionLink
+from tiers.plugins import store_kind
 from tiers.store import PageStore
 
 
 def build_store(tier: TierConfig, quotas=None) -> PageStore:
-    """The store for a tier's kind, from its configuration."""
-    if tier.kind == "dram":
-        from tiers.dram import DramStore
-        return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
-                         max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
-                         quotas=quotas)
-    if tier.kind == "nvme":
-        from tiers.nvme import NvmeStore
-        return NvmeStore.from_config(tier, quotas)
-    if tier.kind == "remote":
-        from tiers.remote.store import RemoteStore
-        return RemoteStore.from_config(tier)
-    if tier.kind == "mooncake_store":
-        from tiers.remote.mooncake_store import MooncakeStoreTier
-        return MooncakeStoreTier.from_config(tier)
-    raise ValueError(f"tier kind {tier.kind!r} has no store of its own (a pool runs as its daemon)")
+    """The store for a tier's kind, built by the kind's declaration (tiers/plugins.py)."""
+    if tier.kind == "pool":
+        raise ValueError("a pool runs as a daemon of its own, not as a store of a tier daemon")
+    store = store_kind(tier.kind).build(tier, quotas)
+    if not isinstance(store, PageStore):
+        raise TypeError(f"tier kind {tier.kind} built a {type(store).__name__}, not a tiers.store.PageStore")
+    return store
 
 
 def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:

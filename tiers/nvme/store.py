@@ -27,6 +27,7 @@ from tiers.nvme.index import scan
 from tiers.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
 from tiers.nvme.ledger import Entry, Ledger, Victim
 from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
@@ -351,3 +352,7 @@ class NvmeStore(PageStore):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+# The nvme kind, as tiers/plugins.py finds it (options: tiers/config.py KIND_OPTIONS["nvme"]).
+KIND = StoreKind("nvme", NvmeStore.from_config, description="one file per page, checksummed, fsync'd")

@@ -17,7 +17,6 @@ Contract, exercised by tests/test_policies.py for every registered policy:
 """
 from __future__ import annotations
 
-from tiers.policies.base import EvictionPolicy, POLICIES, make_policy, policy_names, register_policy
-from tiers.policies import basic, radix, s3fifo  # noqa: F401  (register lru, lfu, fifo, radix-lru, s3fifo)
+from tiers.policies.base import EvictionPolicy, make_policy, policy_class, policy_names, register_policy
 
-__all__ = ["EvictionPolicy", "POLICIES", "make_policy", "policy_names", "register_policy"]
+__all__ = ["EvictionPolicy", "make_policy", "policy_class", "policy_names", "register_policy"]

@@ -1,11 +1,8 @@
-"""The policy interface and the one registry of policies by name."""
+"""The policy interface every eviction policy implements (found by name through tiers/plugins.py)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Hashable, Optional, Type
-
-POLICIES: Dict[str, Type["EvictionPolicy"]] = {}
-
+from typing import Hashable, Optional, Type
 
 class EvictionPolicy(ABC):
     """Decides eviction order; owns no data and no sizes."""
@@ -36,22 +33,33 @@ class EvictionPolicy(ABC):
 
 
 def register_policy(cls: Type[EvictionPolicy]) -> Type[EvictionPolicy]:
-    """Class decorator: make cls available by its ``name``."""
-    if not cls.name or cls.name in POLICIES:
-        raise ValueError(f"policy name {cls.name!r} is empty or taken")
-    POLICIES[cls.name] = cls
+    """Class decorator for a policy class: checks it names itself.
+
+    Policies are found by name through tiers/plugins.py (the built-ins in
+    BUILTIN_POLICIES, others by entry point), never by import side effects.
+    """
+    if not cls.name or cls.name != cls.name.lower():
+        raise ValueError(f"policy class {cls.__name__} needs a lower-case name, got {cls.name!r}")
     return cls
 
 
 def policy_names() -> list:
-    """Names of every registered policy, sorted."""
-    return sorted(POLICIES)
+    """Names of every installed policy (built-in and plug-in), sorted."""
+    from tiers.plugins import policy_targets
+    return sorted(policy_targets())
+
+
+def policy_class(name: str) -> Type[EvictionPolicy]:
+    """The class installed as name (ValueError naming the choices)."""
+    from tiers.plugins import PluginError, policy_class as load
+    try:
+        return load(name.lower())
+    except PluginError as exc:
+        if "no eviction policy" in str(exc):
+            raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}") from None
+        raise
 
 
 def make_policy(name: str, **options) -> EvictionPolicy:
-    """Build the policy registered as name (ValueError naming the choices)."""
-    try:
-        factory: Callable[..., EvictionPolicy] = POLICIES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}") from None
-    return factory(**options)
+    """Build the policy installed as name (ValueError naming the choices)."""
+    return policy_class(name)(**options)

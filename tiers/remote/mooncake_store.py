@@ -26,6 +26,7 @@ from tiers.buffers import as_bytes_view, scatter_copy
 from tiers.remote.engine import EngineError, address_of
 from tiers.remote.staging import Counters, HostPoolStore, Registrations, Staging, page_views
 from tiers.store import Buffers, PageKey, PageStore, StoreError, StoreIOError, StoreStats, total_size
+from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.remote.mooncake_store")
 
@@ -164,3 +165,8 @@ class MooncakeStoreTier(HostPoolStore, PageStore):
     def close(self) -> None:
         self._staging.close()
         self._client.close()
+
+
+# The mooncake_store kind, as tiers/plugins.py finds it (options: tiers/config.py KIND_OPTIONS).
+KIND = StoreKind("mooncake_store", lambda tier, quotas=None: MooncakeStoreTier.from_config(tier),
+                 description="a Mooncake Store cluster (master and store nodes)")

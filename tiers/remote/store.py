@@ -32,6 +32,7 @@ from tiers.remote.placement import Rendezvous
 from tiers.remote.pool_client import PoolClient
 from tiers.remote.staging import Abandoned, Counters, HostPoolStore, Landing, Registrations, Staging, page_views
 from tiers.store import Buffers, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.plugins import StoreKind
 from tiers.security import CurveSettings
 
 log = logging.getLogger("hicache.remote.store")
@@ -452,3 +453,8 @@ class RemoteStore(HostPoolStore, PageStore):
                    min_bandwidth=float(options["min_bandwidth"]), staging_slots=options["io_threads"],
                    weights=options["pool_weights"], name=tier.name, direct_reads=options["direct_reads"],
                    curve=tier.curve)
+
+
+# The remote kind, as tiers/plugins.py finds it (options: tiers/config.py KIND_OPTIONS["remote"]).
+KIND = StoreKind("remote", lambda tier, quotas=None: RemoteStore.from_config(tier),
+                 description="memory pools of other nodes through the Mooncake Transfer Engine")

@@ -1,0 +1,117 @@
+"""Tier kinds and eviction policies as plug-ins, found by entry point.
+
+A package adds a tier kind or a policy with no change here:
+
+    [project.entry-points."hicache_tiers.stores"]
+    tmpfs = "my_package.tier:KIND"          # a StoreKind
+    [project.entry-points."hicache_tiers.policies"]
+    mru = "my_package.policy:MRUPolicy"     # an EvictionPolicy subclass
+
+and a node configuration then says ``kind = "tmpfs"`` or ``policy = "mru"``.
+The built-ins are declared the same way (``BUILTIN_STORES``,
+``BUILTIN_POLICIES``: the same "module:attribute" strings), and an unknown
+name lists everything installed.  Names are known without importing a
+plug-in; its module is imported the first time a tier or policy of that name
+is built or its options are checked.  ``tiers.testing`` holds the contract
+tests a plug-in runs against itself.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib.metadata import entry_points
+from typing import Any, Callable, Dict, Optional
+
+STORE_GROUP = "hicache_tiers.stores"
+POLICY_GROUP = "hicache_tiers.policies"
+
+# The built-in kinds and policies, as their entry points would name them.
+BUILTIN_STORES = {
+    "dram": "tiers.dram:KIND",
+    "nvme": "tiers.nvme.store:KIND",
+    "remote": "tiers.remote.store:KIND",
+    "mooncake_store": "tiers.remote.mooncake_store:KIND",
+}
+BUILTIN_POLICIES = {
+    "lru": "tiers.policies.basic:LRUPolicy",
+    "fifo": "tiers.policies.basic:FIFOPolicy",
+    "lfu": "tiers.policies.basic:LFUPolicy",
+    "s3fifo": "tiers.policies.s3fifo:S3FIFOPolicy",
+    "radix-lru": "tiers.policies.radix:RadixLRUPolicy",
+}
+
+
+class PluginError(ValueError):
+    """An unknown name (the message lists what is installed) or a plug-in that does not load."""
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """What a tier kind declares: its options and how its store is built.
+
+    ``options``: key -> (parser, default, help), the shape of the built-in
+    kinds' tables in tiers/config.py; a parser takes (value, where) and
+    returns the value or raises tiers.config.ConfigError.  ``build(tier,
+    quotas)`` returns a tiers.store.PageStore for a validated TierConfig.
+    """
+
+    name: str
+    build: Callable[..., Any]
+    options: Dict[str, tuple] = field(default_factory=dict)
+    description: str = ""
+
+
+def _installed(group: str) -> Dict[str, str]:
+    """name -> "module:attribute" of the group's entry points (no import)."""
+    return {ep.name: ep.value for ep in entry_points(group=group)}
+
+
+def store_targets() -> Dict[str, str]:
+    return {**_installed(STORE_GROUP), **BUILTIN_STORES}  # a built-in name cannot be taken over
+
+
+def policy_targets() -> Dict[str, str]:
+    return {**_installed(POLICY_GROUP), **BUILTIN_POLICIES}
+
+
+def _load(target: str, what: str) -> Any:
+    module_name, _, attribute = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attribute.split(".") if attribute else []:
+            obj = getattr(obj, part)
+    except Exception as exc:  # a broken plug-in is named, not a traceback from deep inside it
+        raise PluginError(f"{what} {target!r} does not load: {type(exc).__name__}: {exc}") from None
+    return obj
+
+
+@lru_cache(maxsize=None)
+def store_kind(name: str) -> StoreKind:
+    """The StoreKind registered as name (PluginError listing the installed kinds)."""
+    targets = store_targets()
+    if name not in targets:
+        raise PluginError(f"no tier kind {name!r}; installed: {', '.join(sorted(targets))}, pool")
+    kind = _load(targets[name], f"tier kind {name}")
+    if not isinstance(kind, StoreKind):
+        raise PluginError(f"tier kind {name}: {targets[name]} is a {type(kind).__name__}, not a StoreKind")
+    return kind
+
+
+@lru_cache(maxsize=None)
+def policy_class(name: str) -> type:
+    """The EvictionPolicy class registered as name (PluginError listing the installed policies)."""
+    from tiers.policies.base import EvictionPolicy
+    targets = policy_targets()
+    if name not in targets:
+        raise PluginError(f"no eviction policy {name!r}; installed: {', '.join(sorted(targets))}")
+    cls = _load(targets[name], f"policy {name}")
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise PluginError(f"policy {name}: {targets[name]} is not an EvictionPolicy subclass")
+    return cls
+
+
+def describe(group: Optional[str] = None) -> Dict[str, Dict[str, str]]:
+    """What is installed, for ``hicache-tiers plugins``: group -> name -> target."""
+    out = {STORE_GROUP: store_targets(), POLICY_GROUP: policy_targets()}
+    return {group: out[group]} if group else out
