@@ -1,24 +1,12 @@
 """The eviction-policy contract for every registered policy, and each policy's own order."""
 from __future__ import annotations
 
-import random
-import time
-
 import pytest
 
-from tiers.policies import make_policy, policy_class, policy_names
+from tiers.policies import make_policy, policy_names
+from tiers.testing import PolicyContract, drain
 
 ALL = policy_names()
-
-
-def drain(policy) -> list:
-    """Pop every victim until the policy is empty."""
-    victims = []
-    while True:
-        key = policy.pop_victim()
-        if key is None:
-            return victims
-        victims.append(key)
 
 
 def test_registry_has_the_shared_policies():
@@ -28,88 +16,10 @@ def test_registry_has_the_shared_policies():
         make_policy("nope")
 
 
-@pytest.mark.parametrize("name", ALL)
-class TestContract:
-    def test_empty(self, name):
-        policy = make_policy(name)
-        assert len(policy) == 0
-        assert policy.pop_victim() is None
-        assert "a" not in policy
-        policy.touch("a")
-        policy.remove("a")
-        assert len(policy) == 0
-
-    def test_insert_len_in_and_duplicate(self, name):
-        policy = make_policy(name)
-        for key in range(5):
-            policy.insert(key, parent=key - 1 if key else None)
-        assert len(policy) == 5 and all(k in policy for k in range(5)) and 5 not in policy
-        with pytest.raises(ValueError):
-            policy.insert(3)
-        assert len(policy) == 5
-
-    def test_pop_returns_every_key_once(self, name):
-        policy = make_policy(name)
-        for key in range(50):
-            policy.insert(key, parent=key - 1 if key % 5 else None)
-        for key in range(0, 50, 3):
-            policy.touch(key)
-        victims = drain(policy)
-        assert sorted(victims) == list(range(50))
-        assert len(policy) == 0 and policy.pop_victim() is None
-
-    def test_remove_forgets_without_eviction(self, name):
-        policy = make_policy(name)
-        for key in range(10):
-            policy.insert(key, parent=key - 1 if key else None)  # one chain: removals orphan children
-        policy.remove(4)
-        policy.remove(0)
-        policy.remove(99)
-        assert len(policy) == 8 and 4 not in policy and 0 not in policy
-        assert sorted(drain(policy)) == [1, 2, 3, 5, 6, 7, 8, 9]
-        policy.insert(4)  # a removed key may come back
-        assert policy.pop_victim() == 4
-
-    def test_random_operations_match_a_set(self, name):
-        rng = random.Random(11)
-        policy, model = make_policy(name), set()
-        for _ in range(20_000):
-            op, key = rng.random(), rng.randrange(300)
-            if op < 0.4:
-                if key in model:
-                    with pytest.raises(ValueError):
-                        policy.insert(key)
-                else:
-                    policy.insert(key, parent=rng.choice([None, key - 1, key + 1]))
-                    model.add(key)
-            elif op < 0.7:
-                policy.touch(key)
-            elif op < 0.8:
-                policy.remove(key)
-                model.discard(key)
-            else:
-                victim = policy.pop_victim()
-                assert (victim is None) == (not model)
-                model.discard(victim)
-            assert len(policy) == len(model)
-        assert all(k in policy for k in model)
-        assert sorted(drain(policy)) == sorted(model)
-
-    def test_100k_keys_in_linear_time(self, name):
-        policy = make_policy(name)
-        keys = range(100_000)
-        start = time.perf_counter()
-        for key in keys:
-            policy.insert(key, parent=key - 1 if key % 20 else None)
-        for key in range(0, 100_000, 2):
-            policy.touch(key)
-        for _ in range(50_000):
-            policy.pop_victim()
-        for key in range(100_000, 150_000):
-            policy.insert(key)
-            policy.pop_victim()
-        assert len(policy) == 50_000
-        assert time.perf_counter() - start < 3.0  # ~0.6 s here; the old LFU (a scan per pop) took 5 s
+# The contract every policy satisfies (tiers/testing/policy_contract.py), once per installed policy.
+for _name in ALL:
+    globals()[f"TestContract_{_name.replace('-', '_')}"] = type(
+        f"TestContract_{_name}", (PolicyContract,), {"make_policy": lambda self, n=_name: make_policy(n)})
 
 
 @pytest.mark.parametrize("name, order", [("lru", ["b", "c", "d", "a"]), ("fifo", ["a", "b", "c", "d"])])
@@ -180,8 +90,3 @@ def test_radix_lru_unknown_parent_is_a_root_and_remove_orphans_children():
     policy.remove("p")  # k becomes a root
     policy.insert("p")
     assert drain(policy) == ["x", "k", "p"]
-
-
-def test_every_policy_class_has_a_one_line_summary():
-    for cls in map(policy_class, policy_names()):
-        assert cls.__doc__ and cls.__doc__.strip().splitlines()[0].endswith(".")

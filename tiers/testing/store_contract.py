@@ -1,0 +1,195 @@
+"""The page-store contract: what every tier's store, built-in or plug-in, must satisfy.
+
+A plug-in's tests subclass it and build the store under test:
+
+    from tiers.testing import StoreContract
+
+    class TestTmpfsStore(StoreContract):
+        persistent = True                      # pages survive a reopen
+
+        def make_store(self, path, capacity, policy, max_page_bytes):
+            return TmpfsStore(path, capacity, policy, max_page_bytes)
+
+        def corrupt(self, store, key):         # optional: damage a stored page
+            ...; return True
+
+It checks the rules of tiers/store.py: exact bytes through split buffers,
+misses that are misses, overwrite, the capacity bound, eviction by the
+store's policy (LRU here), per-namespace delete and clear, refusals with
+nothing visible, counters, concurrent calls for stores with ``parallel_io``,
+a restart that keeps pages for persistent stores, and corrupt data read as a
+miss.  The built-ins pass it (tests/test_store_contract.py).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+import pytest
+
+from tiers.store import PageStore, StoreError
+
+
+def page(seed: int, size: int) -> bytes:
+    """Deterministic page bytes (no two seeds alike)."""
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def split(data: bytes, parts: int = 3):
+    """The page as several views, as SGLang's layouts give it (K and V, or one per layer)."""
+    view = memoryview(data)
+    cuts = [len(data) * i // parts for i in range(parts + 1)]
+    return [view[cuts[i]:cuts[i + 1]] for i in range(parts)]
+
+
+def read(store: PageStore, key, size: int) -> Optional[bytes]:
+    """get_into through split buffers; None on a miss."""
+    out = bytearray(size)
+    return bytes(out) if store.get_into(key, split(memoryview(out), 2)) else None
+
+
+class StoreContract:
+    """Subclass as Test...; override make_store (and reopen/corrupt where they apply)."""
+
+    page_bytes = 16 << 10
+    capacity = 64 * (16 << 10)  # room for about 64 pages, less what the store spends per page
+    max_page_bytes = 1 << 20
+    persistent = False  # True: a reopened store still has the pages
+
+    # ------------------------------------------------------------ to override
+    def make_store(self, path: str, capacity: int, policy: str, max_page_bytes: int) -> PageStore:
+        raise NotImplementedError("return the store under test, keeping its data under path")
+
+    def corrupt(self, store: PageStore, key) -> bool:
+        """Damage key's stored bytes behind the store's back; False: this store has nothing to corrupt."""
+        return False
+
+    # ---------------------------------------------------------------- helpers
+    @pytest.fixture
+    def store_path(self, tmp_path) -> str:
+        return str(tmp_path / "store")
+
+    @pytest.fixture
+    def store(self, store_path):
+        store = self.make_store(store_path, self.capacity, "lru", self.max_page_bytes)
+        yield store
+        store.close()
+
+    # ------------------------------------------------------------------ tests
+    def test_is_a_page_store(self, store):
+        assert isinstance(store, PageStore)
+
+    def test_exact_bytes_through_split_buffers(self, store):
+        data = page(1, self.page_bytes)
+        store.put(("ns", "k"), split(data, 3), parent=None)
+        assert read(store, ("ns", "k"), len(data)) == data
+        assert bytes(store.get_bytes(("ns", "k"))) == data
+        assert store.contains([("ns", "k"), ("ns", "other")]) == [True, False]
+        assert store.held("ns", ["k", "other"]) == b"\x01\x00"
+
+    def test_a_miss_is_a_miss(self, store):
+        store.put(("ns", "k"), [memoryview(page(2, self.page_bytes))])
+        assert read(store, ("ns", "absent"), self.page_bytes) is None
+        assert store.get_bytes(("other-ns", "k")) is None  # namespaces never meet
+        assert read(store, ("ns", "k"), self.page_bytes - 1) is None  # another size is a miss, not a short read
+
+    def test_overwrite_replaces(self, store):
+        store.put(("ns", "k"), [memoryview(page(3, self.page_bytes))])
+        store.put(("ns", "k"), [memoryview(page(4, self.page_bytes))])
+        assert read(store, ("ns", "k"), self.page_bytes) == page(4, self.page_bytes)
+        assert store.stats().pages == 1
+
+    def test_capacity_is_a_bound(self, store):
+        for i in range(3 * self.capacity // self.page_bytes):
+            store.put(("ns", f"k{i}"), [memoryview(page(i, self.page_bytes))])
+            stats = store.stats()
+            assert stats.used_bytes <= self.capacity, (i, stats)
+        stats = store.stats()
+        assert stats.evictions > 0
+        held = sum(store.contains([("ns", f"k{i}") for i in range(3 * self.capacity // self.page_bytes)]))
+        assert held == stats.pages and 0 < held <= self.capacity // self.page_bytes
+
+    def test_lru_keeps_what_was_read(self, store):
+        """The store evicts by its policy: with LRU, a page read after every write outlives the rest."""
+        store.put(("ns", "hot"), [memoryview(page(0, self.page_bytes))])
+        i = 0
+        while store.stats().evictions == 0:
+            i += 1
+            assert i < 4 * self.capacity // self.page_bytes, "never evicted: is capacity enforced?"
+            store.put(("ns", f"k{i}"), [memoryview(page(i, self.page_bytes))])
+            assert read(store, ("ns", "hot"), self.page_bytes) == page(0, self.page_bytes)
+        assert store.contains([("ns", "hot"), ("ns", "k1")]) == [True, False]
+
+    def test_delete_and_clear_per_namespace(self, store):
+        for ns in ("a", "b"):
+            for i in range(3):
+                store.put((ns, f"k{i}"), [memoryview(page(i, self.page_bytes))])
+        assert store.delete([("a", "k0"), ("a", "absent")]) == 1
+        assert store.clear("a") == 2
+        assert store.held("a", ["k0", "k1", "k2"]) == b"\x00\x00\x00"
+        assert store.held("b", ["k0", "k1", "k2"]) == b"\x01\x01\x01"
+        assert store.clear() == 3 and store.stats().pages == 0
+
+    def test_a_refused_page_leaves_nothing_visible(self, store):
+        too_big = page(9, self.max_page_bytes + 1)
+        with pytest.raises(StoreError):
+            store.put(("ns", "big"), [memoryview(too_big)])
+        assert store.contains([("ns", "big")]) == [False]
+
+    def test_counters(self, store):
+        store.put(("ns", "k"), [memoryview(page(5, self.page_bytes))])
+        before = store.stats()
+        read(store, ("ns", "k"), self.page_bytes)
+        read(store, ("ns", "absent"), self.page_bytes)
+        after = store.stats()
+        assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
+        assert after.capacity_bytes == self.capacity and after.pages == 1
+
+    def test_concurrent_calls(self, store):
+        if not store.parallel_io:
+            pytest.skip("the daemon calls this store from one thread (parallel_io = False)")
+        errors = []
+
+        def worker(w: int) -> None:
+            try:
+                for i in range(8):
+                    key, data = ("ns", f"w{w}-{i}"), page(100 * w + i, self.page_bytes)
+                    store.put(key, split(data, 2))
+                    got = read(store, key, len(data))
+                    assert got is None or got == data  # evicted by another thread is fine; wrong bytes are not
+            except BaseException as exc:  # collected: a thread's assert is not the test's
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+
+    def test_restart_keeps_pages(self, store, store_path):
+        if not self.persistent:
+            pytest.skip("not a persistent store")
+        data = page(6, self.page_bytes)
+        store.put(("ns", "k"), [memoryview(data)])
+        store.close()
+        again = self.make_store(store_path, self.capacity, "lru", self.max_page_bytes)
+        try:
+            assert read(again, ("ns", "k"), len(data)) == data
+        finally:
+            again.close()
+
+    def test_corrupt_data_is_a_miss(self, store):
+        data = page(7, self.page_bytes)
+        store.put(("ns", "k"), [memoryview(data)])
+        if not self.corrupt(store, ("ns", "k")):
+            pytest.skip("this store keeps nothing a test can corrupt behind its back")
+        assert read(store, ("ns", "k"), len(data)) is None
+        assert store.contains([("ns", "k")]) == [False]
+
+
+def files_under(path: str) -> list:
+    """Every regular file below path (for corrupt hooks of file-backed stores)."""
+    return [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
