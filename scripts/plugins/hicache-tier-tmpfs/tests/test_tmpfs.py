@@ -1,0 +1,34 @@
+"""The example plug-in against hicache-tiers' contract kit: run with pytest from this directory."""
+import os
+
+from hicache_tier_tmpfs.mru import MRUPolicy
+from hicache_tier_tmpfs.store import TmpfsStore, _name
+from tiers.testing import PolicyContract, StoreContract, drain
+
+
+class TestTmpfsStore(StoreContract):
+    persistent = True
+
+    def make_store(self, path, capacity, policy, max_page_bytes):
+        return TmpfsStore(path, capacity, policy, max_page_bytes)
+
+    def corrupt(self, store, key):
+        with open(os.path.join(store.path, _name(key)), "r+b") as fh:
+            fh.seek(-1, 2)
+            last = fh.read(1)
+            fh.seek(-1, 2)
+            fh.write(bytes([last[0] ^ 1]))
+        return True
+
+
+class TestMRUPolicy(PolicyContract):
+    def make_policy(self):
+        return MRUPolicy()
+
+
+def test_mru_evicts_the_most_recent_first():
+    policy = MRUPolicy()
+    for key in "abcd":
+        policy.insert(key)
+    policy.touch("b")
+    assert drain(policy) == ["b", "d", "c", "a"]
