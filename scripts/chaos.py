@@ -61,7 +61,7 @@ class Rank:
     """One SGLang rank: a host pool, the backend from SGLang's factory, the controller's page functions."""
 
     def __init__(self, rank: int, ranks: int, runtime_dir: str, config_path: str):
-        from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, create_backend,
+        from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend,
                                                 make_storage_config)
         self.rank = rank
         self.pool = build_mha_host_pool(layout="page_first", allocator=os.environ.get("CHAOS_ALLOCATOR", "shm"), pages=POOL_PAGES, **SHAPE)
@@ -92,12 +92,12 @@ class Rank:
             setattr(backend, name, counted)
 
     def indices(self, first: int, n: int):
-        from hicache_ext.sglang_harness import host_indices_for_pages
+        from hicache_ext.lab.sglang_harness import host_indices_for_pages
         return host_indices_for_pages(self.pool, first, n)
 
     def fill(self, keys: List[str], first: int) -> None:
         """Write each key's own content into consecutive pages from slot first."""
-        from hicache_ext.sglang_harness import fill_pages
+        from hicache_ext.lab.sglang_harness import fill_pages
         for i, key in enumerate(keys):
             fill_pages(self.pool, self.indices(first + i, 1), key_seed(key))
 
@@ -105,7 +105,7 @@ class Rank:
         """The checksum of key's content, derived from the key alone (scratch slot 2*CHAIN)."""
         value = self._expected.get(key)
         if value is None:
-            from hicache_ext.sglang_harness import page_checksums
+            from hicache_ext.lab.sglang_harness import page_checksums
             slot = 2 * CHAIN
             self.fill([key], slot)
             value = page_checksums(self.pool, self.indices(slot, 1))[0]
@@ -118,7 +118,7 @@ class Rank:
 
     def read(self, keys: List[str]):
         """(pages read, pages whose bytes are not their key's content)."""
-        from hicache_ext.sglang_harness import page_checksums, zero_pages
+        from hicache_ext.lab.sglang_harness import page_checksums, zero_pages
         idx = self.indices(CHAIN, len(keys))
         zero_pages(self.pool, idx)
         done = self.driver.prefetch(keys, idx)
@@ -138,7 +138,7 @@ def key_seed(key: str) -> int:
 
 
 def chain_keys(rank: int, n: int) -> List[str]:
-    from hicache_ext.sglang_harness import make_keys
+    from hicache_ext.lab.sglang_harness import make_keys
     return make_keys(CHAIN, salt=rank * 1_000_003 + n, page_size=SHAPE["page_size"])
 
 
@@ -233,7 +233,7 @@ def run(args) -> dict:
     daemon_log.close()
     # SGLang and torch take ~13 s of CPU to import: once here, then fork the rank processes
     # (no thread runs yet, no ZeroMQ context exists in this process before the fork).
-    import hicache_ext.sglang_harness  # noqa: F401
+    import hicache_ext.lab.sglang_harness  # noqa: F401
     ctx = get_context("fork")
     rng = random.Random(args.seed)
     pipes, procs = [], []

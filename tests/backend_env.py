@@ -1,7 +1,7 @@
 """Build the real backend the way SGLang does, against real daemons (shared by backend tests)."""
 from __future__ import annotations
 
-from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
+from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
                                         host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
 

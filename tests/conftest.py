@@ -1,4 +1,4 @@
-"""Shared fixtures: the SGLang harness (hicache_ext/sglang_harness.py) on small pools."""
+"""Shared fixtures: the SGLang harness (hicache_ext/lab/sglang_harness.py) on small pools."""
 import os
 
 import pytest
@@ -20,7 +20,7 @@ def small_mha_shape():
 @pytest.fixture
 def file_driver(tmp_path):
     """Factory: (pool, **config) -> (backend, PageDriver) over SGLang's file backend in tmp_path."""
-    from hicache_ext import sglang_harness as H
+    from hicache_ext.lab import sglang_harness as H
 
     def make(pool, **config):
         extra = {"file_storage_path": str(tmp_path / "l3"), **config.pop("extra_config", {})}

@@ -8,7 +8,7 @@ import random
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from hicache_ext.sglang_harness import (build_mha_host_pool, create_backend, fill_pages, host_indices_for_pages,
+from hicache_ext.lab.sglang_harness import (build_mha_host_pool, create_backend, fill_pages, host_indices_for_pages,
                                         make_keys, make_storage_config, page_checksums, zero_pages)
 from tests.backend_env import backend_extra
 from tests.nodes import dram_config, start_node

@@ -37,7 +37,7 @@ def test_quick_run_writes_report_json_and_plot(tmp_path):
 
 def test_a_failed_part_exits_non_zero(tmp_path, monkeypatch):
     pytest.importorskip("sglang")
-    from hicache_ext.bench import run as bench_run
+    from hicache_ext.lab.bench import run as bench_run
 
     def broken(figs, args, progress):
         raise RuntimeError("boom")

@@ -2,7 +2,7 @@
 import os
 
 from hicache_ext.engine_stats import RING
-from hicache_ext.sglang_harness import build_mha_host_pool, create_backend, host_indices_for_pages, make_storage_config
+from hicache_ext.lab.sglang_harness import build_mha_host_pool, create_backend, host_indices_for_pages, make_storage_config
 from tests.nodes import rss_bytes
 
 CALLS = 1_000_000

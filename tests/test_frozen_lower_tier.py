@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from hicache_ext.sglang_harness import make_keys
+from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import start_node
 from tiers.client import TierClient

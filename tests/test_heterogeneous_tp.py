@@ -7,7 +7,7 @@ head shard.  Real daemons, real host pools, SGLang's own page functions.
 import pytest
 import torch
 
-from hicache_ext.sglang_harness import make_keys
+from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import module_node
 

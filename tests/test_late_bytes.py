@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from hicache_ext.sglang_harness import fill_pages, page_checksums
+from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
 from tests.backend_env import Engine, make_keys
 from tests.nodes import start_node
 from tiers.node_runner import NodeRunner

@@ -12,7 +12,7 @@ PAGES = 24
 
 def rank_main(rank, runtime_dir, config_path, barrier, results):
     try:
-        from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, build_mla_host_pool, create_backend,
+        from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, build_mla_host_pool, create_backend,
                                                 fill_pages, host_indices_for_pages, make_keys, make_storage_config,
                                                 page_checksums, zero_pages)
         extra = {"backend_name": "hicache_tiers", "module_path": "hicache_ext", "class_name": "TieredHiCacheStorage",

@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from hicache_ext.sglang_harness import make_keys
+from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import start_node
 from tiers import plugins

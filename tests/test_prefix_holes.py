@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hicache_ext.sglang_harness import make_keys, page_bytes
+from hicache_ext.lab.sglang_harness import make_keys, page_bytes
 from tests.backend_env import Engine
 from tests.nodes import start_node
 from tiers.client import TierClient

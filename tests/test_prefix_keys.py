@@ -7,7 +7,7 @@ it is lost to the prefix match.
 """
 import pytest
 
-from hicache_ext.sglang_harness import make_keys
+from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import dram_config, start_node
 

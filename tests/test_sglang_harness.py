@@ -13,7 +13,7 @@ import sglang  # noqa: F401
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
 
-from hicache_ext import sglang_harness as H
+from hicache_ext.lab import sglang_harness as H
 
 LAYOUTS = ["page_first", "layer_first", "page_first_direct"]
 

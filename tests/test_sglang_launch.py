@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCach
 from sglang.srt.server_args import ServerArgs
 
 from hicache_ext.settings import BackendSettings
-from hicache_ext.sglang_harness import build_mha_host_pool, create_backend, make_storage_config
+from hicache_ext.lab.sglang_harness import build_mha_host_pool, create_backend, make_storage_config
 from tests.backend_env import backend_extra
 from tests.nodes import dram_config, module_node
 

@@ -9,7 +9,7 @@ for them; the last test pins that down so a new SGLang cannot change it silently
 """
 import pytest
 
-from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, build_mla_host_pool, create_backend,
+from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, build_mla_host_pool, create_backend,
                                         fill_pages, host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
 from tests.backend_env import backend_extra

@@ -2,7 +2,7 @@
 from sglang.srt.mem_cache.buffer_mode.storage_existence_cache import ChainPagesPolicy, StorageExistenceCache
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName
 
-from hicache_ext.sglang_harness import make_keys, page_checksums
+from hicache_ext.lab.sglang_harness import make_keys, page_checksums
 from tests.backend_env import Engine
 from tests.nodes import module_node
 from tiers.client import TierClient

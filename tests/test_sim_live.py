@@ -9,7 +9,7 @@ import pytest
 
 from test_sim_cli import hand_trace, run as run_cli  # noqa: F401  (hand_trace is a fixture)
 from test_sim_fixtures import HAND_REQUESTS, mooncake_trace
-from tiers.sim import live
+from hicache_ext.lab import live
 from tiers.sim.capacity import Capacity
 from tiers.sim.simulate import leading_run, policy_hits, score
 from tiers.sim.trace import Trace, from_requests

@@ -1,6 +1,6 @@
 """The ``hicache-tiers`` command: run, operate and measure a node's KV-cache tier daemons.
 
-Each module of COMMAND_MODULES exposes ``register(subparsers)``, which adds its
+Each module of COMMAND_MODULES (and of the hicache_tiers.commands entry points) exposes ``register(subparsers)``, which adds its
 parsers and sets ``func`` (args -> exit code).  Exit codes: 0 success, 1 the
 work failed, 2 usage or configuration error.  A command never ends in a
 traceback: argparse errors, unwritable outputs and anything unexpected become
@@ -16,14 +16,13 @@ import sys
 import warnings
 from typing import List, Optional
 
+# The node's own commands; the engine side adds demo and bench by entry point (tiers/plugins.py).
 COMMAND_MODULES = [
     "tiers.cli_serve",
     "tiers.cli_sglang",
     "tiers.cli_ops",
-    "tiers.cli_demo",
     "tiers.cli_experiments",
     "tiers.cli_keys",
-    "tiers.cli_bench",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -72,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hicache-tiers", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.import_module('tiers').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    from tiers.plugins import command_modules
+    for name in COMMAND_MODULES + [m for m in command_modules() if m not in COMMAND_MODULES]:
         importlib.import_module(name).register(sub)
     return parser
 

@@ -114,7 +114,12 @@ def cmd_replay_live(args: argparse.Namespace, trace, policies: list, capacities:
 
     from tqdm import tqdm
 
-    from tiers.sim import live
+    from tiers.plugins import PluginError, lab
+    try:
+        live = lab("live")
+    except PluginError as exc:
+        print(f"replay --live: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
     if args.bench:
         print("replay: --bench measures the simulator; it does not combine with --live", file=sys.stderr)

@@ -20,11 +20,15 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib.metadata import entry_points
-from typing import Any, Callable, Dict, Optional
+from importlib.metadata import distributions
+from typing import Any, Callable, Dict, List, Optional
 
 STORE_GROUP = "hicache_tiers.stores"
 POLICY_GROUP = "hicache_tiers.policies"
+# The engine side adds its commands (demo, bench) and replay's --live runner this way, so the
+# node side never imports it (import-linter checks that; pyproject.toml declares them).
+COMMAND_GROUP = "hicache_tiers.commands"
+LAB_GROUP = "hicache_tiers.lab"
 
 # The built-in kinds and policies, as their entry points would name them.
 BUILTIN_STORES = {
@@ -63,8 +67,17 @@ class StoreKind:
 
 
 def _installed(group: str) -> Dict[str, str]:
-    """name -> "module:attribute" of the group's entry points (no import)."""
-    return {ep.name: ep.value for ep in entry_points(group=group)}
+    """name -> "module:attribute" of the group's entry points (no import).
+
+    Every distribution on the path is read, not only the first of each name:
+    a stale ``*.egg-info`` in a source checkout (the current directory comes
+    first on sys.path) would otherwise hide the installed metadata.
+    """
+    found: Dict[str, str] = {}
+    for dist in distributions():
+        for ep in dist.entry_points.select(group=group):
+            found.setdefault(ep.name, ep.value)
+    return found
 
 
 def store_targets() -> Dict[str, str]:
@@ -109,6 +122,19 @@ def policy_class(name: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise PluginError(f"policy {name}: {targets[name]} is not an EvictionPolicy subclass")
     return cls
+
+
+def command_modules() -> List[str]:
+    """Modules of the installed extra commands (each has register(subparsers)), by command name."""
+    return [value for _, value in sorted(_installed(COMMAND_GROUP).items())]
+
+
+def lab(name: str) -> Any:
+    """A module the engine side installs (e.g. "live"); PluginError saying what to install when absent."""
+    targets = _installed(LAB_GROUP)
+    if name not in targets:
+        raise PluginError(f"{name} needs the SGLang side of hicache-tiers (scripts/install.sh without --no-engine)")
+    return _load(targets[name], name)
 
 
 def describe(group: Optional[str] = None) -> Dict[str, Dict[str, str]]:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
+from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
                                         host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
 from tiers.config import DEFAULT_CONFIG_TOML

@@ -5,7 +5,7 @@ import os
 import shutil
 from typing import List, Optional
 
-from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
+from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
                                         host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
 from tiers.node_runner import NodeRunner

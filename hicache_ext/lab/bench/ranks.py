@@ -1,6 +1,6 @@
 """1, 2 and 4 concurrent rank processes on one DRAM tier: aggregate write and read GB/s.
 
-Each rank is its own process (``python -m hicache_ext.bench.ranks``) with its
+Each rank is its own process (``python -m hicache_ext.lab.bench.ranks``) with its
 own host pool and backend (TP rank i of N, so its own namespace).  The parent
 releases every rank at once for each step and takes the slowest rank's time.
 """
@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from hicache_ext.bench.rig import MiB, Node, node_toml, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, node_toml, tier_toml
 from tiers.bench.stats import Figures, Progress, gbps
 
 RANK_COUNTS = (1, 2, 4)
@@ -29,7 +29,7 @@ def run_ranks(figs: Figures, args, progress: Progress) -> None:
             spec = {"runtime_dir": node.runner.runtime_dir, "config": node.runner.config_path, "pages": pages,
                     "tp_size": n}
             logs = [os.path.join(args.work_dir, f"rank{n}-{i}.log") for i in range(n)]
-            procs = [subprocess.Popen([sys.executable, "-m", "hicache_ext.bench.ranks", json.dumps({**spec, "tp_rank": i})],
+            procs = [subprocess.Popen([sys.executable, "-m", "hicache_ext.lab.bench.ranks", json.dumps({**spec, "tp_rank": i})],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       stderr=open(log, "wb")) for i, log in enumerate(logs)]
             try:
@@ -71,7 +71,7 @@ def _worker(spec: dict) -> int:
     import time
     from types import SimpleNamespace
 
-    from hicache_ext.bench.rig import Rank
+    from hicache_ext.lab.bench.rig import Rank
     node = SimpleNamespace(runner=SimpleNamespace(runtime_dir=spec["runtime_dir"], config_path=spec["config"]))
     rank = Rank.tiered(node, PAGE_MIB, spec["pages"], tp_rank=spec["tp_rank"], tp_size=spec["tp_size"])
     rank.write(rank.keys(99))

@@ -3,7 +3,7 @@
 Used by the tests, ``hicache-tiers demo`` and the benchmarks.  Public API:
 - ``build_mha_host_pool(layout, allocator, layers, kv_heads, head_dim, dtype, page_size, pages)``
   and ``build_mla_host_pool(layout, allocator, layers, kv_lora_rank, qk_rope_head_dim, dtype,
-  page_size, pages)``: real host pools (hicache_ext/sglang_pools.py says how).
+  page_size, pages)``: real host pools (hicache_ext/lab/sglang_pools.py says how).
 - ``make_storage_config(tp_rank, tp_size, model_name, is_mla, layout, extra_config, pp_rank,
   pp_size)``: a real ``HiCacheStorageConfig``; extra_config goes through SGLang's own parser,
   which pops prefetch_threshold, prefetch_timeout_*, hicache_storage_pass_prefix_keys.
@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_e
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-from hicache_ext.sglang_pools import (  # noqa: F401  (re-exported API)
+from hicache_ext.lab.sglang_pools import (  # noqa: F401  (re-exported API)
     build_mha_host_pool,
     build_mla_host_pool,
     chain_keys,

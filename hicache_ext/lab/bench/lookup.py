@@ -5,7 +5,7 @@ import os
 import threading
 import time
 
-from hicache_ext.bench.rig import MiB, Node, Rank, node_toml, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, node_toml, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, percentile
 

@@ -1,4 +1,4 @@
-"""``bench``: limits, peers and this project measured in one run (registration only; the work is in hicache_ext.bench)."""
+"""``bench``: limits, peers and this project measured in one run (registration only; the work is in hicache_ext.lab.bench)."""
 from __future__ import annotations
 
 import argparse
@@ -58,5 +58,5 @@ def _run(args) -> int:
         print("bench: --pages and --repeat must be positive")
         return 2
     args.work_dir = args.work_dir or f"/var/tmp/hicache-bench-{os.getpid()}"
-    from hicache_ext.bench.run import run  # torch and sglang load only here
+    from hicache_ext.lab.bench.run import run  # torch and sglang load only here
     return run(args)

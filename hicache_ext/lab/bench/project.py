@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, Optional
 
-from hicache_ext.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, gbps, timed
 from tiers.remote.loopback import free_ports, pool_config

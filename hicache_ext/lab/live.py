@@ -83,7 +83,7 @@ class LiveEngine:
 
     def __init__(self, runtime_dir: str, config_path: Optional[str], pages: int, shape: Optional[dict] = None,
                  model: str = LIVE_MODEL, deadline_s: float = 30.0):
-        from hicache_ext.sglang_harness import (PageDriver, build_mha_host_pool, create_backend,
+        from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend,
                                                 host_indices_for_pages, make_storage_config)
         shape = dict(LIVE_SHAPE if shape is None else shape)
         self.pool = build_mha_host_pool(layout="page_first", allocator="shm", pages=max(pages, 1), **shape)
@@ -318,7 +318,7 @@ def replay_points(points: Sequence[Tuple[Trace, str, Capacity]], flat: bool = Fa
             runners = make_runners([(p, c.blocks) for _, p, c in chunk], os.path.join(base, str(first)), size)
             try:
                 started = [pool.submit(r.start) for r in runners]
-                importlib.import_module("hicache_ext.sglang_harness")  # meanwhile: seconds of SGLang imports
+                importlib.import_module("hicache_ext.lab.sglang_harness")  # meanwhile: seconds of SGLang imports
                 for future in started:
                     if future.exception() is not None:
                         raise LiveError(f"a live node did not start: {future.exception()}")

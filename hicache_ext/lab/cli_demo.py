@@ -1,4 +1,4 @@
-"""``demo``: the main job on one machine, no GPU needed (registration only; the work is in hicache_ext.demo)."""
+"""``demo``: the main job on one machine, no GPU needed (registration only; the work is in hicache_ext.lab.demo)."""
 from __future__ import annotations
 
 from tiers.cli import positive_int
@@ -31,5 +31,5 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from hicache_ext.demo import run_demo  # torch and sglang load only here
+    from hicache_ext.lab.demo import run_demo  # torch and sglang load only here
     return run_demo(args)

@@ -7,8 +7,8 @@ import shutil
 import subprocess
 import time
 
-from hicache_ext.bench.project import measure
-from hicache_ext.bench.rig import MiB, Rank
+from hicache_ext.lab.bench.project import measure
+from hicache_ext.lab.bench.rig import MiB, Rank
 from tiers.bench.stats import Figures, Progress
 from tiers.remote.loopback import free_ports
 

@@ -19,7 +19,7 @@ PARTS = ONCE[:2] + PER_SIZE + ONCE[2:]
 
 
 def _runner(part: str):
-    from hicache_ext.bench import lookup, peers, project, ranks
+    from hicache_ext.lab.bench import lookup, peers, project, ranks
     return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
             "dram": project.run_dram, "nvme": project.run_nvme, "remote": project.run_remote,
             "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
