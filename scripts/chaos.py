@@ -227,24 +227,24 @@ def run(args) -> dict:
                         log_level="warning")
     args.runtime_dir, args.config = runner.runtime_dir, runner.config_path
     t0 = time.time()
-    daemon_log = open(runner.log_path, "ab")
-    for name in tiers:  # started now, waited for after the ranks are up
-        runner.procs[name] = subprocess.Popen(runner.command(name), stdout=daemon_log, stderr=daemon_log)
-    daemon_log.close()
-    # SGLang and torch take ~13 s of CPU to import: once here, then fork the rank processes
-    # (no thread runs yet, no ZeroMQ context exists in this process before the fork).
-    import hicache_ext.lab.sglang_harness  # noqa: F401
-    ctx = get_context("fork")
-    rng = random.Random(args.seed)
     pipes, procs = [], []
-    for r in range(args.ranks):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=run_rank, args=(args, r, child, os.path.join(work, f"rank{r}.log")), daemon=True)
-        proc.start()
-        child.close()
-        pipes.append(parent)
-        procs.append(proc)
-    try:
+    try:  # from the first daemon on: whatever fails below, every process started here is stopped
+        daemon_log = open(runner.log_path, "ab")
+        for name in tiers:  # started now, waited for after the ranks are up
+            runner.procs[name] = subprocess.Popen(runner.command(name), stdout=daemon_log, stderr=daemon_log)
+        daemon_log.close()
+        # SGLang and torch take ~13 s of CPU to import: once here, then fork the rank processes
+        # (no thread runs yet, no ZeroMQ context exists in this process before the fork).
+        import hicache_ext.lab.sglang_harness  # noqa: F401
+        ctx = get_context("fork")
+        rng = random.Random(args.seed)
+        for r in range(args.ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=run_rank, args=(args, r, child, os.path.join(work, f"rank{r}.log")), daemon=True)
+            proc.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(proc)
         for name in tiers:
             runner.wait_ready(name)
         for pipe in pipes:

@@ -150,14 +150,14 @@ def run(args) -> dict:
 
     work = args.workdir or tempfile.mkdtemp(prefix="hicache-load-")
     runner = NodeRunner(node_config(), os.path.join(work, "run"), os.path.join(work, "data"))
-    runner.start()
-    endpoints = {t.name: t.endpoint for t in runner.config.tiers}
-    pids = {name: runner.pid(name) for name in endpoints}
-    ctx = get_context("fork")
-    started = time.time() + 1.0  # the clients start together
-    until = started + args.seconds
+    runner.start()  # stops what it started if it fails
     pipes, procs = [], []
     try:
+        endpoints = {t.name: t.endpoint for t in runner.config.tiers}
+        pids = {name: runner.pid(name) for name in endpoints}
+        ctx = get_context("fork")
+        started = time.time() + 1.0  # the clients start together
+        until = started + args.seconds
         for i in range(args.clients):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=client_main, args=(i, endpoints, args.keys, until, args.seed, child), daemon=True)

@@ -1,7 +1,46 @@
-"""Shared fixtures: the SGLang harness (hicache_ext/lab/sglang_harness.py) on small pools."""
+"""Shared fixtures: the SGLang harness (hicache_ext/lab/sglang_harness.py) on small pools.
+
+The daemon-only suite: with only the node's dependencies installed (``pip install
+-e .[test]``, no torch or sglang), the engine-side test modules are left out and
+named at the end of the run.  A module is engine-side when it imports torch,
+sglang, hicache_ext or tests.backend_env, or says ``ENGINE_SIDE = True`` (it runs
+the engine in a subprocess).
+"""
+import ast
+import importlib.util
 import os
 
 import pytest
+
+ENGINE_MODULES = ("torch", "sglang", "hicache_ext", "tests.backend_env")
+HAVE_ENGINE = all(importlib.util.find_spec(m) is not None for m in ("torch", "sglang"))
+
+
+def _engine_side(path: str) -> bool:
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(n == m or n.startswith(m + ".") for n in names for m in ENGINE_MODULES):
+            return True
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "ENGINE_SIDE" for t in node.targets)
+                and getattr(node.value, "value", False) is True):
+            return True
+    return False
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE_SIDE_MODULES = sorted(f for f in os.listdir(_HERE) if f.startswith("test_") and f.endswith(".py")
+                             and _engine_side(os.path.join(_HERE, f)))
+collect_ignore = [] if HAVE_ENGINE else list(ENGINE_SIDE_MODULES)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if collect_ignore:
+        terminalreporter.write_line(
+            f"daemon-only run: {len(collect_ignore)} engine-side modules not run (torch and sglang are not "
+            f"installed; scripts/install.sh installs them): {', '.join(collect_ignore)}")
 
 # The Transfer Engine logs through glog at INFO to the terminal (fd 2), past pytest's
 # capture when an engine is torn down between tests; warnings and errors still show.

@@ -15,6 +15,8 @@ from tiers import protocol as P
 from tiers.buffers import address_of
 from tiers.client import Deadlines, TierClient
 
+ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Deadlines(base=1.0, lookup=0.5, connect_wait=0.1, backoff_min=0.05, backoff_max=0.2)
 

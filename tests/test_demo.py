@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
+
 SMALL_NODE = """
 [[tiers]]
 name = "dram"

@@ -11,7 +11,6 @@ class TestDramStore(StoreContract):
 
 
 class TestNvmeStore(StoreContract):
-    persistent = True
     capacity = 64 * (20 << 10)  # on-disk bytes: each page also carries a 4 KiB header
 
     def make_store(self, path, capacity, policy, max_page_bytes):

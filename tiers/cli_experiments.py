@@ -5,13 +5,12 @@ import argparse
 import json
 import sys
 
-from tiers.cli import output_file, positive_int
+from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, output_file, positive_int
 from tiers.policies import policy_names
 from tiers.sim.capacity import DEFAULT_CAPACITIES, SYNTAX, parse_capacities
 from tiers.sim import prefill
 from tiers.sim.prefill import PRESETS, ModelShape, PrefillModel
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 REPLAY_HELP = """\
 Replay Mooncake request traces (JSONL: timestamp, input_length, output_length,

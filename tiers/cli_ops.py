@@ -14,13 +14,13 @@ import shutil
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from tiers.cli_serve import add_config_args, config_from_args, config_path
 from tiers.client import Deadlines, TierClient
 from tiers.config import NODE_KEYS, ConfigError, NodeConfig, TierConfig, load_config, parse_size
 from tiers.daemon import ADMIN_NAMESPACE
 from tiers.logs import setup_logging
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SIZE_KEYS = ("capacity", "max_page_bytes", "block_size")
 
 

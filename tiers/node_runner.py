@@ -51,8 +51,12 @@ class NodeRunner:
                                                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                                 preexec_fn=self._limits if self.limit_fds else None)
         log.close()
-        for name in names:
-            self.wait_ready(name, timeout)
+        try:
+            for name in names:
+                self.wait_ready(name, timeout)
+        except BaseException:
+            self.kill(tier)  # a start that fails leaves no daemon behind
+            raise
 
     def _limits(self) -> None:
         import resource

@@ -87,6 +87,7 @@ class PageStore(ABC):
 
     parallel_io = False  # True: the daemon may call get/put from a thread pool
     batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
+    persistent = False  # True: pages survive a restart of the daemon (a store built on the same path finds them)
 
     @abstractmethod
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:

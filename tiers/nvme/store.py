@@ -39,6 +39,7 @@ class NvmeStore(PageStore):
     """Chunk files under a directory; capacity counts on-disk bytes (header + payload)."""
 
     parallel_io = True
+    persistent = True  # the index is rebuilt from the chunk files at start
 
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,

@@ -5,8 +5,6 @@ A plug-in's tests subclass it and build the store under test:
     from tiers.testing import StoreContract
 
     class TestTmpfsStore(StoreContract):
-        persistent = True                      # pages survive a reopen
-
         def make_store(self, path, capacity, policy, max_page_bytes):
             return TmpfsStore(path, capacity, policy, max_page_bytes)
 
@@ -56,7 +54,7 @@ class StoreContract:
     page_bytes = 16 << 10
     capacity = 64 * (16 << 10)  # room for about 64 pages, less what the store spends per page
     max_page_bytes = 1 << 20
-    persistent = False  # True: a reopened store still has the pages
+    persistent: Optional[bool] = None  # None: what the store declares (PageStore.persistent)
 
     # ------------------------------------------------------------ to override
     def make_store(self, path: str, capacity: int, policy: str, max_page_bytes: int) -> PageStore:
@@ -170,7 +168,7 @@ class StoreContract:
         assert not errors, errors[0]
 
     def test_restart_keeps_pages(self, store, store_path):
-        if not self.persistent:
+        if not (store.persistent if self.persistent is None else self.persistent):
             pytest.skip("not a persistent store")
         data = page(6, self.page_bytes)
         store.put(("ns", "k"), [memoryview(data)])

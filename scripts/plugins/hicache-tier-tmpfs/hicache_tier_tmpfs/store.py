@@ -29,6 +29,7 @@ def _name(key: PageKey) -> str:
 
 
 class TmpfsStore(PageStore):
+    persistent = True  # the index is rebuilt from the directory at start
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20):
         self.path, self.capacity, self.max_page_bytes = path, capacity, max_page_bytes
         self.policy = make_policy(policy)

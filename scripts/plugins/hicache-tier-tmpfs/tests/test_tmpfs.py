@@ -7,7 +7,6 @@ from tiers.testing import PolicyContract, StoreContract, drain
 
 
 class TestTmpfsStore(StoreContract):
-    persistent = True
 
     def make_store(self, path, capacity, policy, max_page_bytes):
         return TmpfsStore(path, capacity, policy, max_page_bytes)
