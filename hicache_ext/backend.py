@@ -227,7 +227,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         contiguous = [v.contiguous() for v in values]  # keep alive until sent
         pages = [[_tensor_view(v)] for v in contiguous]
-        stored = self._router.write_buffers(list(keys), pages)
+        stored = self._router.write_buffers(list(keys), pages, _parents(list(keys), None))
         self.transfer_stats.record(True, stored, pages[0][0].nbytes if pages else 0, started)
         return all(stored)
 

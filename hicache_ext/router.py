@@ -74,22 +74,29 @@ class TierRouter:
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
         return self._acknowledged(len(batch.keys), lambda client: self._put(client, batch, parents, mode=self._mode))
 
-    def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
-             promote: bool = False) -> List[bool]:
+    def _put_fields(self, mode: str, promote: bool = False) -> dict:
+        """What the daemon is told with a put: demote later or not, and the selective threshold."""
         extra = {"mode": mode}
         if mode == "selective":
             extra["min_reads"] = self.selective_min_reads
         if promote:
             extra["promote"] = True
+        return extra
+
+    def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
+             promote: bool = False) -> List[bool]:
+        extra = self._put_fields(mode, promote)
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
             return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)
         return client.put_frames(batch.keys, batch.views(), batch.nbytes, parents, **extra)
 
-    def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
-        """Legacy path: pages given as buffers of this process."""
+    def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]],
+                      parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        """Legacy path: pages given as buffers of this process (same policy fields and parents as write)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        return self._acknowledged(len(keys), lambda client: client.put_frames(keys, pages, nbytes, mode=self._mode))
+        extra = self._put_fields(self._mode)
+        return self._acknowledged(len(keys), lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
 
     # ---------------------------------------------------------------- reads
     def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]],

@@ -47,16 +47,7 @@ from tiers.remote.engine import Engine, EngineConfig, address_of  # noqa: E402
 from tiers.remote.loopback import free_ports, pool_config, remote_node_config  # noqa: E402
 from tiers.remote.pool_client import PoolClient  # noqa: E402
 from tiers.remote.store import RemoteStore  # noqa: E402
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from tiers.bench.stats import gbps, timed  # noqa: E402
 
 
 class InProcess:

@@ -28,6 +28,7 @@ import tempfile
 import time
 from multiprocessing import get_context
 from typing import Dict, List
+from tiers.bench.stats import percentile  # noqa: E402  (q in 0..100, nearest rank)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -140,11 +141,6 @@ def vm_rss(pid: int) -> int:
     return fields.get("VmRSS:", 0) - fields.get("RssShmem:", 0)
 
 
-def percentile(values: List[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * q))] if values else 0.0
-
-
 def run(args) -> dict:
     from tiers.node_runner import NodeRunner
 
@@ -223,8 +219,9 @@ def summarize(args, ops, rss, wrong, started, stats) -> dict:
     latency = {}
     for op in ("lookup", "read", "write"):
         took = [t * 1000 for _e, o, _ok, t in ops if o == op]
-        latency[op] = {"count": len(took), "p50_ms": round(percentile(took, 0.5), 2),
-                       "p99_ms": round(percentile(took, 0.99), 2), "max_ms": round(max(took, default=0), 2)}
+        latency[op] = {"count": len(took), "p50_ms": round(percentile(took, 50), 2) if took else 0.0,
+                       "p99_ms": round(percentile(took, 99), 2) if took else 0.0,
+                       "max_ms": round(max(took, default=0), 2)}
     warm = max(1, len(next(iter(rss.values()))) // 4)
     growth = {name: (series[-1] - series[warm]) if len(series) > warm else 0 for name, series in rss.items()}
     summary = {

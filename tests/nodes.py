@@ -56,6 +56,18 @@ class RawPeer:
         self.sock.close(linger=0)
 
 
+def eventually(check, within: float = 10.0, step: float = 0.05):
+    """check() until it is truthy or within seconds pass; its last value (truthy on success)."""
+    import time
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(step)
+    return check()
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory (VmRSS), for memory-bound checks."""
     with open(f"/proc/{pid}/status") as fh:

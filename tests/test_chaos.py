@@ -8,9 +8,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 
-from tests.nodes import start_node
+from tests.nodes import eventually, start_node
 from tiers import protocol as P
 from tiers.buffers import address_of
 from tiers.client import Deadlines, TierClient
@@ -36,16 +35,6 @@ kind = "nvme"
 capacity = "64MiB"
 fsync = true
 """
-
-
-def eventually(check, within: float = 10.0):
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    return check()
 
 
 def test_region_transfers_recover_after_a_restart_without_a_lookup(tmp_path):

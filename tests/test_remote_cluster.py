@@ -18,6 +18,7 @@ from tiers.client import Deadlines, TierClient
 from tiers.node_runner import NodeRunner
 from tiers.remote.placement import Rendezvous
 from tiers.remote.loopback import free_ports, pool_config, pool_endpoints, remote_node_config
+from tests.nodes import eventually
 
 PAGE = 256 << 10
 HOST_POOL = 32 << 20  # 128 pages: writes from slot 0, reads into slot 64 on
@@ -186,15 +187,6 @@ def test_a_lost_pool_costs_only_its_keys_and_rejoins(cluster, fault):
     found, got = b.get(back)
     assert found == [True] * len(back)
     assert got == [page(s) for s in seeds]
-
-
-def eventually(check, within: float = 10.0) -> bool:
-    end = time.monotonic() + within
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.mark.parametrize("fields, code", [

@@ -22,6 +22,7 @@ from tiers.node_runner import NodeRunner
 from tiers.remote.engine import Engine, EngineConfig, address_of
 from tiers.remote.loopback import free_ports, pool_config
 from tiers.remote.store import RemoteStore
+from tests.nodes import eventually
 
 PAGE = 1 << 20
 PAGES = 16  # host pool: pages written from slots 0-7, read into slots 8-15
@@ -30,15 +31,6 @@ MARKER = b"\xa5"
 
 def page(seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
-
-
-def eventually(check, within: float = 10.0, step: float = 0.05) -> bool:
-    end = time.monotonic() + within
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(step)
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -114,15 +114,20 @@ def test_write_back_reaches_nvme_on_eviction_and_on_graceful_stop(make_node):
         engine.close()
 
 
-def test_selective_writes_only_hot_pages_below(make_node):
+@pytest.mark.parametrize("interface_v1", [True, False], ids=["zero-copy", "legacy"])
+def test_selective_writes_only_hot_pages_below(make_node, interface_v1):
+    """Both controller paths carry the policy's threshold (3 reads here, not the daemon's default 2):
+    the legacy path used to drop it, and the parents with it."""
     runner = make_node(dram_pages=8)
-    engine = Engine(runner, write_policy="selective", selective_min_reads=2, model="sel")
+    engine = Engine(runner, write_policy="selective", selective_min_reads=3, model=f"sel-{interface_v1}",
+                    interface_v1=interface_v1)
     try:
         cold_and_hot = make_keys(8, salt=3, page_size=16)
         assert engine.write(cold_and_hot, 0, seed=3)[0] == 8
-        hot = cold_and_hot[:3]
+        for _ in range(3):
+            assert engine.read(cold_and_hot[:3], 10)[0] == 3  # hot: read 3 times
         for _ in range(2):
-            assert engine.read(hot, 10)[0] == 3
+            assert engine.read(cold_and_hot[:5], 10)[0] == 5  # 3 and 4: read only twice
         assert nvme_held(runner, engine, cold_and_hot) == [False] * 8  # nothing below yet
         newer = make_keys(8, salt=4, page_size=16)
         assert engine.write(newer, 0, seed=4)[0] == 8  # evicts all of the first 8
