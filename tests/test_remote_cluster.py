@@ -12,6 +12,9 @@ import time
 import numpy as np
 import pytest
 
+# Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
+pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
+
 from tiers import protocol as P
 from tiers.buffers import address_of
 from tiers.client import Deadlines, TierClient

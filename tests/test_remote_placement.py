@@ -60,6 +60,7 @@ require_rdma = true
 
 
 def test_a_pool_that_requires_rdma_fails_loudly_without_it(tmp_path):
+    pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
     (port,) = free_ports(1)
     config = pool_config([port], capacity="8MiB") + 'protocol = "rdma"\nrequire_rdma = true\n'
     runner = NodeRunner(config, str(tmp_path / "run"), str(tmp_path / "data"))

@@ -18,6 +18,9 @@ import time
 import numpy as np
 import pytest
 
+# Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
+pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
+
 from tiers.node_runner import NodeRunner
 from tiers.remote.engine import Engine, EngineConfig, address_of
 from tiers.remote.loopback import free_ports, pool_config
