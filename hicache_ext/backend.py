@@ -27,10 +27,10 @@ from hicache_ext.host_pool import HostPoolView
 from hicache_ext.hybrid import empty_result, pool_hit_result
 from hicache_ext.router import TierRouter
 from hicache_ext.settings import BackendSettings, derive_namespace
-from tiers import protocol as P
-from tiers.client import Deadlines, TierClient
-from tiers.config import load_config
-from tiers.logs import RateLimitedLog
+from tiers.wire import protocol as P
+from tiers.wire.client import Deadlines, TierClient
+from tiers.ops.config import load_config
+from tiers.ops.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)

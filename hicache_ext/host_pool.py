@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tiers import protocol as P
+from tiers.wire import protocol as P
 
 log = logging.getLogger("hicache.backend")
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
-from tiers import protocol as P
+from tiers.wire import protocol as P
 
 
 def pool_hit_result(kv_held: bytes, transfers: Sequence[PoolTransfer],

@@ -15,9 +15,9 @@ import logging
 from typing import Callable, List, Optional, Sequence
 
 from hicache_ext.host_pool import PageBatch
-from tiers import protocol as P
-from tiers.buffers import scatter_copy
-from tiers.client import TierClient, lookup_all
+from tiers.wire import protocol as P
+from tiers.node.buffers import scatter_copy
+from tiers.wire.client import TierClient, lookup_all
 
 log = logging.getLogger("hicache.backend")
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from tiers.config import WRITE_POLICIES
+from tiers.ops.config import WRITE_POLICIES
 
 log = logging.getLogger("hicache.backend")
 

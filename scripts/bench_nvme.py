@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tiers.nvme import NvmeStore  # noqa: E402
-from tiers.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all, read_header  # noqa: E402
-from tiers.nvme.codec import Codec  # noqa: E402
+from tiers.stores.nvme import NvmeStore  # noqa: E402
+from tiers.stores.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all, read_header  # noqa: E402
+from tiers.stores.nvme.codec import Codec  # noqa: E402
 
 REGIONS = 2  # a page_first page is a K region and a V region
 

@@ -39,14 +39,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tiers import protocol as P  # noqa: E402
-from tiers.buffers import scatter_copy  # noqa: E402
-from tiers.client import Deadlines, TierClient  # noqa: E402
-from tiers.node_runner import NodeRunner  # noqa: E402
-from tiers.remote.engine import Engine, EngineConfig, address_of  # noqa: E402
-from tiers.remote.loopback import free_ports, pool_config, remote_node_config  # noqa: E402
-from tiers.remote.pool_client import PoolClient  # noqa: E402
-from tiers.remote.store import RemoteStore  # noqa: E402
+from tiers.wire import protocol as P  # noqa: E402
+from tiers.node.buffers import scatter_copy  # noqa: E402
+from tiers.wire.client import Deadlines, TierClient  # noqa: E402
+from tiers.ops.node_runner import NodeRunner  # noqa: E402
+from tiers.stores.remote.engine import Engine, EngineConfig, address_of  # noqa: E402
+from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config  # noqa: E402
+from tiers.stores.remote.pool_client import PoolClient  # noqa: E402
+from tiers.stores.remote.store import RemoteStore  # noqa: E402
 from tiers.bench.stats import gbps, timed  # noqa: E402
 
 

@@ -219,7 +219,7 @@ def verify(rank: Rank, chains: List[List[str]], seconds: float):
 def run(args) -> dict:
     from multiprocessing import get_context
 
-    from tiers.node_runner import NodeRunner
+    from tiers.ops.node_runner import NodeRunner
 
     tiers = args.tiers.split(",")
     work = args.workdir or tempfile.mkdtemp(prefix="hicache-chaos-")

@@ -66,9 +66,9 @@ def content(key: str) -> bytes:
 
 
 def client_main(index: int, endpoints: Dict[str, str], keys_per_client: int, until: float, seed: int, conn) -> None:
-    from tiers import protocol as P
-    from tiers.buffers import address_of
-    from tiers.client import Deadlines, TierClient
+    from tiers.wire import protocol as P
+    from tiers.node.buffers import address_of
+    from tiers.wire.client import Deadlines, TierClient
 
     rng = random.Random(seed * 1000 + index)
     fd = os.memfd_create(f"load-{index}")
@@ -142,7 +142,7 @@ def vm_rss(pid: int) -> int:
 
 
 def run(args) -> dict:
-    from tiers.node_runner import NodeRunner
+    from tiers.ops.node_runner import NodeRunner
 
     work = args.workdir or tempfile.mkdtemp(prefix="hicache-load-")
     runner = NodeRunner(node_config(), os.path.join(work, "run"), os.path.join(work, "data"))
@@ -198,7 +198,7 @@ def run(args) -> dict:
 
 
 def _stats(endpoint: str) -> dict:
-    from tiers.client import TierClient
+    from tiers.wire.client import TierClient
     client = TierClient("stats", endpoint, "_admin", "load")
     try:
         stats = client.stats() or {}

@@ -104,7 +104,7 @@ def _options_table(specs: dict, out: list) -> None:
 def reference() -> str:
     from hicache_ext.settings import SETTINGS_HELP, BackendSettings
     from tiers.cli import build_parser
-    from tiers.config import COMMON_TIER_OPTIONS, KIND_OPTIONS, NODE_KEYS
+    from tiers.ops.config import COMMON_TIER_OPTIONS, KIND_OPTIONS, NODE_KEYS
 
     missing = set(NODE_KEYS) ^ set(NODE_KEY_HELP)
     if missing:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import zmq
 
-from tiers import protocol as P
-from tiers.node_runner import NodeRunner
+from tiers.wire import protocol as P
+from tiers.ops.node_runner import NodeRunner
 
 
 def dram_config(capacity: str = "64MiB", policy: str = "lru", block_size: str = "4KiB",

@@ -10,9 +10,9 @@ import time
 
 
 from tests.nodes import eventually, start_node
-from tiers import protocol as P
-from tiers.buffers import address_of
-from tiers.client import Deadlines, TierClient
+from tiers.wire import protocol as P
+from tiers.node.buffers import address_of
+from tiers.wire.client import Deadlines, TierClient
 
 ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
 

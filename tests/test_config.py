@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tiers.config import ConfigError, load_config, parse_config, parse_size
+from tiers.ops.config import ConfigError, load_config, parse_config, parse_size
 
 
 def test_embedded_default_loads_with_overrides(tmp_path):

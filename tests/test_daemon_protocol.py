@@ -4,7 +4,7 @@ import time
 import msgpack
 import pytest
 
-from tiers import protocol as P
+from tiers.wire import protocol as P
 from tests.nodes import RawPeer, dram_config, start_node
 
 

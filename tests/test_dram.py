@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from tiers.client import TierClient
-from tiers.dram import DramStore
-from tiers.store import PageTooLarge
+from tiers.wire.client import TierClient
+from tiers.stores.dram import DramStore
+from tiers.stores.base import PageTooLarge
 from tests.nodes import dram_config, rss_bytes, start_node
 
 

@@ -8,7 +8,7 @@ import time
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import start_node
-from tiers.client import TierClient
+from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
 

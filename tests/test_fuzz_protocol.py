@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.nodes import RawPeer, rss_bytes, start_node
-from tiers import protocol as P
+from tiers.wire import protocol as P
 
 MESSAGES_PER_EXAMPLE = 10
 EXAMPLES = 30  # x MESSAGES_PER_EXAMPLE = the hypothesis corpus
@@ -208,7 +208,7 @@ class Bulk:
         self.sent = self.replies = self.errors = 0
         self.codes: dict = {}
 
-    # A daemon keeps at most its high-water mark of unread replies a peer (tiers/daemon.py HWM): a
+    # A daemon keeps at most its high-water mark of unread replies a peer (tiers/node/daemon.py HWM): a
     # pipelining client sends in windows below it, as TierClient (one call in flight a thread) does.
     WINDOW = 32
 
@@ -339,8 +339,8 @@ def test_fd_socket_garbage_is_refused_and_dropped(daemon):
 def test_pool_daemon_handlers_survive_hostile_messages(tmp_path):
     """alloc, commit, locate, release (and the tier handlers) of a remote memory pool daemon."""
     pytest.importorskip("mooncake.engine", reason="a pool daemon needs the Mooncake Transfer Engine")
-    from tiers.node_runner import NodeRunner
-    from tiers.remote.loopback import free_ports, pool_config
+    from tiers.ops.node_runner import NodeRunner
+    from tiers.stores.remote.loopback import free_ports, pool_config
 
     port = free_ports(1)[0]
     runner = NodeRunner(pool_config([port], capacity="16MiB", block_size="64KiB", max_page_bytes="1MiB"),

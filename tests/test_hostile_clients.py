@@ -10,10 +10,10 @@ import time
 import pytest
 import zmq
 
-from tiers import protocol as P
-from tiers.client import Deadlines, TierClient
+from tiers.wire import protocol as P
+from tiers.wire.client import Deadlines, TierClient
 from tests.nodes import RawPeer, dram_config, rss_bytes, start_node
-from tiers.node_runner import NodeRunner
+from tiers.ops.node_runner import NodeRunner
 
 NVME = """
 [[tiers]]

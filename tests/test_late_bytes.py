@@ -20,8 +20,8 @@ import pytest
 from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
 from tests.backend_env import Engine, make_keys
 from tests.nodes import start_node
-from tiers.node_runner import NodeRunner
-from tiers.remote.loopback import free_ports, pool_config, remote_node_config
+from tiers.ops.node_runner import NodeRunner
+from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config
 
 SHAPE = dict(layers=8, kv_heads=2, head_dim=128, page_size=32)  # 256 KiB pages
 PAGES = 48

@@ -21,8 +21,8 @@ import pytest
 import zmq
 
 from tests.nodes import RawPeer
-from tiers.client import Deadlines, TierClient
-from tiers.node_runner import NodeRunner
+from tiers.wire.client import Deadlines, TierClient
+from tiers.ops.node_runner import NodeRunner
 
 DEADLINE = Deadlines(base=1.0, lookup=0.5, connect_wait=0.1, backoff_min=0.05, backoff_max=0.2)
 SLACK = 0.5  # scheduling noise allowed past a deadline on a loaded 2-core machine
@@ -165,7 +165,7 @@ def test_full_disk_evicts_then_refuses_cleanly_and_recovers(tmp_path, mount):
 
 def keys_under(namespace: str, first_level: int, n: int):
     """n keys whose chunks live under DIR/<first_level>/ (the NVMe fan-out)."""
-    from tiers.nvme.layout import key_digest
+    from tiers.stores.nvme.layout import key_digest
     out, i = [], 0
     while len(out) < n:
         key = f"ro{i}"

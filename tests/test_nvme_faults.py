@@ -12,10 +12,10 @@ from contextlib import closing
 
 import pytest
 
-from tiers.nvme import NvmeStore
-from tiers.nvme.chunkfile import HEADER_SIZE, write_file
-from tiers.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
-from tiers.store import StoreFull
+from tiers.stores.nvme import NvmeStore
+from tiers.stores.nvme.chunkfile import HEADER_SIZE, write_file
+from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
+from tiers.stores.base import StoreFull
 
 PAGE = 8192
 
@@ -117,7 +117,7 @@ def test_kill_during_puts_never_exposes_partial_pages(tmp_path):
     code = f"""
 import sys, random
 sys.path.insert(0, {os.getcwd()!r})
-from tiers.nvme import NvmeStore
+from tiers.stores.nvme import NvmeStore
 s = NvmeStore({str(root)!r}, 64 << 20, fsync=False)
 print("ready", flush=True)
 i = 0

@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from tiers.nvme import chunkfile as cf
-from tiers.nvme.codec import Codec, shuffle, unshuffle
-from tiers.nvme.dirsync import DirSyncer
-from tiers.nvme.index import scan
-from tiers.nvme.layout import chunk_path, is_temp, key_digest, namespace_hash, parse_name, temp_path
+from tiers.stores.nvme import chunkfile as cf
+from tiers.stores.nvme.codec import Codec, shuffle, unshuffle
+from tiers.stores.nvme.dirsync import DirSyncer
+from tiers.stores.nvme.index import scan
+from tiers.stores.nvme.layout import chunk_path, is_temp, key_digest, namespace_hash, parse_name, temp_path
 
 
 def test_header_round_trip_and_every_byte_checked():

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from tiers.config import parse_config
-from tiers.nvme import NvmeStore
-from tiers.nvme.chunkfile import HEADER_SIZE
+from tiers.ops.config import parse_config
+from tiers.stores.nvme import NvmeStore
+from tiers.stores.nvme.chunkfile import HEADER_SIZE
 from tiers.policies import policy_names
-from tiers.store import PageTooLarge, StoreIOError
+from tiers.stores.base import PageTooLarge, StoreIOError
 
 PAGE = 1000
 CHUNK = HEADER_SIZE + PAGE  # on-disk bytes of an uncompressed PAGE

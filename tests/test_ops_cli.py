@@ -7,10 +7,10 @@ import tomllib
 import pytest
 
 from tiers.cli import main
-from tiers.config import parse_config
+from tiers.ops.config import parse_config
 from tests.nodes import RawPeer
 from tests.test_ops_support import REPO, dram_tier
-from tiers.node_runner import NodeRunner
+from tiers.ops.node_runner import NodeRunner
 
 NODE = ('[node]\nwrite_policy = "write_through"\n'  # spare first: dram, the last tier, demotes nowhere
         + dram_tier("spare", "16MiB") + dram_tier("dram", "16MiB"))

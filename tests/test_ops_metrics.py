@@ -77,7 +77,7 @@ def test_counters_move_during_a_workload(daemon):
 
 
 def test_metrics_are_off_unless_configured(tmp_path):
-    from tiers.config import parse_config
+    from tiers.ops.config import parse_config
     config = parse_config(dram_tier(), "node.toml")
     assert config.metrics_port == 0 and config.tier("dram").metrics_port == 0
     base = parse_config("[node]\nmetrics_port = 9470\n" + dram_tier("a") + dram_tier("b", extra="metrics_port = 0")

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from tiers.node_runner import ping
+from tiers.ops.node_runner import ping
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import zmq
 
-from tiers import protocol as P
+from tiers.wire import protocol as P
 from tiers.cli import main
-from tiers.node_runner import ping
-from tiers.regions import MAX_CONNECTIONS
+from tiers.ops.node_runner import ping
+from tiers.node.regions import MAX_CONNECTIONS
 from tests.test_ops_support import REPO, DaemonProcess, dram_tier
 
 UNITS = os.path.join(REPO, "scripts", "systemd")

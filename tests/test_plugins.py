@@ -16,8 +16,8 @@ from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import start_node
 from tiers import plugins
-from tiers.client import TierClient
-from tiers.config import ConfigError, parse_config
+from tiers.wire.client import TierClient
+from tiers.ops.config import ConfigError, parse_config
 from tiers.policies import make_policy, policy_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

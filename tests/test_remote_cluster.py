@@ -15,12 +15,12 @@ import pytest
 # Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
-from tiers import protocol as P
-from tiers.buffers import address_of
-from tiers.client import Deadlines, TierClient
-from tiers.node_runner import NodeRunner
-from tiers.remote.placement import Rendezvous
-from tiers.remote.loopback import free_ports, pool_config, pool_endpoints, remote_node_config
+from tiers.wire import protocol as P
+from tiers.node.buffers import address_of
+from tiers.wire.client import Deadlines, TierClient
+from tiers.ops.node_runner import NodeRunner
+from tiers.stores.remote.placement import Rendezvous
+from tiers.stores.remote.loopback import free_ports, pool_config, pool_endpoints, remote_node_config
 from tests.nodes import eventually
 
 PAGE = 256 << 10

@@ -11,11 +11,11 @@ import pytest
 # Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
-from tiers import protocol as P
-from tiers.buffers import address_of
-from tiers.client import Deadlines, TierClient
-from tiers.node_runner import NodeRunner
-from tiers.remote.loopback import free_ports
+from tiers.wire import protocol as P
+from tiers.node.buffers import address_of
+from tiers.wire.client import Deadlines, TierClient
+from tiers.ops.node_runner import NodeRunner
+from tiers.stores.remote.loopback import free_ports
 
 MASTER = shutil.which("mooncake_master")
 pytestmark = pytest.mark.skipif(MASTER is None, reason="mooncake_master is not installed")

@@ -3,10 +3,10 @@ import collections
 
 import pytest
 
-from tiers.config import ConfigError, parse_config
-from tiers.node_runner import NodeRunner
-from tiers.remote.loopback import free_ports, pool_config
-from tiers.remote.placement import Rendezvous
+from tiers.ops.config import ConfigError, parse_config
+from tiers.ops.node_runner import NodeRunner
+from tiers.stores.remote.loopback import free_ports, pool_config
+from tiers.stores.remote.placement import Rendezvous
 
 KEYS = [f"page-{i:05d}" for i in range(20000)]
 POOLS = [f"tcp://10.0.0.{i}:7100" for i in range(1, 5)]

@@ -3,7 +3,7 @@ import ctypes
 
 import pytest
 
-from tiers.remote.pool import PoolStore
+from tiers.stores.remote.pool import PoolStore
 
 BLOCK = 4096
 S = 11  # a session id
@@ -108,8 +108,8 @@ def test_overwrite_replaces_at_commit(store):
 
 
 def test_a_node_treats_malformed_pool_replies_as_misses():
-    from tiers import protocol as P
-    from tiers.remote.pool_client import PoolClient
+    from tiers.wire import protocol as P
+    from tiers.stores.remote.pool_client import PoolClient
     client = PoolClient("tcp://127.0.0.1:9", "ns", timeout=0.1, retry_max=0.1)  # never called: replies are fed in
     desc, counts = P.encode_descriptors([[(4096, 100)], [(8192, 50), (16384, 50)]])
     good = {"lease": 7, "seg": "127.0.0.1:15001", "found": b"\x01\x00\x01", "sizes": P.encode_sizes([100, 100]),

@@ -21,10 +21,10 @@ import pytest
 # Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
-from tiers.node_runner import NodeRunner
-from tiers.remote.engine import Engine, EngineConfig, address_of
-from tiers.remote.loopback import free_ports, pool_config
-from tiers.remote.store import RemoteStore
+from tiers.ops.node_runner import NodeRunner
+from tiers.stores.remote.engine import Engine, EngineConfig, address_of
+from tiers.stores.remote.loopback import free_ports, pool_config
+from tiers.stores.remote.store import RemoteStore
 from tests.nodes import eventually
 
 PAGE = 1 << 20

@@ -11,10 +11,10 @@ import pytest
 import zmq
 
 from tests.nodes import RawPeer, dram_config, start_node
-from tiers import protocol as P
-from tiers import security
-from tiers.client import Deadlines, TierClient
-from tiers.node_runner import NodeRunner
+from tiers.wire import protocol as P
+from tiers.wire import security
+from tiers.wire.client import Deadlines, TierClient
+from tiers.ops.node_runner import NodeRunner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Deadlines(base=1.0, lookup=0.5, connect_wait=0.2, backoff_min=0.05, backoff_max=0.2)
@@ -129,7 +129,7 @@ def curve_node(tmp_path_factory):
     path = tmp / "node.toml"
     path.write_text(tcp_config(port, node_extra='curve_server_key = "keys/server.key_secret"\n'
                                                 'curve_client_key = "keys/client.key_secret"'))
-    from tiers.config import load_config
+    from tiers.ops.config import load_config
     curve = load_config(str(path)).tier("net").curve  # the keys this node's clients are handed
     log = str(tmp / "log")
     proc = serve(str(path), "net", log)
@@ -151,7 +151,7 @@ def test_curve_client_with_the_configured_keys_is_served(curve_node):
 
 def test_two_configurations_in_one_process_keep_their_own_keys(curve_node, tmp_path):
     """Loading a second configuration for the same endpoint (without keys) changes nothing for the first."""
-    from tiers.config import parse_config
+    from tiers.ops.config import parse_config
     port = curve_node["endpoint"].rsplit(":", 1)[1]
     plain = parse_config(tcp_config(int(port), node_extra="allow_insecure_tcp = true"), "<plain>").tier("net").curve
     assert security.client_keys(plain, curve_node["endpoint"]) is None
@@ -412,7 +412,7 @@ def test_a_region_registered_by_one_session_is_unusable_by_another(nvme_node):
 def test_pools_on_tcp_admit_only_remote_tiers_with_the_keys(tmp_path):
     """The tcp:// endpoints that matter in practice: a pool with CurveZMQ, a remote tier with and without keys."""
     pytest.importorskip("mooncake.engine", reason="pools need the Mooncake Transfer Engine")
-    from tiers.remote.loopback import free_ports, remote_node_config
+    from tiers.stores.remote.loopback import free_ports, remote_node_config
     keys = tmp_path / "keys"
     security.generate(str(keys))
     port = free_ports(1)[0]

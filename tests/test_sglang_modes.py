@@ -5,7 +5,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, 
 from hicache_ext.lab.sglang_harness import make_keys, page_checksums
 from tests.backend_env import Engine
 from tests.nodes import module_node
-from tiers.client import TierClient
+from tiers.wire.client import TierClient
 
 
 node = module_node("modes")

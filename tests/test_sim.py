@@ -142,7 +142,7 @@ def test_compiled_and_python_stack_distances_agree():
 @pytest.mark.parametrize("policy", policy_names())
 def test_dram_store_hits_equal_the_simulation(policy):
     """DramStore (the DRAM daemon's store) driven by the trace hits exactly where the simulator says."""
-    from tiers.dram import DramStore
+    from tiers.stores.dram import DramStore
 
     trace = conversation_like(requests=120)
     capacity, page = 24, 4096

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from test_sim_fixtures import HAND_REQUESTS
-from tiers import cli_experiments
+from tiers.cli import experiments as cli_experiments
 from tiers.sim.prefill import PRESETS, PrefillModel
 
 
@@ -31,7 +31,7 @@ def hand_trace(tmp_path):
 
 def test_registered_in_the_main_cli():
     from tiers.cli import COMMAND_MODULES
-    assert "tiers.cli_experiments" in COMMAND_MODULES
+    assert "tiers.cli.experiments" in COMMAND_MODULES
 
 
 def test_replay_writes_table_json_csv_and_plot(hand_trace, tmp_path, capsys):

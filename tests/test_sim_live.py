@@ -117,7 +117,7 @@ def test_cli_live_start_prints_the_table_and_writes_json(hand_trace, tmp_path, c
 
 
 def test_cli_live_uses_running_daemons_at_their_policy_and_capacity(hand_trace, tmp_path, capsys):
-    from tiers.node_runner import NodeRunner
+    from tiers.ops.node_runner import NodeRunner
     runner = NodeRunner(live.dram_node_config(3, "fifo", live.page_bytes()), str(tmp_path / "run"),
                         str(tmp_path / "data"))
     runner.start()

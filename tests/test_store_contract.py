@@ -1,7 +1,7 @@
 """The built-in page stores pass the contract kit plug-ins use (tiers/testing/store_contract.py)."""
-from tiers.dram import DramStore
-from tiers.nvme import NvmeStore
-from tiers.nvme.layout import chunk_path, key_digest, namespace_hash
+from tiers.stores.dram import DramStore
+from tiers.stores.nvme import NvmeStore
+from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash
 from tiers.testing import StoreContract
 
 

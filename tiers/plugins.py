@@ -32,10 +32,10 @@ LAB_GROUP = "hicache_tiers.lab"
 
 # The built-in kinds and policies, as their entry points would name them.
 BUILTIN_STORES = {
-    "dram": "tiers.dram:KIND",
-    "nvme": "tiers.nvme.store:KIND",
-    "remote": "tiers.remote.store:KIND",
-    "mooncake_store": "tiers.remote.mooncake_store:KIND",
+    "dram": "tiers.stores.dram:KIND",
+    "nvme": "tiers.stores.nvme.store:KIND",
+    "remote": "tiers.stores.remote.store:KIND",
+    "mooncake_store": "tiers.stores.remote.mooncake_store:KIND",
 }
 BUILTIN_POLICIES = {
     "lru": "tiers.policies.basic:LRUPolicy",
@@ -55,9 +55,9 @@ class StoreKind:
     """What a tier kind declares: its options and how its store is built.
 
     ``options``: key -> (parser, default, help), the shape of the built-in
-    kinds' tables in tiers/config.py; a parser takes (value, where) and
-    returns the value or raises tiers.config.ConfigError.  ``build(tier,
-    quotas)`` returns a tiers.store.PageStore for a validated TierConfig.
+    kinds' tables in tiers/ops/config.py; a parser takes (value, where) and
+    returns the value or raises tiers.ops.config.ConfigError.  ``build(tier,
+    quotas)`` returns a tiers.stores.base.PageStore for a validated TierConfig.
     """
 
     name: str

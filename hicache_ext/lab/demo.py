@@ -11,8 +11,8 @@ import numpy as np
 from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
                                         host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
-from tiers.config import DEFAULT_CONFIG_TOML
-from tiers.node_runner import NodeRunner
+from tiers.ops.config import DEFAULT_CONFIG_TOML
+from tiers.ops.node_runner import NodeRunner
 
 
 def memcpy_gbps(nbytes: int, chunk: int = 64 << 20) -> float:

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tiers.client import lookup_all
+from tiers.wire.client import lookup_all
 from tiers.sim.capacity import Capacity
 from tiers.sim.simulate import access_hits, leading_run, score
 from tiers.sim.sweep import Row, ceiling
@@ -277,7 +277,7 @@ def max_request_blocks(trace: Trace) -> int:
 # ------------------------------------------------------------- nodes of our own
 def make_runners(points: Sequence[Tuple[str, int]], base_dir: str, page_size_bytes: int) -> list:
     """One (not yet started) one-tier DRAM NodeRunner per (policy, blocks), each in its own runtime dir."""
-    from tiers.node_runner import NodeRunner
+    from tiers.ops.node_runner import NodeRunner
     return [NodeRunner(dram_node_config(blocks, policy, page_size_bytes), os.path.join(base_dir, f"n{i}", "run"),
                        os.path.join(base_dir, f"n{i}", "data")) for i, (policy, blocks) in enumerate(points)]
 
@@ -339,7 +339,7 @@ def replay_points(points: Sequence[Tuple[Trace, str, Capacity]], flat: bool = Fa
 def replay_running(trace: Trace, runtime_dir: Optional[str], config_path: Optional[str], flat: bool = False,
                    progress: Optional[Callable[[int], None]] = None) -> LiveRow:
     """Replay against daemons already running; the point is the top tier's policy and capacity in pages."""
-    from tiers.config import load_config
+    from tiers.ops.config import load_config
     node = load_config(config_path, runtime_dir=runtime_dir)
     top = node.tiers[0]
     blocks = top.capacity // page_bytes()

@@ -19,7 +19,7 @@ from typing import List
 import numpy as np
 
 from tiers.bench.stats import gbps
-from tiers.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all
+from tiers.stores.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all
 
 _COPY_BUFFER = 256 << 20  # source and destination each: far beyond any cache, bounded in memory
 

@@ -1,6 +1,6 @@
 /* Compiled replay kernels: the same state machines as tiers/policies, on dense int keys.
  *
- * Each run_<policy> replays the access sequence the way tiers/dram.py drives a
+ * Each run_<policy> replays the access sequence the way tiers/stores/dram.py drives a
  * policy: a resident key is touched (hit), a missing key first makes room
  * (pop_victim while the store holds `capacity` keys) and is then inserted with
  * its parent (the previous block of the request, -1 for none).  hits[i] is set

@@ -1,4 +1,4 @@
-"""The one simulation loop: a shared block cache driven the way tiers/dram.py drives its policy.
+"""The one simulation loop: a shared block cache driven the way tiers/stores/dram.py drives its policy.
 
 Requests arrive in timestamp order.  Each block of a request is accessed in
 order: a resident block is a hit and touches the policy; a missing block first

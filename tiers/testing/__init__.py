@@ -1,6 +1,6 @@
 """Contract tests for plug-ins: subclass these in a test module (pytest collects the subclasses).
 
-- ``StoreContract``: a tier's page store (tiers/store.py).
+- ``StoreContract``: a tier's page store (tiers/stores/base.py).
 - ``PolicyContract``: an eviction policy (tiers/policies/).
 Needs pytest (and numpy for page bytes); nothing here runs in a daemon.
 """

@@ -11,7 +11,7 @@ A plug-in's tests subclass it and build the store under test:
         def corrupt(self, store, key):         # optional: damage a stored page
             ...; return True
 
-It checks the rules of tiers/store.py: exact bytes through split buffers,
+It checks the rules of tiers/stores/base.py: exact bytes through split buffers,
 misses that are misses, overwrite, the capacity bound, eviction by the
 store's policy (LRU here), per-namespace delete and clear, refusals with
 nothing visible, counters, concurrent calls for stores with ``parallel_io``,
@@ -26,7 +26,7 @@ from typing import Optional
 
 import pytest
 
-from tiers.store import PageStore, StoreError
+from tiers.stores.base import PageStore, StoreError
 
 
 def page(seed: int, size: int) -> bytes:

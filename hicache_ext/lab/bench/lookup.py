@@ -92,5 +92,5 @@ def run_zmq(figs: Figures, args, progress: Progress) -> None:
 
 
 def _port() -> int:
-    from tiers.remote.loopback import free_ports
+    from tiers.stores.remote.loopback import free_ports
     return free_ports(1)[0]

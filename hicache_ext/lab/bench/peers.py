@@ -10,7 +10,7 @@ import time
 from hicache_ext.lab.bench.project import measure
 from hicache_ext.lab.bench.rig import MiB, Rank
 from tiers.bench.stats import Figures, Progress
-from tiers.remote.loopback import free_ports
+from tiers.stores.remote.loopback import free_ports
 
 
 def run_file(figs: Figures, args, progress: Progress, page_mib: int) -> None:

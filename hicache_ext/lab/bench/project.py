@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional
 from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, gbps, timed
-from tiers.remote.loopback import free_ports, pool_config
+from tiers.stores.remote.loopback import free_ports, pool_config
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 

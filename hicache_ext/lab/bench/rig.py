@@ -8,7 +8,7 @@ from typing import List, Optional
 from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
                                         host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
-from tiers.node_runner import NodeRunner
+from tiers.ops.node_runner import NodeRunner
 
 # Llama-3-8B's KV shape: 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB a token.
 SHAPE = dict(layers=32, kv_heads=8, head_dim=128)

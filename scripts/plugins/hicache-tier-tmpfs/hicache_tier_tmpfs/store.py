@@ -16,10 +16,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import xxhash
 
-from tiers.config_values import _str
+from tiers.ops.config_values import _str
 from tiers.plugins import StoreKind
 from tiers.policies import make_policy
-from tiers.store import Buffers, PageKey, PageStore, PageTooLarge, StoreStats, total_size
+from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreStats, total_size
 
 CHECKSUM = 8
 

@@ -1,0 +1,1 @@
+"""A tier daemon: its loop, page transfers, host-pool attach, arenas, guarded copies, demotion."""

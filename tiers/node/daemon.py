@@ -1,0 +1,468 @@
+"""The tier daemon: a ZeroMQ ROUTER loop in front of one page store.
+
+Majordomo-style: poll, dispatch ``handle_<op>``, housekeeping per tick.
+Lookups, stats, deletes and leased DRAM reads run on the loop thread; page
+transfers run in a small I/O pool (tiers/node/transfers.py) so a long batch never
+stalls a lookup, and their replies come back through a wake pipe.  Engines
+attach over AF_UNIX (tiers/node/regions.py).  Pages evicted dirty go down through
+a bounded queue with a thread of its own (tiers/node/demotion.py).  Every failure
+becomes an error reply: the loop only ends when asked to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional
+
+import zmq
+
+from tiers.wire import protocol as P
+from tiers.wire import security
+from tiers.node.arena import BlockArena
+from tiers.node.demotion import Demoter, DemotionLink, DirtySet, MODES
+from tiers.node.fds import open_fds, raise_fd_limit
+from tiers.ops.logs import RateLimitedLog
+from tiers.ops.metrics import DaemonMetrics
+from tiers.node.regions import RegionRegistry
+from tiers.stores.base import PageStore, StoreError
+from tiers.node.transfers import PageTransfers
+
+log = logging.getLogger("hicache.daemon")
+_warn = RateLimitedLog(log)
+
+SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
+HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
+DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
+
+
+def private_dir(path: str) -> None:
+    """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        log.info("runtime directory %s was mode %o; now 0700 (sockets are for this account only)",
+                 path, st.st_mode & 0o777)
+        os.chmod(path, 0o700)
+
+
+class TierDaemon:
+    """Serves one store on one endpoint until stop() is called."""
+
+    def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
+                 max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
+                 lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024,
+                 staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
+                 demotion_queue_bytes: int = 256 << 20, curve: Optional[security.CurveSettings] = None):
+        self.name = name
+        self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
+        self.store = store
+        self.endpoint = endpoint
+        self.max_page_bytes = max_page_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.metrics = DaemonMetrics(name)
+        self._ctx = context or zmq.Context.instance()
+        self._router: Optional[zmq.Socket] = None
+        self._zap: Optional[security.ZapHandler] = None  # CurveZMQ admission on tcp:// endpoints
+        self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/node/fds.py)
+        # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
+        # NVMe or remote page passes through it.
+        self.arena = store.export_arena() or BlockArena(max(staging_bytes, 64 << 10), 64 << 10, f"{name}-staging",
+                                                        prefault=staging_bytes >= 64 << 20, background=True)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
+        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)
+        if self.transfers.stages:
+            store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
+        self.arena_id = secrets.randbits(62)
+        self._sessions: Dict[int, dict] = {}
+        self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
+                                       self._session_ok, max_region_bytes or _physical_memory()) if fd_socket else None
+        self._done: deque = deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stopping = threading.Event()
+        self._in_flight = 0
+        self._inflight_bytes = 0
+        self.ready = threading.Event()
+        # Write-back and selective pages go to the next tier down (if there is one), through a queue.
+        self.dirty = DirtySet(max_dirty_pages)
+        self.demoter = Demoter(store, self.dirty, lower, demotion_queue_bytes) if lower is not None else None
+
+    # ------------------------------------------------------------ lifecycle
+    def bind(self) -> None:
+        """Bind sockets (after this, clients can connect; then READY=1).
+
+        ipc:// sockets are created 0600 in a 0700 directory; a tcp:// endpoint
+        needs CurveZMQ keys (or allow_insecure_tcp), else ValueError: the
+        daemon refuses to start (tiers/wire/security.py).
+        """
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint[len("ipc://"):]
+            private_dir(os.path.dirname(path))
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a killed daemon
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_page_bytes + (P.MAX_HEADER_BYTES))
+        router.setsockopt(zmq.RCVHWM, HWM)
+        router.setsockopt(zmq.SNDHWM, HWM)
+        try:
+            self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name, self.curve)
+            old_umask = os.umask(0o077)  # no moment where the socket file is open to others
+            try:
+                router.bind(self.endpoint)
+            finally:
+                os.umask(old_umask)
+        except BaseException:
+            router.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
+                self._zap = None
+            raise
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        self._router = router
+        if self._regions is not None:
+            self._regions.bind()
+        self.ready.set()
+
+    def stop(self) -> None:
+        """Ask the loop to finish in-flight work and return."""
+        self._stopping.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def serve_forever(self, tick: float = 0.5, on_tick: Optional[Callable[[], None]] = None) -> None:
+        if self._router is None:
+            self.bind()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._regions is not None:
+            self._regions.register(poller)
+        zap = self._zap.sockets() if self._zap is not None else []
+        for sock in zap:
+            poller.register(sock, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self._stopping.is_set() or self._in_flight:
+                events = dict(poller.poll(int(tick * 1000)))
+                if zap and any(sock in events for sock in zap):
+                    self._zap.handle()
+                    self._zap.handle_monitor()
+                if self._wake_r in events:
+                    self._drain_wake()
+                self._send_done()
+                if self._router in events and not self._stopping.is_set():
+                    for _ in range(64):  # bounded burst, then look at the rest
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+                if self._regions is not None:
+                    self._regions.handle_events(events, poller)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + tick
+                    self._housekeeping(poller)
+                    if on_tick:
+                        on_tick()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.transfers.close()
+        self._send_done()
+        if self.demoter is not None:
+            self.demoter.close()
+        if self._regions is not None:
+            self._regions.close()
+        if self._router is not None:
+            self._router.close(linger=1000)  # let the last replies of a graceful stop out
+        if self._zap is not None:
+            self._zap.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+        self.store.close()
+
+    # ------------------------------------------------------------- dispatch
+    def _dispatch(self, frames: List[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        req_id = 0
+        started = time.perf_counter()
+        op = "invalid"
+        nbytes = 0
+        try:
+            if len(frames) < 2:
+                raise P.ProtocolError("bad_request", "empty message")
+            header = P.unpack(frames[1].buffer)
+            req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
+            op, req_id = P.check_request(header)
+            header["id"] = req_id  # optional on the wire (0); handlers echo header["id"]
+            nbytes = sum(len(f) for f in frames[2:])
+            if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+                nbytes = 0
+                raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
+            handler = getattr(self, f"handle_{op}", None)
+            if handler is None:  # a pool operation sent to a tier daemon, or the reverse
+                raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
+            result = handler(header, frames[2:])
+            if isinstance(result, Future):
+                self._in_flight += 1
+                self._inflight_bytes += nbytes
+                result.add_done_callback(
+                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes: self._finish(fut, i, r, o, t, n))
+                return
+            reply = result
+        except P.ProtocolError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, exc.msg)]
+        except StoreError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, str(exc))]
+        except Exception as exc:  # a bug must not end the daemon
+            log.exception("internal error serving %s", op)
+            self.metrics.error("internal")
+            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+        self.metrics.observe(op, time.perf_counter() - started)
+        self._send(ident, reply)
+
+    def _send(self, ident: bytes, reply: list) -> None:
+        try:
+            self._router.send_multipart([ident, *reply], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer does not read its replies: it loses this one, nobody else waits
+            self.metrics.error("reply_dropped")
+
+    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int) -> None:
+        try:
+            reply = fut.result()
+        except P.ProtocolError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, exc.msg)]
+        except StoreError as exc:
+            self.metrics.error(exc.code)
+            reply = [P.reply_error(req_id, exc.code, str(exc))]
+        except Exception as exc:
+            log.exception("internal error in %s", op)
+            self.metrics.error("internal")
+            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+        self.metrics.observe(op, time.perf_counter() - started)
+        self._done.append((ident, reply, nbytes))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _send_done(self) -> None:
+        while self._done:
+            ident, reply, nbytes = self._done.popleft()
+            self._in_flight -= 1
+            self._inflight_bytes -= nbytes
+            self._send(ident, reply)
+
+    def _housekeeping(self, poller) -> None:
+        self.arena.expire()
+        if self._regions is not None:
+            self._regions.tick(poller)
+        if self.demoter is not None:
+            self.demoter.tick(self._pool.submit)
+
+    # ------------------------------------------------------------- sessions
+    def _session_ok(self, sid) -> bool:
+        return isinstance(sid, int) and not isinstance(sid, bool) and sid in self._sessions
+
+    def _namespace(self, header: dict) -> str:
+        sid = header.get("s")
+        # Any msgpack value may arrive here: only an integer can name a session (a list is unhashable).
+        session = self._sessions.get(sid) if self._session_ok(sid) else None
+        if session is None:
+            raise P.ProtocolError("no_session", "unknown session; send hello again")
+        session["seen"] = time.monotonic()
+        return session["ns"]
+
+    def handle_hello(self, header: dict, frames) -> list:
+        ns = P.check_namespace(P.field(header, "ns", str))
+        client = str(P.field(header, "client", str, required=False, default=""))[:200]
+        if len(self._sessions) >= SESSION_LIMIT:
+            oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
+            del self._sessions[oldest]
+        session = secrets.randbits(62)
+        self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
+        # The operator's CLI says hello on every status poll: that is not news.
+        (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
+        return [P.reply_ok(header["id"], session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
+                           max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "")]
+
+    # ----------------------------------------------------------- operations
+    def handle_lookup(self, header: dict, frames) -> list:
+        ns = self._namespace(header)
+        self._release_done(header)
+        keys = P.keys_field(header)
+        held = self.store.held(ns, keys)
+        prefix = P.leading_run(held)
+        self.metrics.lookup(len(keys), prefix)
+        return [P.reply_ok(header["id"], held=held, prefix=prefix)]
+
+    def handle_put(self, header: dict, frames):
+        ns = self._namespace(header)
+        self._release_done(header)
+        keys = P.keys_field(header)
+        sources = self.transfers.page_sources(header, frames, keys, self._regions)
+        parents = header.get("parents")
+        if not isinstance(parents, list) or len(parents) != len(keys):
+            parents = [None] * len(keys)
+        mode = header.get("mode", "through")
+        min_reads = header.get("min_reads", 2)
+        if mode not in MODES or type(min_reads) is not int or min_reads < 1:
+            raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
+        if header.get("promote") is True:
+            self.metrics.promotions += len(keys)
+        req_id, deadline = header["id"], header.get("dl")
+
+        def work(_frames_kept_alive=frames) -> list:
+            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline)
+            if self.demoter is not None:
+                for key, ok in zip(keys, stored):
+                    if ok:
+                        self.dirty.add((ns, key), mode, min_reads)
+            self.metrics.pages("put", sum(stored), sum(n for n, ok in zip(sources.sizes, stored) if ok))
+            fields = {"stored": P.flags(stored)}
+            if refusal:
+                fields["refusal"] = list(refusal)
+                # The operator hears of a full or failing medium here, not only in the engine's log.
+                _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
+                              len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
+            return [P.reply_ok(req_id, **fields)]
+        return self._pool.submit(work)
+
+    def handle_get(self, header: dict, frames):
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        req_id = header["id"]
+        if header.get("region") is not None:
+            raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
+        if "lease" not in header:
+            def frame_work() -> list:
+                found, out = self.transfers.frame_reads(ns, keys, header.get("dl"))
+                self.metrics.pages("get", sum(found), sum(len(f) for f in out))
+                return [P.reply_ok(req_id, found=P.flags(found)), *out]
+            return self._pool.submit(frame_work)
+        expiry = P.lease_field(header)
+        sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)
+        self._release_done(header)
+        result = self.transfers.lease_reads(ns, keys, sizes, header["s"], expiry)
+        if isinstance(result, Future):
+            out: Future = Future()
+
+            def finished(fut: Future) -> None:
+                try:
+                    out.set_result(self._lease_reply(req_id, fut.result()))
+                except Exception as exc:  # handed to _finish as the reply's failure
+                    out.set_exception(exc)
+            result.add_done_callback(finished)
+            return out
+        return self._lease_reply(req_id, result)
+
+    def _release_done(self, header: dict) -> None:
+        """Leases of earlier reads the session copied out, released on the way (before any new work)."""
+        done = header.get("done")
+        if isinstance(done, list):
+            for lease in done[:P.MAX_DONE_LEASES]:
+                if type(lease) is int:
+                    self.arena.release(lease, header["s"])
+
+    def _lease_reply(self, req_id: int, result) -> list:
+        fields, pages, nbytes = result
+        self.metrics.pages("get", pages, nbytes)
+        return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
+
+    def handle_release(self, header: dict, frames) -> list:
+        self._namespace(header)
+        lease = P.field(header, "lease", int)
+        return [P.reply_ok(header["id"], released=self.arena.release(lease, header["s"]))]
+
+    def handle_delete(self, header: dict, frames) -> list:
+        ns = self._namespace(header)
+        keys = P.keys_field(header)
+        for key in keys:
+            self.dirty.pop((ns, key))
+        return [P.reply_ok(header["id"], deleted=self.store.delete([(ns, k) for k in keys]))]
+
+    def _target_namespace(self, header: dict, own: str) -> Optional[str]:
+        """The namespace an admin operation acts on (None: every namespace)."""
+        everything = P.field(header, "all", bool, required=False, default=False)
+        target = header.get("ns")
+        if target is not None:
+            target = P.check_namespace(target)
+        if (everything or (target is not None and target != own)) and own != ADMIN_NAMESPACE:
+            raise P.ProtocolError("bad_request", "acting on other namespaces needs an _admin session")
+        return None if everything else (target or own)
+
+    def handle_clear(self, header: dict, frames) -> list:
+        own = self._namespace(header)
+        namespace = self._target_namespace(header, own)
+        self.dirty.discard_namespace(namespace)
+        return [P.reply_ok(header["id"], cleared=self.store.clear(namespace))]
+
+    def handle_evict(self, header: dict, frames) -> list:
+        own = self._namespace(header)
+        nbytes = P.field(header, "bytes", int)
+        if nbytes < 0:
+            raise P.ProtocolError("bad_request", "bytes must not be negative")
+        namespace = self._target_namespace(header, own)
+        if own == ADMIN_NAMESPACE and header.get("ns") is None:
+            namespace = None  # the operator evicts across every namespace by default
+        pages, freed = self.store.evict(nbytes, namespace)
+        return [P.reply_ok(header["id"], evicted_pages=pages, evicted_bytes=freed)]
+
+    def handle_stats(self, header: dict, frames) -> list:
+        own = self._namespace(header)
+        stats = self.stats()
+        if own != ADMIN_NAMESPACE:  # a tenant sees its own namespace only
+            stats["per_namespace"] = {ns: v for ns, v in stats["per_namespace"].items() if ns == own}
+        return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
+
+    def stats(self) -> dict:
+        """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""
+        snap = self.store.stats()
+        stats = snap.as_dict()
+        stats.update(self.metrics.snapshot())
+        stats["sessions"] = len({s["client"] for s in self._sessions.values() if s["ns"] != ADMIN_NAMESPACE})
+        stats["dirty_pages"] = len(self.dirty)
+        stats.update(self.demoter.stats() if self.demoter is not None else Demoter.idle_stats())
+        stats["regions"] = len(self._regions) if self._regions is not None else 0
+        stats["attach_refused"] = self._regions.refused if self._regions is not None else 0
+        stats["leases"] = self.arena.lease_count()
+        stats["leases_expired"] = self.arena.leases_expired
+        stats["staging_full"] = self.transfers.staging_full
+        stats["source_gone"] = self.transfers.source_gone
+        stats["open_fds"] = open_fds()
+        stats["fd_limit"] = self.fd_limit
+        return stats
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM: no host pool can be larger (the default bound on a registered region)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40

@@ -1,0 +1,303 @@
+"""Engines attach to a daemon over AF_UNIX (SCM_RIGHTS): host pools in, the daemon's arena out.
+
+A client connects to ``<tier>.fd.sock``, sends one attach header (its live
+session, with its host-pool memfd when it has one) and keeps the connection
+open.  The daemon maps the host pool read-only, once: it only ever reads
+from it (writes), and reads it through the SIGBUS-guarded copy, because a
+buggy engine may truncate it.  It answers with a read-only descriptor of its
+arena (tiers/node/arena.py), which the engine maps to copy leased pages out.
+When the connection closes (engine exit or crash) the mapping is dropped, so
+no daemon pins a dead engine's host pool.
+
+Bounded against floods: at most MAX_CONNECTIONS open, a connection that has
+not attached within ATTACH_TIMEOUT is closed, a host pool larger than
+max_region_bytes is refused, and running out of descriptors (EMFILE) pauses
+accepting instead of ending the daemon.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import zmq
+
+from tiers.wire import protocol as P
+from tiers.node.buffers import address_of, populate
+from tiers.ops.logs import RateLimitedLog
+
+log = logging.getLogger("hicache.regions")
+_warn = RateLimitedLog(log)
+
+MAX_CONNECTIONS = 256
+ATTACH_TIMEOUT = 2.0  # seconds a connection may stay silent before attaching
+ACCEPT_PAUSE = 0.2  # seconds accepting rests after running out of descriptors
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Build the mapping's page tables once, off the loop thread and without the GIL.
+
+    Otherwise the first batches through a fresh mapping run at minor-fault
+    speed (0.3 instead of 2+ GB/s here).
+    """
+    try:
+        populate(mapping, write=False)
+    except (OSError, ValueError, TypeError):
+        pass  # pages fault in on first use
+
+
+def _resident(fd: int, size: int) -> bool:
+    """Whether the memfd's memory is (nearly) all allocated: populating a sparse one would allocate it for us."""
+    try:
+        return os.fstat(fd).st_blocks * 512 >= size * 0.9
+    except OSError:
+        return False
+
+
+@dataclass
+class Region:
+    region_id: int
+    session: int
+    size: int
+    mapping: mmap.mmap
+    view: memoryview
+    conn: socket.socket
+    base: int = 0  # the mapping's address in this process
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    opened: float
+    region: Optional[Region] = None
+    attached: bool = False
+
+
+class RegionRegistry:
+    def __init__(self, path: str, export_fd: Callable[[], int], export_id: int, export_size: int,
+                 session_ok: Callable[[object], bool], max_region_bytes: int):
+        self.path = path
+        self._export_fd, self.export_id, self.export_size = export_fd, export_id, export_size
+        self._session_ok = session_ok
+        self.max_region_bytes = max_region_bytes
+        self._listener: Optional[socket.socket] = None
+        self._listening = False
+        self._resume_at = 0.0
+        self._by_id: Dict[int, Region] = {}
+        self._conns: Dict[int, _Conn] = {}
+        self.refused = 0
+        # Store hooks: called with a region's view after mapping (an exception refuses
+        # the region) and before unmapping; the remote tier registers it with its engine.
+        self.on_map: Optional[Callable[[memoryview], None]] = None
+        self.on_unmap: Optional[Callable[[memoryview], None]] = None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def bind(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o077)  # created 0600: no window where another account could connect
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+
+    def register(self, poller) -> None:
+        poller.register(self._listener.fileno(), zmq.POLLIN)
+        self._listening = True
+
+    def get(self, region_id, session) -> Region:
+        region = self._by_id.get(region_id) if isinstance(region_id, int) else None
+        if region is None or region.session != session:
+            raise P.ProtocolError("no_session", "unknown region; register the host pool again")
+        return region
+
+    def handle_events(self, events: dict, poller) -> None:
+        if self._listening and self._listener.fileno() in events:
+            self._accept(poller)
+        for fd in [fd for fd in self._conns if fd in events]:
+            self._serve_conn(fd, poller)
+
+    def tick(self, poller) -> None:
+        """Housekeeping: close connections that never attached; resume accepting after a pause."""
+        now = time.monotonic()
+        for fd, conn in list(self._conns.items()):
+            if not conn.attached and now - conn.opened > ATTACH_TIMEOUT:
+                self.refused += 1
+                self._drop(fd, poller)
+        if not self._listening and now >= self._resume_at:
+            self.register(poller)
+
+    def _accept(self, poller) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: attached engines keep being served; new ones wait.
+                    _warn.warning("emfile", "cannot accept an engine's attach connection: %s; pausing %.1f s",
+                                  exc.strerror, ACCEPT_PAUSE)
+                    poller.unregister(self._listener.fileno())
+                    self._listening = False
+                    self._resume_at = time.monotonic() + ACCEPT_PAUSE
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                    continue
+                raise
+            if len(self._conns) >= MAX_CONNECTIONS:
+                sock.close()
+                self.refused += 1
+                _warn.warning("conns", "refused an attach connection: %d already open", MAX_CONNECTIONS)
+                continue
+            sock.settimeout(2.0)
+            self._conns[sock.fileno()] = _Conn(sock, time.monotonic())
+            poller.register(sock.fileno(), zmq.POLLIN)
+
+    def _serve_conn(self, fd: int, poller) -> None:
+        conn = self._conns[fd]
+        if conn.attached:
+            # An attached connection only ever speaks by closing.
+            try:
+                data = conn.sock.recv(1, socket.MSG_DONTWAIT)
+            except (BlockingIOError, socket.timeout):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._drop(fd, poller)
+            return
+        try:
+            header, memfd = P.recv_register(conn.sock)
+        except (ConnectionResetError, OSError):
+            self._drop(fd, poller)
+            return
+        except P.ProtocolError as exc:
+            self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
+            return
+        try:
+            region = self._map(header, memfd, conn.sock)
+        except P.ProtocolError as exc:
+            self.refused += 1
+            self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
+            return
+        if region is not None and self.on_map is not None:
+            try:
+                self.on_map(region.view)
+            except Exception as exc:  # the store refused the mapping: the client falls back to frames
+                log.warning("store refused a host pool region: %s", exc)
+                region.view.release()
+                region.mapping.close()
+                self._reply_and_drop(fd, poller, {"ok": False, "code": "io_error", "msg": f"store refused the region: {exc}"})
+                return
+        conn.region, conn.attached = region, True
+        if region is not None:
+            self._by_id[region.region_id] = region
+        export = self._export_fd()
+        try:
+            P.send_framed(conn.sock, {"v": P.PROTOCOL_VERSION, "ok": True,
+                                      "region": region.region_id if region is not None else 0,
+                                      "arena": self.export_id, "arena_size": self.export_size}, fd=export)
+        except OSError:  # the client stopped waiting (its deadline passed): it will attach again
+            log.info("an engine left before its attach reply")
+            self._drop(fd, poller)
+            return
+        finally:
+            os.close(export)
+        if region is not None:
+            log.info("mapped a host pool region of %d bytes", region.size)
+
+    def _map(self, header: dict, memfd: Optional[int], conn) -> Optional[Region]:
+        try:
+            version, session, size = header.get("v"), header.get("s"), header.get("size")
+            if type(version) is not int or version != P.PROTOCOL_VERSION:
+                raise P.ProtocolError("bad_version", f"protocol version {version!r} is not supported")
+            if not self._session_ok(session):
+                raise P.ProtocolError("no_session", "attach needs a live session (send hello first)")
+            if memfd is None:
+                return None  # the arena only: pages travel as frames on the way in
+            if type(size) is not int or size <= 0:
+                raise P.ProtocolError("bad_request", "attach with a memfd needs a positive integer size")
+            if size > self.max_region_bytes:
+                raise P.ProtocolError("too_large", f"host pool of {size} bytes exceeds max_region_bytes "
+                                                   f"{self.max_region_bytes}")
+            actual = os.fstat(memfd).st_size
+            if actual < size:
+                raise P.ProtocolError("bad_request", f"fd holds {actual} bytes, fewer than the declared {size}")
+            try:
+                mapping = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                raise P.ProtocolError("bad_request", f"cannot map the fd: {exc}") from None
+            if _resident(memfd, size):
+                threading.Thread(target=_populate, args=(mapping,), name="populate", daemon=True).start()
+        finally:
+            if memfd is not None:
+                os.close(memfd)  # the mapping keeps the memory alive
+        view = memoryview(mapping)
+        return Region(secrets.randbits(62), session, size, mapping, view, conn, address_of(view))
+
+    def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:
+        try:
+            P.send_framed(self._conns[fd].sock, {"v": P.PROTOCOL_VERSION, **reply})
+        except OSError:
+            pass
+        self._drop(fd, poller)
+
+    def _drop(self, fd: int, poller) -> None:
+        conn = self._conns.pop(fd)
+        try:
+            poller.unregister(fd)
+        except KeyError:
+            pass
+        region = conn.region
+        if region is not None:
+            self._by_id.pop(region.region_id, None)
+            self._unhook(region)
+            try:
+                region.view.release()
+                region.mapping.close()
+            except BufferError:
+                # A transfer still holds a slice; the mapping goes when it is done.
+                log.debug("region still in use at close")
+            log.info("unmapped a host pool region of %d bytes (client went away)", region.size)
+        conn.sock.close()
+
+    def _unhook(self, region: Region) -> None:
+        if self.on_unmap is not None:
+            try:
+                self.on_unmap(region.view)
+            except Exception as exc:
+                log.warning("store failed to forget a host pool region: %s", exc)
+
+    def close(self) -> None:
+        for fd in list(self._conns):
+            self._conns.pop(fd).sock.close()
+        for region in self._by_id.values():
+            self._unhook(region)
+            try:
+                region.view.release()
+                region.mapping.close()
+            except BufferError:
+                pass
+        self._by_id.clear()
+        if self._listener is not None:
+            self._listener.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass

@@ -1,0 +1,295 @@
+"""Page transfers of a tier daemon: put and get batches, owned by TierDaemon (tiers/node/daemon.py).
+
+Two rules make a frozen or slow daemon harmless to the engine:
+- The daemon never writes into an engine's memory.  A read either returns
+  the bytes as frames, or leases arena blocks holding the pages and lets the
+  engine copy them out itself (tiers/node/arena.py).  Stores without an arena of
+  their own (NVMe, remote) read into staging blocks of the daemon's arena.
+- The daemon reads an engine's host pool only through the SIGBUS-guarded
+  copy, straight into the DRAM arena or into staging blocks, and keeps a page
+  only if that copy ended before the request's deadline (the engine may
+  reuse its memory after that).  Stores then work on daemon-owned memory only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional, Tuple
+
+from tiers.wire import protocol as P
+from tiers.node.arena import Alloc, BlockArena
+from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_runs
+from tiers.ops.logs import RateLimitedLog
+from tiers.stores.base import PageStore, StoreError
+
+log = logging.getLogger("hicache.daemon")
+_warn = RateLimitedLog(log)
+
+Refusal = Optional[Tuple[str, str]]
+
+
+class PageTransfers:
+    """handle_put / handle_get / handle_release and the per-page work behind them."""
+
+    def __init__(self, name: str, store: PageStore, arena: BlockArena, pool: ThreadPoolExecutor,
+                 page_workers: int, max_page_bytes: int, lease_share: float = 0.5):
+        self.name = name
+        self.store = store
+        self.arena = arena
+        self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
+        self.arena_base = address_of(arena.view)
+        self._pool = pool
+        self._page_pool = ThreadPoolExecutor(max_workers=max(2, page_workers), thread_name_prefix=f"{name}-page")
+        self.max_page_bytes = max_page_bytes
+        # One session may pin at most this much: pinning DRAM pages costs no memory (only eviction
+        # choices, for milliseconds); staging blocks are memory every tenant shares.
+        # At least one whole SGLang batch (128 pages of 8 MiB) when the arena holds it.
+        self.max_lease_bytes = int(arena.size if not self.stages else min(arena.size, max(arena.size * lease_share,
+                                                                                         1 << 30)))
+        self.staging_full = 0
+        self.source_gone = 0
+
+    # ------------------------------------------------------------------ puts
+    def page_sources(self, header: dict, frames, keys: list, regions) -> "Sources":
+        """Where each page's bytes are: frames we own, or runs of an engine's host pool."""
+        region_id = header.get("region")
+        if region_id is None:
+            pages = _frame_pages(header, keys, frames)
+            return Sources(pages, [sum(v.nbytes for v in p) for p in pages], None)
+        if regions is None:
+            raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
+        region = regions.get(region_id, header.get("s"))
+        extents = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
+        return Sources([[region.view[off:off + n] for off, n in page] for page in extents],
+                       [sum(n for _o, n in page) for page in extents],
+                       [[(region.base + off, n) for off, n in page] for page in extents])
+
+    def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
+                  deadline: Optional[float]) -> Tuple[List[bool], Refusal]:
+        """Store each page; (stored flags, first refusal)."""
+        if max(sources.sizes, default=0) > self.max_page_bytes:
+            raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
+        if sources.runs is not None and self.stages:
+            return self._put_staged(ns, keys, sources, parents, deadline)
+        if sources.runs is not None:
+            return self._put_into_arena(ns, keys, sources, parents, deadline)
+        return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i])))
+
+    def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+        """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
+
+        Pages are copied in groups, one C call a group without the GIL: a group grows while the arena
+        has free blocks, and is copied and committed before a reservation that must evict (so
+        eviction sees the pages in the order they were written, as the trace simulator does).
+        """
+        n = len(keys)
+        stored = [False] * n
+        group: List[Tuple[int, Alloc]] = []
+        failed: Refusal = None
+
+        def flush() -> Refusal:
+            refusal = self._copy_group(sources, group, deadline)
+            for i, alloc in group:
+                if refusal is not None:
+                    self.store.abort(alloc)
+                else:
+                    parent = parents[i]
+                    self.store.commit((ns, keys[i]), alloc, parent if isinstance(parent, str) else None)
+                    stored[i] = True
+            group.clear()
+            return refusal
+
+        for i in range(n):
+            if _late(deadline):
+                failed = ("deadline", "deadline passed during the batch")
+                break
+            try:
+                alloc = self.store.reserve((ns, keys[i]), sources.sizes[i], evict=False)
+                if alloc is None:
+                    failed = flush()
+                    if failed is not None:
+                        break
+                    alloc = self.store.reserve((ns, keys[i]), sources.sizes[i])
+            except StoreError as exc:
+                failed = failed or (exc.code, str(exc))
+                continue
+            group.append((i, alloc))
+        if group:
+            if failed is not None and failed[0] == "deadline":
+                for _i, alloc in group:
+                    self.store.abort(alloc)
+            else:
+                failed = flush() or failed
+        return stored, failed
+
+    def _copy_group(self, sources: "Sources", group: List[Tuple[int, Alloc]], deadline: Optional[float]) -> Refusal:
+        """One guarded copy of a group of pages out of a host pool into their blocks; why not, when the
+        pool went away under it or it ended after the deadline."""
+        if _late(deadline):
+            return ("deadline", "deadline passed during the batch")
+        runs_d: List[int] = []
+        runs_s: List[int] = []
+        runs_n: List[int] = []
+        base = self.arena_base
+        for i, alloc in group:
+            d, s, k = scatter_runs([(base + off, m) for off, m in alloc.extents], sources.runs[i])
+            runs_d += d
+            runs_s += s
+            runs_n += k
+        try:
+            copy_runs(runs_d, runs_s, runs_n)
+        except MemoryFault:
+            self.source_gone += 1
+            _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
+                                  "pages refused", self.name)
+            return ("bad_request", "the host pool went away under the copy")
+        # Bytes copied after the engine gave up may be torn (it reuses its buffers at once).
+        return ("deadline", "deadline passed during the copy") if _late(deadline) else None
+
+    def _put_owned(self, ns, key, page, parent) -> Tuple[bool, Refusal]:
+        """Pages in daemon-owned memory (frames): the store takes them as they are."""
+        try:
+            self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+        except StoreError as exc:
+            return False, (exc.code, str(exc))
+        return True, None
+
+    def _put_staged(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+        """Stores without an arena: copy the batch into staging first (one guarded C call, as
+        _put_into_arena does), then hand the store our own memory."""
+        group: List[Tuple[int, Alloc]] = []
+        refusal: Refusal = None
+        for i, size in enumerate(sources.sizes):
+            alloc = self.arena.take(size)
+            if alloc is None:
+                self.staging_full += 1
+                refusal = refusal or ("busy", "staging arena full; try again")
+            else:
+                group.append((i, alloc))
+        failed = self._copy_group(sources, group, deadline) if group else None
+        if failed is not None:
+            for _i, alloc in group:
+                self.arena.give(alloc)
+            return [False] * len(keys), failed
+        views: List[Optional[List[memoryview]]] = [None] * len(keys)
+        for i, alloc in group:
+            views[i] = self.arena.views(alloc)
+        try:
+            if self.store.batched:
+                idx = [i for i, _alloc in group]
+                out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx],
+                                          [parents[i] for i in idx], deadline)
+                results = [(False, None)] * len(keys)
+                for i, exc in zip(idx, out):
+                    results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
+            else:
+                results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i])
+                                     if views[i] is not None else (False, None))
+        finally:
+            for _i, alloc in group:
+                self.arena.give(alloc)
+        stored, first = _outcomes(results)
+        return stored, refusal or first
+
+    # ------------------------------------------------------------------ gets
+    def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float):
+        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them."""
+        budget = max(0, self.max_lease_bytes - self.arena.leased_bytes(owner))
+        if not self.stages:
+            lease, extents = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
+            return self._lease_reply(lease, extents)
+        return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
+
+    def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
+        allocs: List[Optional[Alloc]] = []
+        for size in sizes:
+            got = self.arena.take(size) if 0 < size <= budget else None
+            if got is None and 0 < size <= budget:
+                self.staging_full += 1
+            budget -= size if got is not None else 0
+            allocs.append(got)
+        views = [self.arena.views(a) if a is not None else None for a in allocs]
+        if self.store.batched:
+            idx = [i for i, v in enumerate(views) if v is not None]
+            got = self.store.get_many_into([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
+            found = [False] * len(keys)
+            for i, ok in zip(idx, got):
+                found[i] = bool(ok)
+        else:
+            found = self._each(len(keys), lambda i: views[i] is not None and time.monotonic() < expiry
+                               and self.store.get_into((ns, keys[i]), views[i]))
+        extents: List[Optional[list]] = []
+        pinned: List[Alloc] = []
+        for ok, alloc in zip(found, allocs):
+            if ok and alloc is not None:
+                extents.append(alloc.extents)
+                pinned.append(alloc)
+            else:
+                extents.append(None)
+        lease = self.arena.lease(owner, pinned, expiry) if pinned else None
+        for alloc in allocs:  # given back now; the lease keeps the pinned ones out of use until it ends
+            if alloc is not None:
+                self.arena.give(alloc)
+        return self._lease_reply(lease, extents)
+
+    def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]]) -> list:
+        found = [e is not None for e in extents]
+        desc, counts = P.encode_descriptors([e for e in extents if e is not None])
+        return (dict(found=P.flags(found), lease=lease or 0, desc=desc, regions_per_page=counts),
+                sum(found), sum(n for e in extents if e for _o, n in e))
+
+    def frame_reads(self, ns: str, keys: list, deadline: Optional[float]) -> Tuple[List[bool], List[bytes]]:
+        """Pages as frames (engines without an attachment, or tcp:// peers); the engine copies them."""
+        def get_one(i: int):
+            if _late(deadline):
+                return False, None
+            data = self.store.get_bytes((ns, keys[i]))
+            return data is not None, data
+        results = self._each(len(keys), get_one)
+        return [ok for ok, _d in results], [d for ok, d in results if ok and d is not None]
+
+    # --------------------------------------------------------------- helpers
+    def _each(self, n: int, work: Callable[[int], object]) -> list:
+        """work(i) for every page; several in flight for stores that take concurrent calls (disk)."""
+        if n > 1 and self.store.parallel_io:
+            return list(self._page_pool.map(work, range(n)))
+        return [work(i) for i in range(n)]
+
+    def close(self) -> None:
+        self._page_pool.shutdown(wait=True)
+
+
+@dataclass
+class Sources:
+    """The pages of a put: views of each (frames, or slices of a host pool), their sizes, and for a
+    host pool their (address, length) runs in this process (None for frames: memory we own)."""
+
+    views: List[List[memoryview]]
+    sizes: List[int]
+    runs: Optional[List[List[Tuple[int, int]]]]
+
+
+def _late(deadline: Optional[float]) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
+def _outcomes(results) -> Tuple[List[bool], Refusal]:
+    stored = [ok for ok, _why in results]
+    return stored, next((why for _ok, why in results if why), None)
+
+
+def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
+    per_page = header.get("frames_per_page")
+    if per_page is None:
+        per_page = [1] * len(keys)
+    if (not isinstance(per_page, list) or len(per_page) != len(keys)
+            or not all(type(n) is int and n > 0 for n in per_page) or sum(per_page) != len(frames)):
+        raise P.ProtocolError("bad_request", f"{len(keys)} keys do not match {len(frames)} page frames")
+    pages, start = [], 0
+    for n in per_page:
+        pages.append([f.buffer for f in frames[start:start + n]])
+        start += n
+    return pages
+

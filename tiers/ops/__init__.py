@@ -1,0 +1,1 @@
+"""Running a node: configuration, logs, metrics, systemd notify, and the runner tests and the demo use."""

@@ -1,0 +1,378 @@
+"""The node configuration: one loader, validated at start, with an embedded default.
+
+Precedence, highest first: command-line flags (``--runtime-dir``,
+``--data-dir``, ``--log-level``), environment (``HICACHE_TIERS_RUNTIME_DIR``,
+``HICACHE_TIERS_DATA_DIR``, ``HICACHE_TIERS_LOG_LEVEL``), the TOML file, the
+embedded default below.  Every mistake is a ``ConfigError`` that names the
+file, the key and what is allowed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+DEFAULT_CONFIG_TOML = """\
+# hicache-tiers embedded default: DRAM in front of NVMe, every page in both.
+[node]
+write_policy = "write_through"
+
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity = "4GiB"
+policy = "lru"
+
+[[tiers]]
+name = "nvme"
+kind = "nvme"
+capacity = "64GiB"
+policy = "lru"
+"""
+
+from tiers.wire.security import CurveSettings
+from tiers.ops.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
+    WRITE_POLICIES,
+    LOG_LEVELS,
+    ConfigError,
+    _Problems,
+    parse_size,
+    _bool,
+    _node_default_bool,
+    _str,
+    _int,
+    _choice,
+    _port,
+    _tier_port,
+    _list_of,
+    _endpoint,
+    _weight,
+    _policy)
+
+
+
+def _kind(value: Any, where: str) -> str:
+    from tiers.plugins import store_targets
+    builtin = ("dram", "nvme", "remote", "pool", "mooncake_store")
+    return _choice(*builtin, *sorted(set(store_targets()) - set(builtin)))(value, where)
+
+
+def kind_options(kind: str, where: str = "kind") -> Dict[str, tuple]:
+    """The options a tier kind accepts: the built-ins' tables below, a plug-in's own declaration."""
+    if kind in KIND_OPTIONS:
+        return KIND_OPTIONS[kind]
+    from tiers.plugins import PluginError, store_kind
+    try:
+        return store_kind(kind).options
+    except PluginError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# Options of each tier kind: key -> (parser, default, help).  The loader
+# rejects keys not listed here, so a typo is an error instead of a silent default.
+COMMON_TIER_OPTIONS: Dict[str, tuple] = {
+    "name": (_str, None, "tier name, unique on the node (socket and unit instance name)"),
+    "kind": (_kind, None, "dram, nvme, remote (client of pool daemons), pool (a remote memory pool daemon), "
+                          "mooncake_store, or a plug-in's kind (tiers/plugins.py)"),
+    "capacity": (parse_size, "1GiB", "bytes the tier may hold"),
+    "policy": (_policy, "lru", "eviction policy"),
+    "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
+    "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
+    "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
+    "allow_insecure_tcp": (_node_default_bool, "node", "serve this tier's tcp:// endpoint without CurveZMQ; default node.allow_insecure_tcp"),
+    "staging_bytes": (parse_size, "2GiB", "memory that pages of NVMe and remote tiers pass through between host "
+                                          "pools and the store, faulted in at start (in the background; under 64 MiB: "
+                                          "on use); one session may use half, at least 1 GiB (a batch of 128 pages of "
+                                          "8 MiB); a batch that finds it full is served in part"),
+    "max_region_bytes": (parse_size, "0", "largest host pool an engine may attach; 0: the machine's RAM"),
+    "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get busy"),
+}
+# The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
+TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
+    "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport: rdma on clusters, tcp without an RDMA NIC"),
+    "device_name": (_str, "", "RDMA devices, comma separated (e.g. mlx5_0,mlx5_1); empty: every HCA found"),
+    "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE (no metadata service), etcd://HOST:PORT or http://HOST:PORT/metadata"),
+    "te_hostname": (_str, "", "address peers reach this engine at; default: a pool's endpoint host, 127.0.0.1 for a remote tier"),
+    "require_rdma": (_bool, False, "fail at start when RDMA is unusable instead of moving pages over TCP (MC_FORCE_HCA)"),
+}
+KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
+    "dram": {
+        "block_size": (parse_size, "64KiB", "arena allocation unit; pages span whole blocks"),
+        "prefault": (_bool, True, "fault the whole arena in at start (first touches are ~10x slower than copies)"),
+    },
+    "nvme": {
+        "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),
+        "fsync": (_bool, True, "fdatasync each chunk file before its rename and fsync the directory after, "
+                               "before acknowledging (false: a power loss may drop recent pages, never return bad ones)"),
+        "compression": (_choice("none", "zstd", "zstd-shuffle"), "none",
+                        "chunk codec; zstd-shuffle splits bf16 byte planes first; capacity counts on-disk bytes"),
+        "compression_level": (_int, 1, "zstd level (1 is fastest; higher levels gained nothing on bf16 KV data)"),
+        "io_threads": (_int, 4, "blocking I/O threads (several reads in flight)"),
+        "direct_io": (_bool, True, "O_DIRECT for uncompressed pages in 4 KiB-aligned buffers where the file "
+                                   "system allows (durable writes measured 2-4x faster); other pages buffered"),
+    },
+    "remote": {
+        **TRANSFER_ENGINE_OPTIONS,
+        "pools": (_list_of(_endpoint), [], "pool daemon endpoints (tcp://HOST:PORT); keys are placed by rendezvous hashing"),
+        "pool_weights": (_list_of(_weight), [], "relative share of keys of each pool; default equal"),
+        "pool_timeout_ms": (_int, 200, "a pool's control call (alloc, commit, locate, lookup) gives up after this"),
+        "pool_retry_max_ms": (_int, 2000, "longest back-off before a pool that stopped answering is tried again"),
+        "transfer_timeout_ms": (_int, 1000, "a page transfer gives up after this plus its bytes at min_bandwidth"),
+        "min_bandwidth": (parse_size, "100MB", "bytes per second below which a transfer is given up"),
+        "io_threads": (_int, 2, "transfers in flight (and staging slots for pages that arrive as frames)"),
+        "direct_reads": (_bool, False, "read pages straight into the engine's host pool, no staging copy; a transfer "
+                                       "given up at its deadline cannot be cancelled and may still land there after "
+                                       "the engine reused that memory (a corrupted KV page): only where transfers "
+                                       "end fast (RDMA with short QP timeouts) and that risk is accepted"),
+    },
+    "pool": {
+        **TRANSFER_ENGINE_OPTIONS,
+        "block_size": (parse_size, "1MiB", "arena allocation unit; a page is at most ceil(size/block) transfers"),
+        "max_lease_ms": (_int, 60000, "longest a client may pin or reserve pages for one transfer; above the "
+                         "Transfer Engine's 30 s stall limit, so a late transfer ends before its blocks are reused"),
+        "prefault": (_bool, True, "fault the arena in, in the background from start (first writes are otherwise slow)"),
+    },
+    "mooncake_store": {
+        "master_server_address": (_str, "127.0.0.1:50051", "the Mooncake Store master (HOST:PORT)"),
+        "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE, etcd://HOST:PORT or http://HOST:PORT/metadata"),
+        "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport"),
+        "device_name": (_str, "", "RDMA devices, comma separated; empty: every HCA found"),
+        "te_hostname": (_str, "127.0.0.1", "address the store's peers reach this node at"),
+        "global_segment_size": (parse_size, "0", "memory this node contributes to the cluster (0: none, a pure client)"),
+        "local_buffer_size": (parse_size, "256MiB", "the store client's registered transfer buffer"),
+        "io_threads": (_int, 2, "transfers in flight"),
+    },
+}
+
+
+@dataclass
+class TierConfig:
+    name: str
+    kind: str
+    capacity: int
+    policy: str
+    max_page_bytes: int
+    endpoint: str
+    options: Dict[str, Any] = field(default_factory=dict)
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    allow_insecure_tcp: bool = False  # serve a tcp:// endpoint without CurveZMQ (default: the node's setting)
+    staging_bytes: int = 2 << 30
+    max_region_bytes: int = 0
+    max_inflight_bytes: int = 2 << 30
+    curve: CurveSettings = field(default_factory=CurveSettings)  # CurveZMQ keys of its tcp:// endpoint(s)
+
+    def fd_socket(self, runtime_dir: str) -> str:
+        """AF_UNIX path where host-pool memfds are handed over (ipc tiers only)."""
+        return os.path.join(runtime_dir, f"{self.name}.fd.sock")
+
+
+@dataclass
+class NodeConfig:
+    tiers: List[TierConfig]
+    runtime_dir: str
+    data_dir: str
+    write_policy: str = "write_through"
+    log_level: str = "info"
+    max_dirty_pages: int = 1024
+    node_name: str = ""
+    source: str = "<embedded default>"
+    metrics_port: int = 0  # base port: tier i serves metrics on metrics_port + i (0: off)
+    metrics_address: str = "127.0.0.1"
+    # CurveZMQ on tcp:// endpoints (tiers/wire/security.py): certificate files and the insecure opt-out.
+    curve_server_key: str = ""
+    curve_client_key: str = ""
+    curve_authorized_keys: str = ""
+    allow_insecure_tcp: bool = False
+    demotion_queue_bytes: int = 256 << 20  # write-back pages on their way down, per daemon
+    quotas: Dict[str, int] = field(default_factory=dict)  # namespace prefix -> bytes per tier
+
+    def tier(self, name: str) -> TierConfig:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise ConfigError(f"{self.source}: no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+
+def default_runtime_dir() -> str:
+    if os.environ.get("RUNTIME_DIRECTORY"):  # set by systemd for RuntimeDirectory=
+        return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hicache-tiers-{os.getuid()}"
+    return os.path.join(base, "hicache-tiers") if os.environ.get("XDG_RUNTIME_DIR") else base
+
+
+def default_data_dir() -> str:
+    if os.environ.get("STATE_DIRECTORY"):  # set by systemd for StateDirectory=
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "hicache-tiers")
+
+
+NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
+             "metrics_port", "metrics_address", "curve_server_key", "curve_client_key", "curve_authorized_keys",
+             "allow_insecure_tcp", "demotion_queue_bytes"}
+
+
+def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
+                 log_level: Optional[str] = None) -> NodeConfig:
+    """Parse and validate TOML text; flags given here win over env and file."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    problems = _Problems()
+    unknown = set(raw) - {"node", "tiers", "quotas"}
+    if unknown:
+        problems.append(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas")
+    node = raw.get("node", {})
+    if not isinstance(node, dict):
+        problems.append(f"{source}: [node] must be a table")
+        node = {}
+    for key in node:
+        if key not in NODE_KEYS:
+            problems.append(f"{source}: node.{key} is not a known key; allowed: {', '.join(sorted(NODE_KEYS))}")
+    node = {k: v for k, v in node.items() if k in NODE_KEYS}
+    env = os.environ
+    runtime = runtime_dir or env.get("HICACHE_TIERS_RUNTIME_DIR") or node.get("runtime_dir") or default_runtime_dir()
+    data = data_dir or env.get("HICACHE_TIERS_DATA_DIR") or node.get("data_dir") or default_data_dir()
+    level = log_level or env.get("HICACHE_TIERS_LOG_LEVEL") or node.get("log_level", "info")
+    check = problems.check
+    config = NodeConfig(
+        tiers=[],
+        runtime_dir=check("/", _str, runtime, f"{source}: node.runtime_dir"),
+        data_dir=check("/", _str, data, f"{source}: node.data_dir"),
+        write_policy=check("write_through", _choice(*WRITE_POLICIES), node.get("write_policy", "write_through"),
+                           f"{source}: node.write_policy"),
+        log_level=check("info", _choice(*LOG_LEVELS), level, f"{source}: node.log_level"),
+        node_name=check("", _str, node.get("name", socket.gethostname()), f"{source}: node.name"),
+        max_dirty_pages=check(1024, _int, node.get("max_dirty_pages", 1024), f"{source}: node.max_dirty_pages"),
+        source=source,
+        metrics_port=check(0, _port, node.get("metrics_port", 0), f"{source}: node.metrics_port"),
+        metrics_address=check("", _str, node.get("metrics_address", "127.0.0.1"), f"{source}: node.metrics_address"),
+        curve_server_key=check("", _key_path, node.get("curve_server_key", ""), f"{source}: node.curve_server_key",
+                               source),
+        curve_client_key=check("", _key_path, node.get("curve_client_key", ""), f"{source}: node.curve_client_key",
+                               source),
+        curve_authorized_keys=check("", _key_path, node.get("curve_authorized_keys", ""),
+                                    f"{source}: node.curve_authorized_keys", source),
+        allow_insecure_tcp=check(False, _bool, node.get("allow_insecure_tcp", False), f"{source}: node.allow_insecure_tcp"),
+        demotion_queue_bytes=check(0, parse_size, node.get("demotion_queue_bytes", "256MiB"),
+                                   f"{source}: node.demotion_queue_bytes"),
+        quotas=check({}, _quotas, raw.get("quotas", {}), source),
+    )
+    tiers = raw.get("tiers", [])
+    if not isinstance(tiers, list) or not tiers:
+        problems.append(f"{source}: at least one [[tiers]] table is required")
+        tiers = []
+    for index, table in enumerate(tiers):
+        tier = _parse_tier(table, f"{source}: tiers[{index}]", config, problems)
+        if tier is not None:
+            config.tiers.append(tier)
+    names = [t.name for t in config.tiers]
+    if len(set(names)) != len(names):
+        problems.append(f"{source}: tier names must be unique, got {', '.join(names)}")
+    problems.raise_any()
+    _resolve_metrics_ports(config)
+    _attach_curve(config)
+    return config
+
+
+def _quotas(table: Any, source: str) -> Dict[str, int]:
+    """[quotas]: namespace or model prefix -> the most bytes its pages may take in any one tier."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [quotas] must be a table of \"prefix\" = size")
+    out = {}
+    for prefix, size in table.items():
+        out[prefix] = parse_size(size, f"{source}: quotas.{prefix}")
+        if out[prefix] <= 0:
+            raise ConfigError(f"{source}: quotas.{prefix} must be positive")
+    return out
+
+
+def _key_path(value: Any, where: str, source: str) -> str:
+    """A key file or directory path; relative paths are taken from the configuration file's directory."""
+    path = _str(value, where)
+    if path and not os.path.isabs(path) and not source.startswith("<"):
+        path = os.path.join(os.path.dirname(os.path.abspath(source)), path)
+    return path
+
+
+def _attach_curve(config: NodeConfig) -> None:
+    """Each tier carries the CurveZMQ settings its daemon serves with and its clients (pools included) use."""
+    if config.curve_client_key and not config.curve_server_key:
+        raise ConfigError(f"{config.source}: node.curve_client_key needs node.curve_server_key (the server's public key)")
+    for tier in config.tiers:
+        tier.curve = CurveSettings(config.curve_server_key, config.curve_client_key, config.curve_authorized_keys,
+                                   tier.allow_insecure_tcp)
+
+
+def _resolve_metrics_ports(config: NodeConfig) -> None:
+    """Tiers without metrics_port take node.metrics_port + their index (node 0: off); no port twice."""
+    used: Dict[int, str] = {}
+    for index, tier in enumerate(config.tiers):
+        if tier.metrics_port < 0:
+            tier.metrics_port = config.metrics_port + index if config.metrics_port else 0
+        if tier.metrics_port > 65535:
+            raise ConfigError(f"{config.source}: tiers[{index}].metrics_port: node.metrics_port + {index} is over 65535")
+        if tier.metrics_port and tier.metrics_port in used:
+            raise ConfigError(f"{config.source}: tiers[{index}].metrics_port: {tier.metrics_port} is already used by "
+                              f"tier {used[tier.metrics_port]}; each daemon needs a port of its own")
+        used[tier.metrics_port] = tier.name
+
+
+def _parse_tier(table: Any, where: str, node: NodeConfig, problems: _Problems) -> Optional[TierConfig]:
+    """One [[tiers]] table; its mistakes go to problems (then None)."""
+    if not isinstance(table, dict):
+        problems.append(f"{where}: must be a table")
+        return None
+    before = len(problems)
+    kind = problems.check(None, COMMON_TIER_OPTIONS["kind"][0], table.get("kind"), f"{where}.kind")
+    if kind is None:
+        return None
+    specs = {**COMMON_TIER_OPTIONS, **problems.check({}, kind_options, kind, f"{where}.kind")}
+    for key in table:
+        if key not in specs:
+            problems.append(f"{where}.{key} is not a known key for a {kind} tier; allowed: {', '.join(sorted(specs))}")
+    values = {}
+    for key, (parser, default, _help) in specs.items():
+        if key not in table and default is None:
+            problems.append(f"{where}.{key} is required")
+            continue
+        values[key] = problems.check(None, parser, table.get(key, default), f"{where}.{key}")
+    name, capacity = values.get("name"), values.get("capacity")
+    if isinstance(name, str) and not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name):
+        problems.append(f"{where}.name: {name!r} must be 1-32 chars of a-z, 0-9, _ and -")
+    if capacity is not None and capacity <= 0:
+        problems.append(f"{where}.capacity must be positive")
+    elif capacity is not None and values.get("block_size") and capacity < values["block_size"]:
+        problems.append(f"{where}.capacity: {capacity} bytes is less than one block "
+                        f"(block_size {values['block_size']} bytes)")
+    if len(problems) > before:
+        return None
+    endpoint = values.pop("endpoint") or f"ipc://{os.path.join(node.runtime_dir, name)}.sock"
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        problems.append(f"{where}.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+    if len(problems) > before:
+        return None
+    common = {k: values.pop(k) for k in ("name", "kind", "capacity", "policy", "max_page_bytes", "metrics_port",
+                                         "allow_insecure_tcp", "staging_bytes", "max_region_bytes",
+                                         "max_inflight_bytes")}
+    if common["allow_insecure_tcp"] is None:
+        common["allow_insecure_tcp"] = node.allow_insecure_tcp
+    if kind == "nvme" and not values.get("path"):
+        values["path"] = os.path.join(node.data_dir, name)
+    return TierConfig(endpoint=endpoint, options=values, **common)
+
+
+def load_config(path: Optional[str] = None, **overrides) -> NodeConfig:
+    """Load FILE, or the embedded default when path is None."""
+    if path is None:
+        return parse_config(DEFAULT_CONFIG_TOML, "<embedded default>", **overrides)
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_config(text, path, **overrides)

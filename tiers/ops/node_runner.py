@@ -1,0 +1,130 @@
+"""Start, stop, kill and restart a node's tier daemons as real processes.
+
+Used by ``hicache-tiers demo``, the benchmarks and the tests: each tier runs
+as ``python -m tiers.cli serve --tier NAME`` exactly as systemd runs it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+import zmq
+
+from tiers.wire import protocol as P
+from tiers.wire import security
+from tiers.ops.config import NodeConfig, parse_config
+
+
+class NodeRunner:
+    """The daemons of one node configuration, each in its own process."""
+
+    def __init__(self, config_text: str, runtime_dir: str, data_dir: str, config_path: Optional[str] = None,
+                 log_path: Optional[str] = None, log_level: str = "warning"):
+        self.runtime_dir = runtime_dir
+        self.data_dir = data_dir
+        self.config_path = config_path or os.path.join(runtime_dir, "node.toml")
+        os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+        with open(self.config_path, "w", encoding="utf-8") as fh:
+            fh.write(config_text)
+        self.config: NodeConfig = parse_config(config_text, self.config_path, runtime_dir=runtime_dir, data_dir=data_dir)
+        self.log_path = log_path or os.path.join(runtime_dir, "daemons.log")
+        self.log_level = log_level
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.limit_fds: Optional[tuple] = None  # RLIMIT_NOFILE (soft, hard) of daemons started from now on
+
+    def command(self, tier: str) -> list:
+        return [sys.executable, "-m", "tiers.cli", "serve", "--config", self.config_path, "--runtime-dir",
+                self.runtime_dir, "--data-dir", self.data_dir, "--tier", tier, "--log-level", self.log_level]
+
+    def start(self, tier: Optional[str] = None, timeout: float = 30.0) -> None:
+        """Start one tier (or all) and wait until each answers a hello."""
+        names = [tier] if tier else [t.name for t in self.config.tiers]
+        log = open(self.log_path, "ab")
+        for name in names:
+            if name in self.procs and self.procs[name].poll() is None:
+                continue
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                preexec_fn=self._limits if self.limit_fds else None)
+        log.close()
+        try:
+            for name in names:
+                self.wait_ready(name, timeout)
+        except BaseException:
+            self.kill(tier)  # a start that fails leaves no daemon behind
+            raise
+
+    def _limits(self) -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.limit_fds)
+
+    def wait_ready(self, tier: str, timeout: float = 30.0) -> None:
+        endpoint, curve = self.config.tier(tier).endpoint, self.config.tier(tier).curve
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            proc = self.procs.get(tier)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"tier {tier} exited with {proc.returncode}; see {self.log_path}")
+            if ping(endpoint, 0.5, curve):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"tier {tier} did not answer within {timeout}s; see {self.log_path}")
+
+    def stop(self, tier: Optional[str] = None, timeout: float = 30.0) -> Dict[str, int]:
+        """SIGTERM (graceful) and wait; returns exit codes."""
+        return self._signal(tier, signal.SIGTERM, timeout)
+
+    def kill(self, tier: Optional[str] = None) -> Dict[str, int]:
+        """SIGKILL: a crash, no flushing."""
+        return self._signal(tier, signal.SIGKILL, 10.0)
+
+    def _signal(self, tier: Optional[str], signum: int, timeout: float) -> Dict[str, int]:
+        names = [tier] if tier else list(self.procs)
+        codes = {}
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signum)
+        for name in names:
+            proc = self.procs.pop(name, None)
+            if proc is None:
+                continue
+            try:
+                codes[name] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+    def pid(self, tier: str) -> int:
+        return self.procs[tier].pid
+
+    def __enter__(self) -> "NodeRunner":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ping(endpoint: str, timeout: float = 0.5, curve: Optional[security.CurveSettings] = None) -> bool:
+    """True when a daemon answers a hello on endpoint within timeout."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        security.apply_client(sock, endpoint, curve)  # CurveZMQ keys of a tcp:// endpoint that has them
+        sock.connect(endpoint)
+        sock.send_multipart([P.request("hello", 1, ns="_ping", client="ping")])
+        if not sock.poll(int(timeout * 1000)):
+            return False
+        reply = P.unpack(sock.recv_multipart()[0])
+        return bool(reply.get("ok"))
+    except (zmq.ZMQError, P.ProtocolError):
+        return False
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,178 @@
+"""The interface every tier's page store implements (DRAM arena, NVMe files, ...).
+
+The daemon (tiers/node/daemon.py) speaks the protocol and resolves page bytes into
+memoryviews; a store only keeps pages.  A page is handed over as a *list* of
+memoryviews whose concatenation is the page (SGLang's page_first layout gives
+2 regions a page, layer_first 2 x layers).  The views are always daemon-owned
+memory (ZeroMQ frames, the DRAM arena, staging blocks of the daemon's arena):
+the daemon alone reads an engine's host pool, through a SIGBUS-guarded copy
+(tiers/node/transfers.py), and nothing writes into one but the engine itself.
+
+Keys are ``(namespace, key)`` pairs of str; the daemon has validated both.
+Methods never raise for a missing key; they raise ``StoreError`` subclasses
+for refusals the client should hear about (too large, full, I/O failure).
+Stores are called from the daemon thread, and from its I/O pool when
+``parallel_io`` is True: such stores must be thread-safe.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+PageKey = Tuple[str, str]  # (namespace, key)
+Buffers = Sequence[memoryview]
+
+
+class StoreError(Exception):
+    """A store refused an operation; ``code`` is a protocol error code (tiers/wire/protocol.py ERROR_CODES)."""
+
+    code = "io_error"
+
+
+class Unsupported(StoreError):
+    """The store does not offer this operation."""
+
+    code = "bad_request"
+
+
+class SourceGone(StoreError):
+    """The page's source memory went away during the copy (the engine truncated its host pool)."""
+
+    code = "bad_request"
+
+
+class PageTooLarge(StoreError):
+    code = "too_large"
+
+
+class StoreFull(StoreError):
+    code = "full"
+
+
+class StoreIOError(StoreError):
+    code = "io_error"
+
+
+@dataclass
+class StoreStats:
+    """Counters every store keeps; extra holds tier-specific figures."""
+
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    pages: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    inserts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    extra: Dict[str, float] = field(default_factory=dict)
+    # namespace -> {bytes, pages, hits, evictions, ...}, the largest few only (bounded metric labels)
+    per_namespace: Dict[str, dict] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+def total_size(buffers: Buffers) -> int:
+    """Bytes in a page given as a list of buffers."""
+    return sum(b.nbytes for b in buffers)
+
+
+class PageStore(ABC):
+    """A bounded page store with an eviction policy."""
+
+    parallel_io = False  # True: the daemon may call get/put from a thread pool
+    batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
+    persistent = False  # True: pages survive a restart of the daemon (a store built on the same path finds them)
+
+    @abstractmethod
+    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        """Store the concatenation of buffers under key, evicting as needed.
+
+        Overwriting an existing key replaces it.  Raises StoreError on refusal;
+        after a refusal no partial page is visible.
+        """
+
+    @abstractmethod
+    def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        """Copy the page into buffers (total size must match); False on miss."""
+
+    @abstractmethod
+    def get_bytes(self, key: PageKey) -> Optional[bytes]:
+        """The page as one bytes-like object, or None on miss."""
+
+    def peek(self, key: PageKey) -> Optional[bytes]:
+        """The page's bytes without counting a read (demotion, flushing)."""
+        return self.get_bytes(key)
+
+    def read_count(self, key: PageKey) -> int:
+        """Reads since the page was stored (stores that track it override this)."""
+        return 0
+
+    @abstractmethod
+    def contains(self, keys: Iterable[PageKey]) -> List[bool]:
+        """Presence of each key; does not count as an access."""
+
+    def held(self, namespace: str, keys: List[str]) -> bytes:
+        """One byte per key of namespace, 1 when present (the lookup's answer; stores may do it faster)."""
+        return bytes(1 if ok else 0 for ok in self.contains([(namespace, k) for k in keys]))
+
+    @abstractmethod
+    def delete(self, keys: Iterable[PageKey]) -> int:
+        """Remove keys; returns how many were present."""
+
+    @abstractmethod
+    def clear(self, namespace: Optional[str] = None) -> int:
+        """Remove every page (of one namespace); returns how many."""
+
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        """Evict by policy until nbytes are freed (only pages of namespace when given).
+
+        Returns (pages, bytes) evicted.  An operator's tool, not the hot path.
+        """
+        raise Unsupported(f"{type(self).__name__} does not support evict")
+
+    # ------------------------------------------------ optional capabilities
+    def export_arena(self):
+        """The BlockArena (tiers/node/arena.py) this store keeps its pages in, when engines may read them from it.
+
+        None (the default): the daemon stages reads in an arena of its own.
+        A store that returns its arena implements ``lease_pages``.
+        """
+        return None
+
+    def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
+                    max_bytes: int):
+        """(lease id or None, extents in export_arena() of each page or None); see tiers/node/arena.py."""
+        raise Unsupported(f"{type(self).__name__} keeps no exported arena")
+
+    def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
+                 deadline: Optional[float]) -> List[Optional[StoreError]]:
+        """Stores with ``batched``: every page at once; None or the refusal of each."""
+        raise Unsupported(f"{type(self).__name__} moves pages one at a time")
+
+    def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                      deadline: Optional[float]) -> List[bool]:
+        """Stores with ``batched``: every page at once; found flags."""
+        raise Unsupported(f"{type(self).__name__} moves pages one at a time")
+
+    def region_mapped(self, view: memoryview) -> None:
+        """Memory the daemon reads pages from or into was mapped (the remote tier registers it with its engine)."""
+
+    def region_unmapped(self, view: memoryview) -> None:
+        """Memory given to region_mapped goes away."""
+
+    def set_evict_hook(self, hook) -> None:
+        """hook(key, page views, reads) runs before an evicted page's memory is reused; it must not block
+        and must copy what it keeps (the views are valid only during the call)."""
+
+    @abstractmethod
+    def stats(self) -> StoreStats:
+        """A snapshot of the store's counters."""
+
+    def close(self) -> None:
+        """Release resources; a durable store flushes here."""

@@ -1,0 +1,295 @@
+"""The DRAM tier: pages in one sealed shared-memory arena, bounded, evicting by policy and fair share.
+
+Pages live in a BlockArena (tiers/node/arena.py): ceil(size / block_size) blocks
+each, not necessarily contiguous, so any freed page makes room for any new
+one and the byte bound is exact.  Engines map the arena read-only and copy
+leased pages out themselves (``lease_pages``); writes are reserved, copied
+outside the lock under a SIGBUS guard (a truncated host pool is a refusal,
+not a dead daemon), then committed.  Each namespace has its own policy; the
+namespace that gives up space is chosen by tiers/node/fairness.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from tiers.node.arena import Alloc, BlockArena, Extents
+from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
+from tiers.node.fairness import FairShare, bounded_top
+from tiers.policies import EvictionPolicy, make_policy
+from tiers.stores.base import (Buffers, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
+                         total_size)
+from tiers.plugins import StoreKind
+
+log = logging.getLogger("hicache.dram")
+
+
+@dataclass
+class _Entry:
+    alloc: Alloc
+    reads: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.alloc.size
+
+
+@dataclass
+class _Tenant:
+    """One namespace's policy and figures."""
+
+    policy: EvictionPolicy
+    bytes: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class DramStore(PageStore):
+    """Pages in a memfd arena of fixed-size blocks."""
+
+    parallel_io = False  # one copy at a time: two copies on two cores ran slower than one here
+
+    def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
+                 max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
+                 quotas: Optional[Mapping[str, int]] = None):
+        self.arena = BlockArena(capacity, block_size, name, prefault)
+        self.block_size = block_size
+        self.capacity = self.arena.size
+        self.max_page_bytes = max_page_bytes
+        self._policy_name = policy
+        make_policy(policy)  # an unknown name fails here, not at the first write
+        self._index: Dict[PageKey, _Entry] = {}
+        self._tenants: Dict[str, _Tenant] = {}
+        self._fair = FairShare(self.capacity, quotas)
+        self._lock = threading.Lock()
+        self._stats = StoreStats(capacity_bytes=self.capacity)
+        self._evict_hook: Optional[Callable] = None
+
+    def set_evict_hook(self, hook: Optional[Callable]) -> None:
+        self._evict_hook = hook
+
+    def export_arena(self) -> BlockArena:
+        return self.arena
+
+    # ------------------------------------------------------------- helpers
+    def _tenant(self, namespace: str) -> _Tenant:
+        tenant = self._tenants.get(namespace)
+        if tenant is None:
+            tenant = self._tenants[namespace] = _Tenant(make_policy(self._policy_name))
+        return tenant
+
+    def _release_locked(self, key: PageKey) -> Optional[_Entry]:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self.arena.give(entry.alloc)  # parked while a reader's lease holds them
+            self._stats.used_bytes -= entry.size
+            tenant = self._tenants[key[0]]
+            tenant.bytes -= entry.size
+            tenant.policy.remove(key)
+        return entry
+
+    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
+        own = self._tenants.get(writer) if writer is not None else None
+        over = own is not None and self._fair.over_quota(writer, own.bytes + need)
+        namespace = only or self._fair.victim(writer, {ns: t.bytes for ns, t in self._tenants.items()}, over)
+        tenant = self._tenants.get(namespace) if namespace is not None else None
+        victim = tenant.policy.pop_victim() if tenant is not None else None
+        if victim is None:
+            return False
+        entry = self._index[victim]
+        if self._evict_hook is not None:
+            # Runs inside the lock: the hook copies the page into the demotion queue (bounded memory,
+            # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once.
+            self._evict_hook(victim, self.arena.views(entry.alloc), entry.reads)
+        self._release_locked(victim)
+        tenant.evictions += 1
+        self._stats.evictions += 1
+        return True
+
+    def _allocate_locked(self, namespace: str, size: int) -> Alloc:
+        limit = self._fair.quota(namespace)
+        tenant = self._tenants.get(namespace)
+        while limit is not None and tenant is not None and tenant.bytes + size > limit:
+            if not self._evict_one_locked(namespace, only=namespace):
+                break  # a page larger than the quota still fits once the namespace holds nothing else
+        while True:
+            alloc = self.arena.take(size)
+            if alloc is not None:
+                return alloc
+            if not self._evict_one_locked(namespace, size):
+                raise StoreFull("arena full (every page is being read or written)")
+
+    # ----------------------------------------------------------- interface
+    def reserve(self, key: PageKey, size: int, evict: bool = True) -> Optional[Alloc]:
+        """Blocks for a page of size bytes, evicting as needed; fill them, then commit or abort.
+
+        With evict=False: None instead of evicting (the caller commits what it holds first, so
+        eviction sees pages in the order they were written, as the simulator does).
+        """
+        if size > self.max_page_bytes or size > self.capacity or size <= 0:
+            raise PageTooLarge(f"page of {size} bytes not accepted (max {min(self.max_page_bytes, self.capacity)})")
+        with self._lock:
+            if not evict:
+                tenant = self._tenants.get(key[0])
+                limit = self._fair.quota(key[0])
+                if limit is not None and tenant is not None and tenant.bytes + size > limit:
+                    return None
+                return self.arena.take(size)
+            return self._allocate_locked(key[0], size)
+
+    def commit(self, key: PageKey, alloc: Alloc, parent: Optional[str] = None) -> None:
+        size = alloc.size
+        with self._lock:
+            self._release_locked(key)
+            self._index[key] = _Entry(alloc)
+            tenant = self._tenant(key[0])
+            tenant.policy.insert(key, (key[0], parent) if parent else None)
+            tenant.bytes += size
+            self._stats.used_bytes += size
+            self._stats.inserts += 1
+            self._stats.bytes_written += size
+
+    def abort(self, alloc: Alloc) -> None:
+        self.arena.give(alloc)
+
+    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        src = [as_bytes_view(b) for b in buffers]
+        size = total_size(src)
+        alloc = self.reserve(key, size)
+        try:
+            scatter_copy(self.arena.views(alloc), src)
+        except MemoryFault as exc:
+            self.abort(alloc)
+            raise SourceGone(str(exc)) from None
+        except BaseException:
+            self.abort(alloc)
+            raise
+        self.commit(key, alloc, parent)
+
+    def _lookup_for_read_locked(self, key: PageKey, size: Optional[int] = None) -> Optional[_Entry]:
+        entry = self._index.get(key)
+        if entry is None or (size is not None and entry.size != size):
+            self._stats.misses += 1
+            return None
+        entry.reads += 1
+        tenant = self._tenants[key[0]]
+        tenant.policy.touch(key)
+        tenant.hits += 1
+        self._stats.hits += 1
+        self._stats.bytes_read += entry.size
+        return entry
+
+    def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
+                    max_bytes: int) -> Tuple[Optional[int], List[Optional[Extents]]]:
+        """Pin the leading pages held with the expected sizes, up to max_bytes, for an engine to copy out."""
+        found: List[Optional[Extents]] = []
+        allocs: List[Alloc] = []
+        leased = 0
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                entry = self._index.get(key)
+                if entry is None or entry.size != size or leased + size > max_bytes:
+                    self._stats.misses += 1
+                    found.append(None)
+                    continue
+                self._lookup_for_read_locked(key)
+                found.append(entry.alloc.extents)
+                allocs.append(entry.alloc)
+                leased += size
+            lease = self.arena.lease(owner, allocs, expiry) if allocs else None
+        return lease, found
+
+    def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        dst = [as_bytes_view(b) for b in buffers]
+        size = total_size(dst)
+        with self._lock:
+            entry = self._lookup_for_read_locked(key, size)
+            if entry is None:
+                return False
+            alloc = entry.alloc
+            lease = self.arena.lease(0, [alloc], float("inf"))  # held only for this copy
+        try:
+            scatter_copy(dst, self.arena.views(alloc))
+        finally:
+            self.arena.release(lease, 0)
+        return True
+
+    def get_bytes(self, key: PageKey) -> Optional[bytes]:
+        with self._lock:
+            entry = self._lookup_for_read_locked(key)
+            if entry is None:
+                return None
+            return b"".join(self.arena.views(entry.alloc))
+
+    def peek(self, key: PageKey) -> Optional[bytes]:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else b"".join(self.arena.views(entry.alloc))
+
+    def read_count(self, key: PageKey) -> int:
+        """How many times key was read since it was stored (0 when absent)."""
+        with self._lock:
+            entry = self._index.get(key)
+            return entry.reads if entry else 0
+
+    def held(self, namespace: str, keys: List[str]) -> bytes:
+        # One C-level pass: a lookup of 1,024 keys is on the engine's prefetch path.
+        return bytes(map(self._index.__contains__, zip(repeat(namespace), keys)))
+
+    def contains(self, keys: Iterable[PageKey]) -> List[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def delete(self, keys: Iterable[PageKey]) -> int:
+        with self._lock:
+            return sum(1 for key in keys if self._release_locked(key) is not None)
+
+    def clear(self, namespace: Optional[str] = None) -> int:
+        with self._lock:
+            doomed = [k for k in self._index if namespace is None or k[0] == namespace]
+            for key in doomed:
+                self._release_locked(key)
+            return len(doomed)
+
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        pages = freed = 0
+        with self._lock:
+            while freed < nbytes:
+                before = self._stats.used_bytes
+                if not self._evict_one_locked(None, only=namespace):
+                    break
+                pages, freed = pages + 1, freed + before - self._stats.used_bytes
+        return pages, freed
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()
+                                 if k not in ("extra", "per_namespace")})
+            snap.pages = len(self._index)
+            snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
+                          "leases": self.arena.lease_count(), "pinned_pages": self.arena.pinned_allocations(),
+                          "leases_expired": self.arena.leases_expired}
+            per_ns = {ns: {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
+                           "fair_share": int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes))),
+                           "quota": self._fair.quota(ns) or 0}
+                      for ns, t in self._tenants.items() if t.bytes or t.hits or t.evictions}
+            snap.per_namespace = bounded_top(per_ns)
+            return snap
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self.arena.close()
+
+
+def _build(tier, quotas=None) -> DramStore:
+    return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
+                     max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
+                     quotas=quotas)
+
+
+# The dram kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["dram"]).
+KIND = StoreKind("dram", _build, description="pages in a sealed memfd arena of fixed blocks")

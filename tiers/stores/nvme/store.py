@@ -1,0 +1,359 @@
+"""The NVMe tier: one verified file per chunk, bounded in on-disk bytes, evicting by policy.
+
+Concurrency: the daemon calls put/get_into from its I/O pool.  The ledger's
+lock guards only the index, the policy and the counters; file I/O runs
+outside it.  Per-digest stripe locks order the two steps that must match
+between disk and index for one key: "rename + commit" of a write and "unlink
+unless re-added" of a delete, eviction or corruption removal.  Readers take
+no stripe lock: a reader holding an open file keeps reading that file's inode
+however it is renamed over or unlinked, and everything it reads is verified.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from typing import Callable, Iterable, List, Optional, Tuple
+
+from tiers.node.buffers import as_bytes_view
+from tiers.ops.logs import RateLimitedLog
+from tiers.stores.nvme import chunkfile as cf
+from tiers.stores.nvme.codec import Codec
+from tiers.stores.nvme.dirsync import DirSyncer
+from tiers.stores.nvme.index import scan
+from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
+from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.plugins import StoreKind
+
+log = logging.getLogger("hicache.nvme")
+N_STRIPES = 64
+TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NvmeStore(PageStore):
+    """Chunk files under a directory; capacity counts on-disk bytes (header + payload)."""
+
+    parallel_io = True
+    persistent = True  # the index is rebuilt from the chunk files at start
+
+    def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
+                 fsync: bool = True, compression: str = "none", compression_level: int = 1,
+                 direct_io: bool = True, io_threads: int = 4, name: str = "nvme",
+                 quotas: Optional[dict] = None):
+        if capacity < cf.HEADER_SIZE + 1:
+            raise ValueError("capacity must hold at least one chunk")
+        self.root = os.path.abspath(path)
+        self.capacity = capacity
+        self.max_page_bytes = max_page_bytes
+        self.fsync = fsync
+        self.name = name
+        self.io_threads = io_threads  # the daemon's I/O pool size for this store (several reads in flight)
+        self._codec = Codec(compression, compression_level)
+        self._ledger = Ledger(capacity, policy, quotas)
+        self._stripes = [threading.Lock() for _ in range(N_STRIPES)]
+        self._dirsync = DirSyncer()
+        self._warned: set = set()
+        self._rlog = RateLimitedLog(log)
+        # Called with (key, page views, reads) before an evicted chunk is removed:
+        # the write-back router may demote it further.
+        self._evict_hook: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self._lock_fd: Optional[int] = self._lock_directory()
+        self._direct = bool(direct_io) and self._probe_direct()
+        if self._direct and compression != "none":
+            log.info("%s: direct_io applies to uncompressed chunks only", name)
+        self._rebuild()
+
+    def set_evict_hook(self, hook) -> None:
+        self._evict_hook = hook
+
+    @classmethod
+    def from_config(cls, tier, quotas: Optional[dict] = None) -> "NvmeStore":
+        """Build the store a tiers.ops.config.TierConfig of kind nvme describes."""
+        from tiers.ops.config import KIND_OPTIONS
+        opt = {k: tier.options[k] if k in tier.options else parser(default, k)
+               for k, (parser, default, _help) in KIND_OPTIONS["nvme"].items()}
+        if not opt["path"]:
+            raise ValueError(f"nvme tier {tier.name}: options.path is required")
+        return cls(opt["path"], tier.capacity, policy=tier.policy, max_page_bytes=tier.max_page_bytes,
+                   fsync=opt["fsync"], compression=opt["compression"], compression_level=opt["compression_level"],
+                   direct_io=opt["direct_io"], io_threads=opt["io_threads"], name=tier.name, quotas=quotas)
+
+    # ------------------------------------------------------------ start-up
+    def _lock_directory(self) -> int:
+        # Two stores on one directory would delete each other's temp files.
+        fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreIOError(f"{self.root} is in use by another store") from None
+        return fd
+
+    def _probe_direct(self) -> bool:
+        probe = os.path.join(self.root, ".direct-probe.tmp")
+        try:
+            cf.write_file(probe, [cf.header_block("write")], fsync=False, direct=True)
+        except OSError as exc:
+            log.warning("%s: direct_io off: %s refuses O_DIRECT (%s); using buffered I/O",
+                        self.name, self.root, exc.strerror)
+            return False
+        cf.unlink_quietly(probe)
+        return True
+
+    def _rebuild(self) -> None:
+        found = scan(self.root)
+        self._dirs = found.dirs
+        for victim in self._ledger.load(found.chunks):
+            self._discard(*victim)
+        self._ledger.extra.update(rebuild_seconds=found.seconds, rebuild_files=len(found.chunks),
+                                  temp_removed=found.temps_removed, torn_removed=found.torn_removed,
+                                  foreign_files=found.foreign_files)
+        try:
+            st = os.statvfs(self.root)
+            if self.capacity > self._ledger.used + st.f_bavail * st.f_frsize:
+                log.warning("%s: capacity %d bytes exceeds the free space of %s; a full disk will evict",
+                            self.name, self.capacity, self.root)
+        except OSError:
+            pass
+        log.info("%s: indexed %d chunks (%d bytes) in %.2f s; removed %d temp and %d torn files", self.name,
+                 len(found.chunks), self._ledger.used, found.seconds, found.temps_removed, found.torn_removed)
+
+    # ------------------------------------------------------------- helpers
+    def _warn_once(self, kind: str, msg: str, *args) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(msg, *args)
+
+    def _stripe(self, digest: int) -> threading.Lock:
+        return self._stripes[digest % N_STRIPES]
+
+    def _discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
+        """Delete the file of a chunk already out of the index, unless the key was re-added."""
+        if evicted and self._evict_hook is not None:
+            self._notify_evict(entry)
+        with self._stripe(digest):
+            if digest not in self._ledger:  # else a newer version was renamed over the file already
+                cf.unlink_quietly(entry.path)
+
+    def _notify_evict(self, entry: Entry) -> None:
+        try:
+            if entry.page_key is None or entry.raw_size is None:
+                hdr = cf.read_header(entry.path)
+                entry.page_key, entry.raw_size = (hdr.namespace, hdr.key), hdr.raw_len
+            buf = bytearray(entry.raw_size)
+            cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode, False)
+        except (OSError, cf.CorruptChunk, cf.SizeMismatch):
+            return  # nothing sound to hand on
+        self._evict_hook(entry.page_key, [memoryview(buf)], entry.reads)
+
+    def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
+        """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""
+        removed = False
+        with self._stripe(digest):
+            if ino is not None:
+                try:
+                    if os.stat(entry.path).st_ino == ino:
+                        removed = cf.unlink_quietly(entry.path)
+                except FileNotFoundError:
+                    pass
+            dropped = self._ledger.drop(digest, entry, corrupt=removed)
+        if removed:
+            self._rlog.warning("corrupt", "%s: removed %s: %s", self.name, entry.path, why)
+        elif dropped:  # not a race with an eviction or overwrite: the file went behind our back
+            self._rlog.warning("lost", "%s: forgot %s: %s", self.name, entry.path, why)
+
+    # ------------------------------------------------------------ writing
+    def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+        size = total_size(src)
+        if size == 0 or size > self.max_page_bytes:
+            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
+        namespace, name = key
+        digest, ns_hash = key_digest(namespace, name), namespace_hash(namespace)
+        encoded = self._codec.encode(src, size)  # CPU work before the reservation: its size is exact
+        payload = src if encoded is None else [memoryview(encoded)]
+        stored = total_size(payload)
+        disk = cf.HEADER_SIZE + stored
+        if disk > self.capacity:
+            raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {self.capacity}")
+        path = chunk_path(self.root, ns_hash, digest)
+        header = cf.pack_header(cf.header_block("write"), namespace, name, 0 if encoded is None else
+                                self._codec.codec_id, size, stored, cf.payload_hash(payload))
+        try:
+            for victim in self._ledger.reserve(disk, ns_hash, namespace):
+                self._discard(*victim, evicted=True)
+        except StoreFull as exc:
+            raise StoreFull(f"{self.name}: {exc}") from None
+        try:
+            tmp = self._write_temp(path, [header, *payload], encoded is None, disk)
+            entry = Entry(path, ns_hash, disk, key, size, touched=time.monotonic())
+            self._rename_commit(digest, tmp, entry, key_digest(namespace, parent) if parent else None)
+        except BaseException:
+            self._ledger.release(disk, ns_hash)
+            raise
+        if self.fsync:
+            try:
+                self._dirsync.sync(os.path.dirname(path))
+            except OSError as exc:
+                raise StoreIOError(f"{self.name}: fsync of {os.path.dirname(path)}: {exc.strerror}") from None
+        self._ledger.wrote(size, stored)
+
+    def _write_temp(self, path: str, views: List[memoryview], raw: bool, disk: int) -> str:
+        """Write views to a fresh temp file next to path; one eviction-and-retry on a full disk."""
+        direct = self._direct and raw and cf.is_aligned(views)
+        if self._direct and raw and not direct:
+            self._warn_once("unaligned", "%s: page buffers not %d-byte aligned; buffered I/O for such pages",
+                            self.name, cf.ALIGN)
+        for attempt in (0, 1):
+            tmp = temp_path(path)
+            try:
+                self._ensure_dir(os.path.dirname(path))
+                cf.write_file(tmp, views, self.fsync, direct)
+                return tmp
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and direct:
+                    self._warn_once("einval", "%s: O_DIRECT write refused (%s); buffered I/O from now on",
+                                    self.name, exc.strerror)
+                    self._direct = False
+                    return self._write_temp(path, views, raw, disk)
+                if exc.errno == errno.ENOENT and not attempt:  # fan-out directory removed behind our back
+                    self._dirs.discard(os.path.dirname(path))
+                    continue
+                if exc.errno not in _FULL_ERRNOS:
+                    raise StoreIOError(f"{self.name}: writing {tmp}: {exc.strerror}") from None
+                if attempt:
+                    raise StoreFull(f"{self.name}: no space left on device after eviction") from None
+                self._warn_once("enospc", "%s: device full below the configured capacity; evicting", self.name)
+                if disk > self._reclaimable():  # evicting everything would not make room: refuse now
+                    raise StoreFull(f"{self.name}: chunk of {disk} bytes exceeds the space of the device") from None
+                victims = self._ledger.evict_bytes(disk)
+                if not victims:
+                    raise StoreFull(f"{self.name}: no space left on device") from None
+                for victim in victims:
+                    self._discard(*victim, evicted=True)
+        raise StoreFull(f"{self.name}: no space left on device")  # not reached: the loop returns or raises
+
+    def _reclaimable(self) -> int:
+        """Free bytes on the device plus the bytes our chunks occupy."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return self.capacity
+        return st.f_bavail * st.f_frsize + self._ledger.used
+
+    def _ensure_dir(self, leaf: str) -> None:
+        if leaf in self._dirs:
+            return
+        os.makedirs(leaf, mode=0o700, exist_ok=True)
+        if self.fsync:  # the new directory entries must survive a crash with the files in them
+            cf.fsync_dir(os.path.dirname(leaf))
+            cf.fsync_dir(self.root)
+        self._dirs.add(leaf)
+
+    def _rename_commit(self, digest: int, tmp: str, entry: Entry, parent: Optional[int]) -> None:
+        with self._stripe(digest):
+            try:
+                os.rename(tmp, entry.path)
+            except OSError as exc:
+                cf.unlink_quietly(tmp)
+                cls = StoreFull if exc.errno in _FULL_ERRNOS else StoreIOError
+                raise cls(f"{self.name}: rename to {entry.path}: {exc.strerror}") from None
+            self._ledger.commit(digest, entry, parent)
+
+    # ------------------------------------------------------------ reading
+    def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+        size = total_size(dst)
+        digest = key_digest(*key)
+        entry = self._ledger.get(digest)
+        if entry is None or size == 0 or (entry.raw_size is not None and entry.raw_size != size):
+            return self._ledger.miss()
+        return self._read(key, digest, entry, dst, size)
+
+    def get_bytes(self, key: PageKey) -> Optional[bytearray]:
+        digest = key_digest(*key)
+        entry = self._ledger.get(digest)
+        if entry is None:
+            self._ledger.miss()
+            return None
+        size = entry.raw_size
+        if size is None:  # rebuilt entry of unknown page size: its header says
+            try:
+                size = cf.read_header(entry.path).raw_len
+            except (OSError, cf.CorruptChunk):
+                size = 0  # _read finds the same fault, reports it and cleans up
+        buf = bytearray(size)
+        return buf if self._read(key, digest, entry, [memoryview(buf)], size) else None
+
+    def _read(self, key: PageKey, digest: int, entry: Entry, dst: List[memoryview], size: int) -> bool:
+        direct = self._direct and cf.is_aligned(dst)
+        try:
+            hdr = cf.read_chunk(entry.path, key[0], key[1], dst, size, self._codec.decode, direct)
+        except FileNotFoundError:
+            self._forget(digest, entry, None, "file vanished")
+            return self._ledger.miss()
+        except cf.SizeMismatch:
+            return self._ledger.miss()
+        except cf.CorruptChunk as exc:
+            self._forget(digest, entry, exc.ino, str(exc))
+            return self._ledger.miss()
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and direct:
+                self._warn_once("einval-read", "%s: O_DIRECT read refused (%s); buffered I/O from now on",
+                                self.name, exc.strerror)
+                self._direct = False
+                return self._read(key, digest, entry, dst, size)
+            self._rlog.warning("read", "%s: reading %s: %s", self.name, entry.path, exc.strerror)
+            self._forget(digest, entry, None, exc.strerror or "I/O error")
+            return self._ledger.miss(read_error=True)
+        if self._ledger.hit(digest, entry, key, hdr.raw_len, time.monotonic(), TOUCH_INTERVAL):
+            try:
+                os.utime(entry.path)  # the mtime is the recency a restart rebuilds from
+            except OSError:
+                pass
+        return True
+
+    # ---------------------------------------------------------- the rest
+    def contains(self, keys: Iterable[PageKey]) -> List[bool]:
+        ledger = self._ledger
+        return [key_digest(ns, k) in ledger for ns, k in keys]
+
+    def _remove(self, digests: Iterable[int]) -> int:
+        victims: List[Victim] = self._ledger.pop_many(digests)
+        for victim in victims:
+            self._discard(*victim)
+        return len(victims)
+
+    def delete(self, keys: Iterable[PageKey]) -> int:
+        return self._remove([key_digest(ns, k) for ns, k in keys])
+
+    def clear(self, namespace: Optional[str] = None) -> int:
+        return self._remove(self._ledger.digests(None if namespace is None else namespace_hash(namespace)))
+
+    def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
+        victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
+                                           full_disk=False)
+        for victim in victims:
+            self._discard(*victim, evicted=True)
+        return len(victims), sum(entry.disk_size for _d, entry in victims)
+
+    def stats(self) -> StoreStats:
+        snap = self._ledger.snapshot()
+        snap.extra.update(direct_io=float(self._direct), fsync=float(self.fsync), dir_syncs=self._dirsync.syncs)
+        return snap
+
+    def close(self) -> None:
+        """Release the directory lock; every acknowledged chunk is already in its file."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+# The nvme kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["nvme"]).
+KIND = StoreKind("nvme", NvmeStore.from_config, description="one file per page, checksummed, fsync'd")

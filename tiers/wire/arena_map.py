@@ -1,0 +1,99 @@
+"""A daemon's arena as an engine maps it: read-only, and the copy of leased pages out of it.
+
+The engine's half of a leased read (tiers/node/arena.py is the daemon's): the
+engine copies the pages into its own host pool, in one call without the GIL,
+and keeps them only if that copy ended by the lease's expiry, after which
+the daemon may reuse the blocks.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from tiers.node.buffers import address_of, copy_runs, populate, scatter_runs
+
+
+class ArenaMap:
+    """A daemon's arena, mapped read-only in this process; unmapped once closed and no copy uses it."""
+
+    def __init__(self, arena_id: int, mapping: mmap.mmap, populate_now: bool = False):
+        self.arena_id = arena_id
+        self.size = len(mapping)
+        self._mapping: Optional[mmap.mmap] = mapping
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        with memoryview(mapping) as view:
+            self.base = address_of(view)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # the daemon's shmem THP, where enabled
+        except (AttributeError, OSError, ValueError):
+            pass
+        # Build the page tables off the engine's threads: a copy out of a fresh mapping would
+        # otherwise take a minor fault every 4 KiB (the daemon prefaulted the memory itself).
+        if populate_now:
+            self._users += 1
+            threading.Thread(target=self._populate, name="arena-populate", daemon=True).start()
+
+    def _populate(self) -> None:
+        try:
+            if self._mapping is not None:
+                populate(self._mapping, write=False)
+        except (OSError, ValueError, TypeError):
+            pass
+        finally:
+            self.done()
+
+    def use(self) -> bool:
+        """Hold the mapping for a copy (False once closed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._users += 1
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._unmap_if_idle_locked()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._unmap_if_idle_locked()
+
+    def _unmap_if_idle_locked(self) -> None:
+        if self._closed and not self._users and self._mapping is not None:
+            self._mapping.close()  # the daemon's memory is freed only when no engine maps it
+            self._mapping = None
+
+    def copy_out(self, extents: Sequence[Sequence[Tuple[int, int]]], dst: Sequence[Sequence[Tuple[int, int]]],
+                 found: Sequence[bool], expiry: float) -> List[bool]:
+        """Copy found page i (extents in this arena, in order) into dst[i], runs of (address, length) of this
+        process; the found flags when the copy ended by expiry (time.monotonic()), else all False.
+
+        MemoryFault or ValueError (a page of another size) propagate to the caller.
+        """
+        out = [False] * len(found)
+        if not self.use():
+            return out
+        try:
+            runs_d: List[int] = []
+            runs_s: List[int] = []
+            runs_n: List[int] = []
+            pages = iter(extents)
+            for i, ok in enumerate(found):
+                if ok:
+                    d, s, k = scatter_runs(list(dst[i]), [(self.base + off, m) for off, m in next(pages)])
+                    runs_d += d
+                    runs_s += s
+                    runs_n += k
+            if time.monotonic() < expiry:
+                copy_runs(runs_d, runs_s, runs_n)
+                if time.monotonic() <= expiry:
+                    out = list(found)
+        finally:
+            self.done()
+        return out

@@ -1,0 +1,528 @@
+"""A client of one tier daemon that never raises and never waits past a deadline.
+
+Lazy-pirate style: each calling thread has its own DEALER socket; a call that
+times out closes that socket (dropping anything still queued) and marks the
+tier down.  While it is down, calls fail at once, and a thread of the
+client's own says hello again with a growing back-off: no engine call ever
+waits on a tier that was down.  A ``no_session`` reply (the daemon
+restarted) re-opens the session and retries once.
+
+Engine clients attach (``attach=True``): they map the daemon's arena
+read-only and copy leased pages out of it themselves (tiers/node/arena.py).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import zmq
+
+from tiers.wire import protocol as P
+from tiers.wire import security
+from tiers.wire.arena_map import ArenaMap
+from tiers.node.buffers import MemoryFault
+from tiers.ops.logs import RateLimitedLog
+
+log = logging.getLogger("hicache.client")
+
+
+@dataclass
+class Deadlines:
+    """How long a call may take: base + bytes / min_bandwidth."""
+
+    base: float = 1.0  # seconds for any call
+    min_bandwidth: float = 100e6  # bytes/s below which a transfer is given up (a loaded disk does 0.2 GB/s)
+    lookup: float = 0.5  # seconds for a lookup
+    margin: float = 0.1  # the daemon's deadline is this much earlier than ours
+    connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up
+    backoff_min: float = 0.2
+    backoff_max: float = 5.0
+    # A daemon that refuses connections (killed, restarting) is tried again at least this often, so
+    # service is back within about this long after it answers; one that connects and stays silent
+    # costs a deadline a try and backs off up to backoff_max.
+    reconnect_max: float = 0.5  # a refused ipc connect costs microseconds: trying twice a second is free
+
+    def for_bytes(self, nbytes: int) -> float:
+        return self.base + nbytes / self.min_bandwidth
+
+
+@dataclass
+class Reply:
+    header: dict
+    frames: List[zmq.Frame]
+
+
+class TierClient:
+    """Calls to one tier daemon on behalf of one namespace."""
+
+    def __init__(self, name: str, endpoint: str, namespace: str, client_name: str = "",
+                 deadlines: Optional[Deadlines] = None, context: Optional[zmq.Context] = None,
+                 attach: bool = False, curve: Optional[security.CurveSettings] = None):
+        self.name = name
+        self.endpoint = endpoint
+        self.curve = curve  # CurveZMQ keys for a tcp:// endpoint (the tier's TierConfig.curve)
+        self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+        self.namespace = P.check_namespace(namespace)
+        self.client_name = client_name or f"pid{os.getpid()}"
+        self.deadlines = deadlines or Deadlines()
+        self._ctx = context or zmq.Context.instance()
+        self._local = threading.local()
+        self._sockets: List[zmq.Socket] = []
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._session: Optional[int] = None
+        self._down = False
+        self._probing = False
+        self._backoff = self.deadlines.backoff_min
+        self._region_fd: Optional[int] = None
+        self._region_size = 0
+        self._region_conn: Optional[socket.socket] = None
+        self.region_id: Optional[int] = None
+        self._attach_wanted = attach
+        self._done_leases: List[int] = []  # read leases copied out: released with the next get
+        self.arena: Optional[ArenaMap] = None  # the daemon's arena, mapped read-only
+        self.max_page_bytes = 64 << 20
+        self.fd_socket = ""
+        self._warn = RateLimitedLog(log)
+        self._closed = False
+
+    # ------------------------------------------------------------- plumbing
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+            security.apply_client(sock, self.endpoint, self.curve)  # CurveZMQ keys for a tcp:// endpoint that has them
+            sock.connect(self.endpoint)
+            self._local.sock = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _reset_socket(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            self._local.sock = None
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
+            sock.close(linger=0)
+
+    def _mark_down(self, why: str) -> None:
+        with self._lock:
+            self._session = None
+            self.region_id = None
+            self._down = True
+            start = not self._probing and not self._closed
+            self._probing = self._probing or start
+        if start:
+            threading.Thread(target=self._probe, args=(why == "not connected",), name=f"probe-{self.name}",
+                             daemon=True).start()
+        self._warn.warning(f"down:{self.name}", "tier %s at %s unavailable (%s); serving misses",
+                           self.name, self.endpoint, why)
+
+    def _probe(self, refused: bool) -> None:
+        """Say hello until the daemon answers, off every engine call; then the tier is up again."""
+        # A daemon that refuses connections (restarting) is tried at least every reconnect_max; one that
+        # connects and stays silent (frozen) costs a probe a lookup timeout, so it backs off further.
+        wait = self.deadlines.backoff_min
+        while not self._closed:
+            time.sleep(min(wait, self.deadlines.reconnect_max) if refused else wait)
+            with self._lock:
+                if self._closed:
+                    break
+                answered = self._hello_locked()
+            if answered:
+                with self._lock:
+                    self._down = False
+                    self._probing = False
+                return
+            wait = min(wait * 2, self.deadlines.backoff_max)
+        with self._lock:
+            self._probing = False
+
+    def is_down(self) -> bool:
+        return self._down
+
+    def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
+              session: Optional[int] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
+        """Send one request; (socket, id, give-up time) or None when the tier is unreachable."""
+        req_id = next(self._ids)
+        daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
+        header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
+        sock = self._socket()
+        parts = [header, *frames]
+        big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
+        try:
+            try:  # a connected socket takes the message at once: no poll on the hot path
+                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
+            except zmq.Again:
+                # A fresh socket needs a moment to connect (longer on a loaded machine); an ipc
+                # daemon whose socket file is gone fails at once instead of waiting.
+                if self._ipc_path and not os.path.exists(self._ipc_path):
+                    raise
+                if not sock.poll(int(min(timeout / 2, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
+                    raise
+                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
+        except zmq.Again:
+            self._reset_socket()
+            self._mark_down("not connected")
+            return None
+        return sock, req_id, time.monotonic() + timeout
+
+    def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str) -> Optional[Reply]:
+        """The reply to req_id, or None after give_up (the socket is then reset)."""
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self._reset_socket()  # drop the late reply and anything queued
+                if not self._down:
+                    self._mark_down(f"{op} got no reply in time")
+                return None
+            parts = sock.recv_multipart(copy=False)
+            try:
+                reply = P.unpack(parts[0].buffer)
+            except P.ProtocolError:
+                continue
+            if reply.get("id") == req_id:
+                return Reply(reply, parts[1:])
+            # A reply to an earlier call that timed out: ignore it.
+
+    def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
+                   session: Optional[int] = None) -> Optional[Reply]:
+        """One request and its reply, or None (timeout, no daemon)."""
+        sent = self._send(op, timeout, fields, frames, session)
+        return None if sent is None else self._receive(*sent, op)
+
+    def _hello_locked(self) -> bool:
+        reply = self._roundtrip("hello", self.deadlines.lookup,
+                                {"ns": self.namespace, "client": self.client_name})
+        if reply is None or not reply.header.get("ok"):
+            if reply is not None:
+                self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.get("msg"))
+            return False
+        self._session = reply.header["session"]
+        self.max_page_bytes = reply.header.get("max_page_bytes", self.max_page_bytes)
+        self.fd_socket = reply.header.get("fd_socket", "")
+        self._backoff = self.deadlines.backoff_min
+        self._warn.clear(f"down:{self.name}")
+        if self._region_fd is not None or self._attach_wanted:
+            self._register_region_locked()
+        return True
+
+    def _ensure_session(self) -> Optional[int]:
+        if self._closed or self._down:
+            return None
+        with self._lock:
+            if self._session is None and not self._hello_locked():
+                return None
+            return self._session
+
+    def call(self, op: str, timeout: float, frames: Sequence = (), **fields) -> Optional[Reply]:
+        """A request in this client's session; None when the tier cannot answer."""
+        for _attempt in range(2):
+            session = self._ensure_session()
+            if session is None:
+                return None
+            if "region" in fields:
+                # A region belongs to the session that registered it: after a new hello
+                # (daemon restart) name the region registered with it, never the old one.
+                region = self.region_id
+                if region is None:
+                    return None  # not registered in this session: the caller falls back to frames
+                fields["region"] = region
+            reply = self._roundtrip(op, timeout, fields, frames, session=session)
+            if reply is None:
+                return None
+            if reply.header.get("ok") or reply.header.get("code") != "no_session":
+                return reply
+            with self._lock:
+                if self._session == session:
+                    self._session = None
+        return None
+
+    # ---------------------------------------------------- shared memory
+    def attach_region(self, fd: int, size: int) -> None:
+        """Remember a host-pool memfd; it is (re-)registered after every hello."""
+        with self._lock:
+            self._region_fd, self._region_size = fd, size
+            if self._session is not None:
+                self._register_region_locked()
+
+    def _register_region_locked(self) -> None:
+        """Attach: hand over the host pool (when there is one), map the daemon's arena read-only."""
+        self.region_id = None
+        if self._region_conn is not None:
+            self._region_conn.close()
+            self._region_conn = None
+        if not self.fd_socket:
+            return
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(self.deadlines.lookup)
+        arena_fd = None
+        try:
+            conn.connect(self.fd_socket)
+            header = {"v": P.PROTOCOL_VERSION, "s": self._session, "size": self._region_size}
+            if self._region_fd is not None:
+                P.send_register(conn, self._region_fd, header)
+            else:
+                P.send_framed(conn, header)
+            reply, arena_fd = P.recv_framed_fd(conn)
+            if reply.get("ok") and arena_fd is not None and self._attach_wanted:
+                self._map_arena_locked(arena_fd, reply)
+        except (OSError, ValueError, P.ProtocolError) as exc:
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s: attach failed (%s); pages travel as frames",
+                               self.name, exc)
+            return
+        finally:
+            if arena_fd is not None:
+                os.close(arena_fd)
+        if not reply.get("ok"):
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
+            return
+        self._region_conn = conn  # kept open: closing it tells the daemon to unmap
+        self.region_id = reply.get("region") or None
+
+    def _map_arena_locked(self, fd: int, reply: dict) -> None:
+        arena_id, size = reply.get("arena"), reply.get("arena_size")
+        if type(arena_id) is not int or type(size) is not int or size <= 0:
+            return
+        if self.arena is not None and self.arena.arena_id == arena_id:
+            return  # the same daemon: the mapping we have is the right one
+        if os.fstat(fd).st_size < size:
+            raise ValueError("the daemon's arena is smaller than it says")
+        # Read-only and sealed by the daemon against shrinking: copying from it can never fault.
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
+        # populating it would allocate all of it.
+        resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
+        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident)
+        if old is not None:
+            old.close()
+
+    # ------------------------------------------------------- operations
+    def lookup(self, keys: List[str]) -> Optional[bytes]:
+        """One byte per key (1 held), or None when the tier cannot answer."""
+        return _held(self.call("lookup", self.deadlines.lookup, keys=keys), len(keys))
+
+    def start_lookup(self, keys: List[str]):
+        """Send a lookup without waiting (see lookup_all); None when the tier is unreachable."""
+        session = self._ensure_session()
+        if session is None:
+            return None
+        fields = {"keys": keys}
+        self._add_done(fields)
+        return self._send("lookup", self.deadlines.lookup, fields, session=session)
+
+    def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
+        """The reply to req_id if it is the next message waiting (None: a stale one was skipped)."""
+        parts = sock.recv_multipart(copy=False)
+        try:
+            reply = P.unpack(parts[0].buffer)
+        except P.ProtocolError:
+            return None
+        return Reply(reply, parts[1:]) if reply.get("id") == req_id else None
+
+    def give_up(self, sock: zmq.Socket, op: str) -> None:
+        """A call on this thread's socket got no reply in time."""
+        self._reset_socket()
+        if not self._down:
+            self._mark_down(f"{op} got no reply in time")
+
+    def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
+        if reply.header.get("code") == "no_session":
+            with self._lock:
+                self._session = None
+            return self.lookup(keys)  # the daemon restarted: one ordinary retry
+        return _held(reply, len(keys))
+
+    def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
+                   parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
+        """Pages from the registered host pool; extra: mode, min_reads, promote."""
+        region = self.region_id
+        if region is None:
+            return [False] * len(keys)
+        fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts, **extra)
+        if parents:
+            fields["parents"] = parents
+        self._add_done(fields)
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), "stored", len(keys))
+
+    def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
+                   parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
+        """Pages as lists of buffers, sent as one frame per buffer; extra as for put_region."""
+        frames, counts = [], []
+        for page in pages:
+            frames.extend(page)
+            counts.append(len(page))
+        fields = dict(keys=keys, **extra)
+        if any(c != 1 for c in counts):
+            fields["frames_per_page"] = counts
+        if parents:
+            fields["parents"] = parents
+        self._add_done(fields)
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields),
+                           "stored", len(keys))
+
+    def can_lease(self) -> bool:
+        return self.arena is not None and not self._down
+
+    def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]]) -> List[bool]:
+        """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
+
+        The daemon pins the pages in its arena until our own give-up time; we
+        copy them out in one call, and keep them only if the copy ended by then.  A page
+        is never written after this call returns.
+        """
+        arena = self.arena
+        n = len(keys)
+        sizes = [sum(length for _a, length in page) for page in dst]
+        nbytes = sum(sizes)
+        timeout = self.deadlines.for_bytes(nbytes)
+        expiry = time.monotonic() + timeout  # CLOCK_MONOTONIC is one clock for the whole machine
+        if arena is None:
+            return [False] * n
+        fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
+        self._add_done(fields)
+        reply = self.call("get", timeout, **fields)
+        found = self._flags(reply, "found", n)
+        if not any(found):
+            return found
+        lease = reply.header.get("lease")
+        try:
+            if reply.header.get("arena") != arena.arena_id:
+                raise P.ProtocolError("bad_request", "the daemon's arena changed (restart)")
+            extents = P.decode_descriptors(reply.header.get("desc"), reply.header.get("regions_per_page"),
+                                           sum(found), arena.size)
+        except P.ProtocolError as exc:
+            self._warn.warning(f"lease:{self.name}", "tier %s: unusable read lease: %s", self.name, exc.msg)
+            with self._lock:
+                if self.arena is arena:
+                    self._session = None  # attach again on the next call
+            return [False] * n
+        try:
+            out = arena.copy_out(extents, dst, found, expiry)
+        except (MemoryFault, ValueError) as exc:
+            self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
+            out = [False] * n
+        if isinstance(lease, int) and lease:
+            with self._lock:
+                self._done_leases.append(lease)
+        return out
+
+    def _add_done(self, fields: dict) -> None:
+        """Leases of earlier reads, copied out: released by the next request of any kind (no message
+        of their own), so a write right after a read finds the blocks free."""
+        if not self._done_leases:
+            return
+        with self._lock:
+            done, self._done_leases = self._done_leases[:P.MAX_DONE_LEASES], self._done_leases[P.MAX_DONE_LEASES:]
+        if done:
+            fields["done"] = done
+
+    def get_frames(self, keys: List[str], nbytes: int) -> Tuple[List[bool], List[zmq.Frame]]:
+        """(found flags, one frame per found page in key order)."""
+        reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys)
+        found = self._flags(reply, "found", len(keys))
+        frames = reply.frames if reply is not None else []
+        if len(frames) != sum(found):
+            return [False] * len(keys), []
+        return found, frames
+
+    def delete(self, keys: List[str]) -> int:
+        reply = self.call("delete", self.deadlines.base, keys=keys)
+        return int(reply.header.get("deleted", 0)) if reply is not None and reply.header.get("ok") else 0
+
+    def clear(self, everything: bool = False) -> Optional[int]:
+        reply = self.call("clear", self.deadlines.base, all=everything)
+        return reply.header.get("cleared") if reply is not None and reply.header.get("ok") else None
+
+    def stats(self) -> Optional[dict]:
+        reply = self.call("stats", self.deadlines.base)
+        return reply.header.get("stats") if reply is not None and reply.header.get("ok") else None
+
+    def _flags(self, reply: Optional[Reply], name: str, n: int) -> List[bool]:
+        if reply is None:
+            return [False] * n
+        if not reply.header.get("ok"):
+            self._warn.warning(f"err:{self.name}:{reply.header.get('code')}", "tier %s refused a request: %s %s",
+                               self.name, reply.header.get("code"), reply.header.get("msg"))
+            return [False] * n
+        raw = reply.header.get(name)
+        if not isinstance(raw, bytes) or len(raw) != n:
+            return [False] * n
+        if "refusal" in reply.header:
+            self._warn.warning(f"refusal:{self.name}", "tier %s stored part of a batch: %s", self.name,
+                               reply.header["refusal"])
+        return [b != 0 for b in raw]
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._sockets.clear()
+            if self._region_conn is not None:
+                self._region_conn.close()
+                self._region_conn = None
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+
+
+def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
+    """The held flags of a lookup reply, or None when it failed or is malformed."""
+    if reply is None or not reply.header.get("ok"):
+        return None
+    held = reply.header.get("held")
+    return held if isinstance(held, bytes) and len(held) == n else None
+
+
+def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
+    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier.
+
+    Returns as soon as the tiers that replied hold every key between them: a
+    slow or frozen lower tier never delays a lookup the tiers above answer
+    alone (its late reply is skipped by id on that socket's next call).
+    """
+    results: List[Optional[bytes]] = [None] * len(clients)
+    waiting = {}
+    for i, client in enumerate(clients):
+        sent = client.start_lookup(keys)
+        if sent is not None:
+            waiting[i] = sent
+    covered = bytearray(len(keys))
+    full = b"\x01" * len(keys)
+    while waiting:
+        now = time.monotonic()
+        give_up = min(p[2] for p in waiting.values())
+        poller = zmq.Poller()
+        for i, (sock, _id, _end) in waiting.items():
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(max(0, int((give_up - now) * 1000)) + 1))
+        for i in list(waiting):
+            sock, req_id, end = waiting[i]
+            if sock in ready:
+                reply = clients[i].poll_reply(sock, req_id)
+                if reply is None:
+                    continue  # a stale reply to an earlier call was skipped
+                del waiting[i]
+                results[i] = clients[i].lookup_reply(reply, keys)
+                if results[i] is not None:
+                    covered = bytearray(a | b for a, b in zip(covered, results[i]))
+            elif time.monotonic() >= end:
+                del waiting[i]
+                clients[i].give_up(sock, "lookup")
+        if bytes(covered) == full:
+            break
+    return results

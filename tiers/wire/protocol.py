@@ -1,0 +1,404 @@
+"""The wire protocol between the backend, the tier daemons and the pools.
+
+This module is the only place the format is defined.  Every message is a
+ZeroMQ multipart message ``[header, *payload]``: the header is a msgpack map,
+payload frames are raw page bytes (only when pages do not travel through a
+shared host-pool mapping).
+
+Request header: ``v`` protocol version, ``op`` operation, ``id`` request id
+(echoed in the reply), ``dl`` absolute deadline in Unix seconds (work not
+started by then is refused, so a late request can never write into host
+memory the engine has reused), ``s`` session id (from ``hello``), then the
+operation's fields.  Reply header: ``v``, ``id``, ``ok``; on failure ``code``
+(one of ``ERROR_CODES``) and ``msg``.
+
+Operations (fields -> reply fields):
+- hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
+- lookup   keys [, done]        -> held (one byte a key), prefix (leading run held)
+- get      keys [, lease, sizes, done]
+                                -> found (one byte a key), and either one frame per found page or,
+                                   with ``lease``: lease, arena, desc, regions_per_page
+- release  lease                -> released
+- put      keys [, region, desc, regions_per_page | frames_per_page, parents, done] [+ page frames]
+                                -> stored (one byte a key)
+- delete   keys                 -> deleted
+- stats                         -> stats, tier, sessions
+- clear    [all | ns]           -> cleared
+- evict    bytes [, ns]         -> evicted_pages, evicted_bytes
+``all`` and an ``ns`` other than the session's own need an ``_admin`` session
+(the operator's CLI); a tenant can never clear or evict another's pages.
+
+Reads never write into the engine's memory from the daemon (the owner of a
+piece of memory does the last copy into it).  A ``get`` with ``lease`` (the
+engine's give-up time on CLOCK_MONOTONIC, a float) and ``sizes`` (the
+expected bytes of each page, int64 array) pins the found pages in the
+daemon's arena, which the engine mapped read-only when it attached, until
+``release`` or that time: the reply's ``desc``/``regions_per_page`` are
+(offset, length) extents into the arena of each found page, ``arena`` the id
+of the arena they refer to.  The engine copies a page only before the lease
+ends and keeps it only if the copy ended by then (tiers/node/arena.py).  ``done``
+(at most ``MAX_DONE_LEASES`` lease ids, on a get, put or lookup) releases the
+leases of earlier reads the engine has copied out, in the same round trip.
+
+Pool operations (served by remote memory pools, tiers/stores/remote; pages then move
+one-sided through the Mooncake Transfer Engine, never through ZeroMQ):
+- alloc    keys, sizes [, parents, ttl]
+                                -> lease, seg, granted (one byte a key), desc, regions_per_page
+- commit   lease, keys          -> committed (one byte a key)
+- locate   keys [, ttl, done]   -> lease, seg, found (one byte a key), sizes, desc, regions_per_page
+- release  lease                -> released
+``sizes`` is a little-endian int64 array (one a key; in a reply, one a found key); ``desc`` and
+``regions_per_page`` are encoded as below but hold absolute addresses in the
+pool's registered arena and cover only granted (found) pages; ``seg`` is the
+pool's Transfer Engine segment name.  An ``alloc`` reserves space invisible to
+lookups until ``commit`` (keys of the lease not committed are freed); a
+``locate`` pins the found pages against eviction and reuse until ``release``.
+Leases end by themselves ``ttl`` seconds later (bounded by the pool), so a
+crashed client pins nothing for long.  ``done`` (a list of at most
+``MAX_DONE_LEASES`` lease ids) releases earlier read leases in the same round
+trip, so a read costs one control round trip, not two.
+The ``desc`` of a shared-memory transfer is a little-endian int64 array of
+(offset, length) pairs into the registered region, ``regions_per_page``
+(int32, one per key) says how many pairs make each page.
+
+Shared memory travels on a separate AF_UNIX stream socket (ZeroMQ cannot
+carry file descriptors).  The client attaches with one header ``{v, s,
+size}`` (``s`` a live session), with its host-pool memfd attached
+(SCM_RIGHTS) when it has one, and keeps the connection open; the daemon
+answers ``{"ok": True, "region": id or 0, "arena": id, "arena_size": n}``
+with a read-only descriptor of its arena attached, and unmaps the region
+when the connection closes, so a dead engine never pins its host pool.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import struct
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 2  # 2: reads through leased, engine-copied arena pages
+
+OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict",
+       "alloc", "commit", "locate", "release")  # alloc, commit, locate: remote memory pools only
+ERROR_CODES = (
+    "bad_request",  # malformed header or fields
+    "bad_version",  # protocol version mismatch
+    "unknown_op",
+    "no_session",  # session unknown (daemon restarted): say hello again
+    "deadline",  # the deadline passed before the work was done
+    "too_large",  # page or message over the configured bound
+    "full",  # no room even after eviction
+    "busy",  # over a bound on work or bytes in flight: try again later
+    "io_error",
+    "internal",
+)
+
+MAX_HEADER_BYTES = 4 << 20
+MAX_KEY_CHARS = 256
+MAX_NAMESPACE_CHARS = 512
+MAX_BATCH = 4096
+MAX_DONE_LEASES = 256  # read leases a locate may release on the way
+MAX_LEASE_SECONDS = 120.0  # the longest a read lease may pin arena blocks
+# Keys reach file names in the NVMe tier: a conservative alphabet, no separators.
+_KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
+
+
+class ProtocolError(Exception):
+    """A message that cannot be served; carries the error code for the reply."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+
+
+def pack(obj: Dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data) -> Dict[str, Any]:
+    """Decode a header; ProtocolError for anything but a msgpack map."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError("too_large", f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES,
+                              max_str_len=MAX_HEADER_BYTES, max_array_len=MAX_BATCH * 4,
+                              max_map_len=64)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("bad_request", f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "header must be a msgpack map")
+    return obj
+
+
+# ---------------------------------------------------------------- requests
+
+def request(op: str, req_id: int, deadline: Optional[float] = None, session: Optional[int] = None,
+            **fields) -> bytes:
+    """Encode a request header."""
+    header = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
+    if deadline is not None:
+        header["dl"] = deadline
+    if session is not None:
+        header["s"] = session
+    header.update(fields)
+    return pack(header)
+
+
+def check_request(header: Dict[str, Any]) -> Tuple[str, int]:
+    """Validate the common fields; returns (op, id) or raises ProtocolError."""
+    req_id = header.get("id", 0)
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
+        raise ProtocolError("bad_request", "id must be an integer")
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # 2.0 and True are not 2
+        raise ProtocolError("bad_version", f"protocol version {version!r} is not supported; this daemon speaks {PROTOCOL_VERSION}")
+    op = header.get("op")
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    deadline = header.get("dl")
+    if deadline is not None:
+        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline):
+            raise ProtocolError("bad_request", "dl must be a finite number")
+        if time.time() > deadline:
+            raise ProtocolError("deadline", "deadline passed before the request was served")
+    return op, req_id
+
+
+def deadline_passed(header: Dict[str, Any]) -> bool:
+    deadline = header.get("dl")
+    return deadline is not None and time.time() > deadline
+
+
+def field(header: Dict[str, Any], name: str, kind, required: bool = True, default=None):
+    """A typed field of a request; ProtocolError when missing or of the wrong type."""
+    value = header.get(name, default)
+    if value is None:
+        if required:
+            raise ProtocolError("bad_request", f"missing field {name!r}")
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ProtocolError("bad_request", f"field {name!r} has the wrong type")
+    return value
+
+
+def check_key(key) -> str:
+    if (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not _KEY_RE.fullmatch(key)
+            or not key.strip(".")):  # ".", ".." and the like name directories, not pages
+        raise ProtocolError("bad_request", f"invalid key {str(key)[:80]!r}: 1-{MAX_KEY_CHARS} chars of [A-Za-z0-9_.:=+-]")
+    return key
+
+
+def check_namespace(ns) -> str:
+    if (not isinstance(ns, str) or not 0 < len(ns) <= MAX_NAMESPACE_CHARS or not _KEY_RE.fullmatch(ns)
+            or not ns.strip(".")):
+        raise ProtocolError("bad_request", f"invalid namespace {str(ns)[:80]!r}")
+    return ns
+
+
+def keys_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> List[str]:
+    keys = field(header, "keys", list)
+    if len(keys) > max_batch:
+        raise ProtocolError("too_large", f"batch of {len(keys)} keys exceeds {max_batch}")
+    if not _keys_valid(keys):
+        for key in keys:  # the slow path names the first bad key
+            check_key(key)
+    return keys
+
+
+# Every byte a key may hold, for the batch check below (the same alphabet as _KEY_RE).
+_KEY_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:=+-"
+
+
+def _keys_valid(keys: list) -> bool:
+    """check_key's rules for a whole batch in a few C-level passes (a regex a key cost ~1 us each)."""
+    if not keys:
+        return True
+    if set(map(type, keys)) != {str}:
+        return False
+    lengths = list(map(len, keys))
+    if min(lengths) < 1 or max(lengths) > MAX_KEY_CHARS:
+        return False
+    joined = "".join(keys)
+    if not joined.isascii():
+        return False
+    # Deleting every allowed byte must leave nothing behind.
+    if joined.encode("ascii").translate(None, _KEY_BYTES):
+        return False
+    # Keys of dots only are refused; SGLang's hex keys have no dot, so this pass is rare.
+    return "." not in joined or all(key.strip(".") for key in keys)
+
+
+# ------------------------------------------------------------------ replies
+
+def reply_ok(req_id: int, **fields) -> bytes:
+    header = {"v": PROTOCOL_VERSION, "id": req_id, "ok": True}
+    header.update(fields)
+    return pack(header)
+
+
+def reply_error(req_id: int, code: str, msg: str) -> bytes:
+    if code not in ERROR_CODES:
+        code = "internal"
+    return pack({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code, "msg": msg[:1000]})
+
+
+# ----------------------------------------------------- transfer descriptors
+
+def encode_descriptors(pages: Sequence[Sequence[Tuple[int, int]]]) -> Tuple[bytes, bytes]:
+    """(offset, length) regions of each page -> (desc, regions_per_page) bytes."""
+    counts = np.fromiter((len(p) for p in pages), dtype="<i4", count=len(pages))
+    flat = np.array([pair for page in pages for pair in page], dtype="<i8").reshape(-1)
+    return flat.tobytes(), counts.tobytes()
+
+
+def encode_descriptor_arrays(offsets: np.ndarray, lengths: np.ndarray) -> Tuple[bytes, bytes]:
+    """Same as encode_descriptors for [pages, regions] arrays of equal region counts."""
+    pairs = np.empty(offsets.shape + (2,), dtype="<i8")
+    pairs[..., 0] = offsets
+    pairs[..., 1] = lengths
+    counts = np.full(offsets.shape[0], offsets.shape[1], dtype="<i4")
+    return pairs.tobytes(), counts.tobytes()
+
+
+def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[List[Tuple[int, int]]]:
+    """Validate and split descriptors; every region must lie inside the mapping."""
+    if not isinstance(desc, bytes) or not isinstance(counts, bytes):
+        raise ProtocolError("bad_request", "desc and regions_per_page must be bytes")
+    if len(desc) % 16 or len(counts) != 4 * n_pages:
+        raise ProtocolError("bad_request", "descriptor arrays have the wrong length")
+    pairs = np.frombuffer(desc, dtype="<i8").reshape(-1, 2)
+    per_page = np.frombuffer(counts, dtype="<i4")
+    if per_page.size and (per_page.min() < 1 or int(per_page.sum()) != len(pairs)):
+        raise ProtocolError("bad_request", "regions_per_page does not add up to the descriptors")
+    if len(pairs):
+        offsets, lengths = pairs[:, 0], pairs[:, 1]
+        # Compared without adding: offset + length may overflow int64 (an offset of 2**63-1 would pass).
+        if offsets.min() < 0 or lengths.min() <= 0 or bool((offsets > region_size - lengths).any()):
+            raise ProtocolError("bad_request", "a descriptor lies outside the registered region")
+    out, start = [], 0
+    plain = pairs.tolist()
+    for n in per_page.tolist():
+        out.append(plain[start:start + n])
+        start += n
+    return out
+
+
+def encode_sizes(sizes: Sequence[int]) -> bytes:
+    """Page sizes of an ``alloc`` as a little-endian int64 array."""
+    return np.asarray(sizes, dtype="<i8").tobytes()
+
+
+def decode_sizes(raw, n: int, max_size: int) -> List[int]:
+    """Validate an ``alloc``'s sizes: n positive int64 values of at most max_size."""
+    if not isinstance(raw, bytes) or len(raw) != 8 * n:
+        raise ProtocolError("bad_request", "sizes must be one little-endian int64 a key")
+    sizes = np.frombuffer(raw, dtype="<i8")
+    if n and (sizes.min() <= 0 or sizes.max() > max_size):
+        raise ProtocolError("too_large" if n and sizes.max() > max_size else "bad_request",
+                            f"page sizes must lie in 1..{max_size}")
+    return sizes.tolist()
+
+
+def decode_pool_extents(desc, counts, sizes: Sequence[int]) -> Optional[List[List[Tuple[int, int]]]]:
+    """(address, length) extents of each page a pool granted or found, or None when malformed.
+
+    A client's check of a pool's reply: one entry per page, lengths adding up
+    to each page's size.  Never raises: a bad reply is a miss.
+    """
+    if not isinstance(desc, bytes) or not isinstance(counts, bytes):
+        return None
+    try:
+        pages = decode_descriptors(desc, counts, len(sizes), 1 << 62)
+    except ProtocolError:
+        return None
+    for page, size in zip(pages, sizes):
+        if sum(n for _a, n in page) != size:
+            return None
+    return pages
+
+
+def flags(values: Sequence[bool]) -> bytes:
+    """One byte per value; compact and cheap to pack."""
+    return bytes(1 if v else 0 for v in values)
+
+
+def leading_run(held: bytes) -> int:
+    """Length of the leading run of non-zero bytes."""
+    idx = held.find(b"\x00")
+    return len(held) if idx < 0 else idx
+
+
+# ---------------------------------------------- fd passing over AF_UNIX
+
+_LEN = struct.Struct("<I")
+
+
+def send_register(sock: socket.socket, fd: int, header: Dict[str, Any]) -> None:
+    body = pack(header)
+    socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
+
+
+def recv_register(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
+    """Read one length-prefixed header and at most one fd; ProtocolError when malformed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+    if not data or len(data) < 4 or _LEN.unpack_from(data)[0] != len(data) - 4:
+        for fd in fds:
+            os.close(fd)
+        if not data:
+            raise ConnectionResetError("peer closed")
+        raise ProtocolError("bad_request", "register message is truncated")
+    for fd in fds[1:]:
+        os.close(fd)
+    return unpack(data[4:]), (fds[0] if fds else None)
+
+
+def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] = None) -> None:
+    """One length-prefixed header, with fd attached (SCM_RIGHTS) when given."""
+    body = pack(header)
+    if fd is None:
+        sock.sendall(_LEN.pack(len(body)) + body)
+    else:
+        socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
+
+
+def recv_framed_fd(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
+    """A header sent by send_framed, and the fd attached to it (None when there is none)."""
+    return recv_register(sock)
+
+
+def lease_field(header: Dict[str, Any]) -> float:
+    """A get's lease expiry (CLOCK_MONOTONIC): finite, in the future, at most MAX_LEASE_SECONDS away."""
+    expiry = header.get("lease")
+    if not isinstance(expiry, (int, float)) or isinstance(expiry, bool) or not math.isfinite(expiry):
+        raise ProtocolError("bad_request", "lease must be a finite number (CLOCK_MONOTONIC seconds)")
+    now = time.monotonic()
+    if expiry <= now:
+        raise ProtocolError("deadline", "the lease ended before the request was served")
+    if expiry > now + MAX_LEASE_SECONDS:
+        raise ProtocolError("bad_request", f"a lease may last at most {MAX_LEASE_SECONDS:.0f} s")
+    return float(expiry)
+
+
+def recv_framed(sock: socket.socket) -> Dict[str, Any]:
+    head = _recv_exact(sock, 4)
+    (length,) = _LEN.unpack(head)
+    if length > 65536:
+        raise ProtocolError("too_large", "framed message too large")
+    return unpack(_recv_exact(sock, length))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("peer closed")
+        buf += chunk
+    return bytes(buf)
