@@ -7,20 +7,24 @@ from tiers.wire import protocol as P
 from tiers.ops.node_runner import NodeRunner
 
 
+def node_toml(*tiers: dict, **node) -> str:
+    """A node configuration: [node] keys and one [[tiers]] table per dict (written by tomli-w)."""
+    import tomli_w
+    return tomli_w.dumps({**({"node": node} if node else {}), "tiers": list(tiers)})
+
+
+def dram_tier(capacity="16MiB", **options) -> dict:
+    return {"name": "dram", "kind": "dram", "capacity": capacity, "block_size": "4KiB", **options}
+
+
+def nvme_tier(capacity="64MiB", **options) -> dict:
+    return {"name": "nvme", "kind": "nvme", "capacity": capacity, "fsync": False, **options}
+
+
 def dram_config(capacity: str = "64MiB", policy: str = "lru", block_size: str = "4KiB",
                 max_page_bytes: str = "16MiB", write_policy: str = "write_through") -> str:
-    return f"""
-[node]
-write_policy = "{write_policy}"
-
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "{capacity}"
-policy = "{policy}"
-block_size = "{block_size}"
-max_page_bytes = "{max_page_bytes}"
-"""
+    return node_toml(dram_tier(capacity, policy=policy, block_size=block_size, max_page_bytes=max_page_bytes),
+                     write_policy=write_policy)
 
 
 def start_node(tmp_path, config_text: str) -> NodeRunner:

@@ -7,28 +7,13 @@ import time
 
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
-from tests.nodes import start_node
+from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
 
-CHAIN = f"""
-[node]
-write_policy = "write_back"
-demotion_queue_bytes = {16 * PAGE_BYTES}
-
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = {32 * PAGE_BYTES}
-block_size = "4KiB"
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-fsync = false
-"""
+CHAIN = node_toml(dram_tier(32 * PAGE_BYTES), nvme_tier(), write_policy="write_back",
+                  demotion_queue_bytes=16 * PAGE_BYTES)
 
 
 def _admin_stats(runner, tier: str) -> dict:

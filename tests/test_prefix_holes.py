@@ -5,22 +5,10 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys, page_bytes
 from tests.backend_env import Engine
-from tests.nodes import start_node
+from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.wire.client import TierClient
 
-CHAIN = """
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "16MiB"
-block_size = "4KiB"
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-fsync = false
-"""
+CHAIN = node_toml(dram_tier("16MiB"), nvme_tier())
 N = 16
 
 

@@ -287,21 +287,11 @@ def cmd_config_show(args) -> int:
 
 # ------------------------------------------------------------------ TOML
 
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise ValueError(f"cannot write {type(value).__name__} as TOML")
-
-
 def toml_line(key: str, value: Any) -> str:
+    """One key = value line (tomli-w writes the value), sizes annotated for people."""
+    import tomli_w
     comment = f"  # {human(value)}" if key in SIZE_KEYS and isinstance(value, int) else ""
-    return f"{key} = {toml_value(value)}{comment}\n"
+    return tomli_w.dumps({key: list(value) if isinstance(value, tuple) else value}).rstrip("\n") + comment + "\n"
 
 
 def to_toml(config: NodeConfig, source: str) -> str:

@@ -16,14 +16,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable, List, Optional
 
 import zmq
 
 from tiers.ops.config import ConfigError, NodeConfig, TierConfig, load_config
-from tiers.ops.logs import setup_logging
+from tiers.ops.logs import FloodGuard, setup_logging
 
 log = logging.getLogger("hicache.serve")
 
@@ -158,40 +157,6 @@ def cmd_serve(args) -> int:
     if len(tiers) == 1:
         return serve_one(config, tiers[0].name, reload_config=lambda: config_from_args(args))
     return supervise(args, config, [t.name for t in tiers])
-
-
-class FloodGuard(logging.Filter):
-    """Passes the first warning or error of a kind, then at most one per interval with a count.
-
-    A safety net under call sites without a RateLimitedLog: a failure that
-    repeats on every request (a broken store, a client reconnecting in a loop)
-    must not flood the journal.  The kind is (logger, message, arguments).
-    """
-
-    def __init__(self, interval: float = 10.0):
-        super().__init__()
-        self.interval = interval
-        self._last: dict = {}
-        self._suppressed: dict = {}
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
-            return True
-        kind = (record.name, str(record.msg), repr(record.args))
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self.interval:
-                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-                return False
-            if len(self._last) > 10000:  # bounded, whatever the arguments
-                self._last.clear()
-            self._last[kind] = now
-            suppressed = self._suppressed.pop(kind, 0)
-        if suppressed:
-            record.msg = f"{record.msg} ({suppressed} similar events suppressed)"
-        return True
 
 
 def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callable[[], NodeConfig]] = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ class NvmeStore(PageStore):
         self._ledger = Ledger(capacity, policy, quotas)
         self._stripes = [threading.Lock() for _ in range(N_STRIPES)]
         self._dirsync = DirSyncer()
-        self._warned: set = set()
+        self._warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
         self._rlog = RateLimitedLog(log)
         # Called with (key, page views, reads) before an evicted chunk is removed:
         # the write-back router may demote it further.
@@ -125,11 +126,6 @@ class NvmeStore(PageStore):
                  len(found.chunks), self._ledger.used, found.seconds, found.temps_removed, found.torn_removed)
 
     # ------------------------------------------------------------- helpers
-    def _warn_once(self, kind: str, msg: str, *args) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            log.warning(msg, *args)
-
     def _stripe(self, digest: int) -> threading.Lock:
         return self._stripes[digest % N_STRIPES]
 
@@ -208,7 +204,7 @@ class NvmeStore(PageStore):
         """Write views to a fresh temp file next to path; one eviction-and-retry on a full disk."""
         direct = self._direct and raw and cf.is_aligned(views)
         if self._direct and raw and not direct:
-            self._warn_once("unaligned", "%s: page buffers not %d-byte aligned; buffered I/O for such pages",
+            self._warn_once.warning("unaligned", "%s: page buffers not %d-byte aligned; buffered I/O for such pages",
                             self.name, cf.ALIGN)
         for attempt in (0, 1):
             tmp = temp_path(path)
@@ -218,7 +214,7 @@ class NvmeStore(PageStore):
                 return tmp
             except OSError as exc:
                 if exc.errno == errno.EINVAL and direct:
-                    self._warn_once("einval", "%s: O_DIRECT write refused (%s); buffered I/O from now on",
+                    self._warn_once.warning("einval", "%s: O_DIRECT write refused (%s); buffered I/O from now on",
                                     self.name, exc.strerror)
                     self._direct = False
                     return self._write_temp(path, views, raw, disk)
@@ -229,7 +225,7 @@ class NvmeStore(PageStore):
                     raise StoreIOError(f"{self.name}: writing {tmp}: {exc.strerror}") from None
                 if attempt:
                     raise StoreFull(f"{self.name}: no space left on device after eviction") from None
-                self._warn_once("enospc", "%s: device full below the configured capacity; evicting", self.name)
+                self._warn_once.warning("enospc", "%s: device full below the configured capacity; evicting", self.name)
                 if disk > self._reclaimable():  # evicting everything would not make room: refuse now
                     raise StoreFull(f"{self.name}: chunk of {disk} bytes exceeds the space of the device") from None
                 victims = self._ledger.evict_bytes(disk)
@@ -305,7 +301,7 @@ class NvmeStore(PageStore):
             return self._ledger.miss()
         except OSError as exc:
             if exc.errno == errno.EINVAL and direct:
-                self._warn_once("einval-read", "%s: O_DIRECT read refused (%s); buffered I/O from now on",
+                self._warn_once.warning("einval-read", "%s: O_DIRECT read refused (%s); buffered I/O from now on",
                                 self.name, exc.strerror)
                 self._direct = False
                 return self._read(key, digest, entry, dst, size)
