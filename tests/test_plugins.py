@@ -14,7 +14,7 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
-from tests.nodes import start_node
+from tests.nodes import dram_tier, node_toml, start_node
 from tiers import plugins
 from tiers.wire.client import TierClient
 from tiers.ops.config import ConfigError, parse_config
@@ -54,20 +54,8 @@ def installed(tmp_path_factory):
 
 
 def tmpfs_chain(path: str, policy: str = "mru") -> str:
-    return f"""
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "8MiB"
-block_size = "4KiB"
-
-[[tiers]]
-name = "shm"
-kind = "tmpfs"
-capacity = "32MiB"
-policy = "{policy}"
-path = "{path}"
-"""
+    return node_toml(dram_tier("8MiB"), {"name": "shm", "kind": "tmpfs", "capacity": "32MiB", "policy": policy,
+                                         "path": path})
 
 
 def test_names_are_known_without_importing_and_unknown_names_list_what_is_installed(installed):
@@ -82,7 +70,7 @@ def test_a_plugin_kind_declares_its_own_options(installed, tmp_path):
     config = parse_config(tmpfs_chain(str(tmp_path / "p")), "t.toml")
     assert config.tier("shm").kind == "tmpfs" and config.tier("shm").options["path"] == str(tmp_path / "p")
     with pytest.raises(ConfigError) as err:
-        parse_config(tmpfs_chain(str(tmp_path)).replace('policy = "mru"', 'policy = "mru"\nsize = 3'), "t.toml")
+        parse_config(tmpfs_chain(str(tmp_path)) + "size = 3\n", "t.toml")
     assert "tiers[1].size is not a known key for a tmpfs tier" in str(err.value) and "path" in str(err.value)
 
 
