@@ -137,10 +137,9 @@ class TieredHiCacheStorage(HiCacheStorage):
     def _warn_if_shm_lost(self, view: HostPoolView) -> None:
         if view.memfd is not None or (self.storage_config.extra_config or {}).get("allocator") != "shm":
             return
-        memfds = len(getattr(getattr(view.pool, "allocator", None), "fds", None) or [])
-        if memfds > 1:  # page_first_kv_split: one memfd per buffer; one mapping per pool is what we attach
+        if view.memfd_count > 1:  # page_first_kv_split: one memfd per buffer; we attach one mapping a pool
             log.info("hicache-tiers: the %s host pool spans %d memfds; its pages travel as ZeroMQ frames",
-                     view.pool.layout, memfds)
+                     view.pool.layout, view.memfd_count)
         else:
             log.warning("hicache-tiers: the extra config asks for \"allocator\": \"shm\" but the host pool is "
                         "not in a memfd, so pages travel as ZeroMQ frames (slower). SGLang reads \"allocator\" "

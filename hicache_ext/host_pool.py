@@ -82,6 +82,7 @@ class HostPoolView:
         # > 0: each page is head_split (K, V) shard pairs (hicache_ext/head_shards.py)
         self.head_split = head_split
         self.memfd: Optional[int] = None
+        self.memfd_count = 0  # memfds the pool's allocator holds (page_first_kv_split: one per buffer)
         self.memfd_base = 0
         self.memfd_size = 0
         self._page_bytes: Optional[int] = None
@@ -91,6 +92,7 @@ class HostPoolView:
         allocator = getattr(self.pool, "allocator", None)
         fds = list(getattr(allocator, "fds", []) or [])
         mms = list(getattr(allocator, "mms", []) or [])
+        self.memfd_count = len(fds)
         if len(fds) != 1 or len(mms) != 1:
             return  # no memfd, or several mappings: pages travel as frames
         mm = mms[0]

@@ -17,7 +17,8 @@ from typing import Callable, List, Optional, Sequence
 from hicache_ext.host_pool import PageBatch
 from tiers.wire import protocol as P
 from tiers.node.buffers import scatter_copy
-from tiers.wire.client import TierClient, lookup_all
+from tiers.wire.client import TierClient
+from tiers.wire.lookup import held_by_any
 
 log = logging.getLogger("hicache.backend")
 
@@ -37,22 +38,21 @@ class TierRouter:
 
     # ---------------------------------------------------------------- lookup
     def held(self, keys: List[str]) -> bytes:
-        """One byte per key: held by some tier (every tier asked at once)."""
-        if not keys:
-            return b""
-        if len(self.clients) == 1:
-            return self.clients[0].lookup(keys) or bytes(len(keys))
-        held = bytearray(len(keys))
-        for flags in lookup_all(self.clients, keys):
-            if flags is not None:
-                for i, flag in enumerate(flags):
-                    if flag:
-                        held[i] = 1
-        return bytes(held)
+        """One byte per key: held by some tier (every tier asked at once).
 
-    def lookup(self, keys: List[str]) -> int:
-        """Leading keys held by some tier (0 when no tier answers)."""
-        return P.leading_run(self.held(keys))
+        A daemon takes at most P.MAX_BATCH keys a message, and SGLang asks
+        for a whole prompt at once (a 128k-token prompt is 2,048 pages, more
+        under head shards), so longer lists go in chunks.  Only the leading
+        run counts, so chunks stop at the first one with a hole and later
+        keys read as not held.
+        """
+        out = bytearray()
+        for start in range(0, len(keys), P.MAX_BATCH):
+            flags = held_by_any(self.clients, keys[start:start + P.MAX_BATCH])
+            out += flags
+            if not all(flags):
+                break
+        return bytes(out) + bytes(len(keys) - len(out))
 
     # --------------------------------------------------------------- writes
     def _write_targets(self) -> List[TierClient]:

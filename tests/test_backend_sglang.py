@@ -97,3 +97,28 @@ def test_daemon_death_gives_misses_and_recovery_needs_no_rebuild(node):
         assert _inner(engine.backend)._router.clients[0].region_id is not None  # re-registered the memfd
     finally:
         engine.close()
+
+
+def test_a_prompt_longer_than_one_lookup_message(node):
+    """SGLang asks for a whole prompt at once; a daemon takes P.MAX_BATCH keys a message (head shards
+    multiply the keys), so the lookup goes in chunks and still finds every leading page."""
+    from tiers.wire import protocol as P
+    from tiers.wire.client import TierClient
+
+    pages = P.MAX_BATCH + 100
+    engine = Engine(node, model="long-prompt", pages=pages,
+                    shape=dict(layers=1, kv_heads=1, head_dim=8, page_size=1))  # 32-byte pages
+    try:
+        keys = make_keys(pages, salt=21, page_size=1)
+        assert engine.write(keys, 0, seed=21)[0] == pages
+        assert engine.driver.exists(keys) == pages
+        client = TierClient("dram", node.config.tier("dram").endpoint, _inner(engine.backend).namespace)
+        try:
+            assert client.delete([keys[P.MAX_BATCH + 50]]) == 1  # a hole in the second chunk
+            assert engine.driver.exists(keys) == P.MAX_BATCH + 50
+            assert client.delete([keys[7]]) == 1  # and one in the first: the second chunk is not asked
+            assert engine.driver.exists(keys) == 7
+        finally:
+            client.close()
+    finally:
+        engine.close()

@@ -16,6 +16,7 @@ from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme.chunkfile import HEADER_SIZE, write_file
 from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
 from tiers.stores.base import StoreFull
+from tiers.testing import flip_bits
 
 PAGE = 8192
 
@@ -42,11 +43,7 @@ def store(tmp_path):
 
 
 def flip(path, offset):
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    flip_bits(path, offset, mask=0x10)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "payload", "header", "magic", "grow"])

@@ -41,16 +41,14 @@ def installed(tmp_path_factory):
     old_path, old_env = list(sys.path), os.environ.get("PYTHONPATH")
     sys.path[:0] = [str(site), PLUGIN]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(site), PLUGIN, ROOT] + ([old_env] if old_env else []))
-    plugins.store_kind.cache_clear()
-    plugins.policy_class.cache_clear()
+    plugins.rescan()
     yield site
     sys.path[:] = old_path
     if old_env is None:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = old_env
-    plugins.store_kind.cache_clear()
-    plugins.policy_class.cache_clear()
+    plugins.rescan()
 
 
 def tmpfs_chain(path: str, policy: str = "mru") -> str:

@@ -2,7 +2,7 @@
 from tiers.stores.dram import DramStore
 from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash
-from tiers.testing import StoreContract
+from tiers.testing import StoreContract, flip_bits
 
 
 class TestDramStore(StoreContract):
@@ -17,12 +17,7 @@ class TestNvmeStore(StoreContract):
         return NvmeStore(path, capacity, policy=policy, max_page_bytes=max_page_bytes, fsync=False)
 
     def corrupt(self, store, key):
-        path = chunk_path(store.root, namespace_hash(key[0]), key_digest(*key))
-        with open(path, "r+b") as fh:
-            fh.seek(-100, 2)
-            byte = fh.read(1)
-            fh.seek(-100, 2)
-            fh.write(bytes([byte[0] ^ 0xFF]))
+        flip_bits(chunk_path(store.root, namespace_hash(key[0]), key_digest(*key)), -100)
         return True
 
 

@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import distributions
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 STORE_GROUP = "hicache_tiers.stores"
 POLICY_GROUP = "hicache_tiers.policies"
@@ -66,18 +66,31 @@ class StoreKind:
     description: str = ""
 
 
-def _installed(group: str) -> Dict[str, str]:
-    """name -> "module:attribute" of the group's entry points (no import).
+@lru_cache(maxsize=None)
+def _entry_points() -> Dict[str, Dict[str, str]]:
+    """group -> name -> "module:attribute" of every installed entry point (no import), read once.
 
     Every distribution on the path is read, not only the first of each name:
     a stale ``*.egg-info`` in a source checkout (the current directory comes
-    first on sys.path) would otherwise hide the installed metadata.
+    first on sys.path) would otherwise hide the installed metadata.  Reading
+    them costs ~10 ms, and a configuration asks for every tier's kind and
+    policy: once per process is enough (``rescan`` after installing at run time).
     """
-    found: Dict[str, str] = {}
+    found: Dict[str, Dict[str, str]] = {}
     for dist in distributions():
-        for ep in dist.entry_points.select(group=group):
-            found.setdefault(ep.name, ep.value)
+        for ep in dist.entry_points:
+            found.setdefault(ep.group, {}).setdefault(ep.name, ep.value)
     return found
+
+
+def _installed(group: str) -> Dict[str, str]:
+    return dict(_entry_points().get(group, {}))
+
+
+def rescan() -> None:
+    """Forget what was found and loaded (a distribution was added to the path since)."""
+    for cached in (_entry_points, store_kind, policy_class):
+        cached.cache_clear()
 
 
 def store_targets() -> Dict[str, str]:
@@ -99,15 +112,19 @@ def _load(target: str, what: str) -> Any:
     return obj
 
 
+def _named(targets: Dict[str, str], name: str, noun: str, also: str = "") -> Any:
+    """Load the target installed as name (PluginError listing what is installed)."""
+    if name not in targets:
+        raise PluginError(f"no {noun} {name!r}; installed: {', '.join(sorted(targets))}{also}")
+    return _load(targets[name], f"{noun} {name}")
+
+
 @lru_cache(maxsize=None)
 def store_kind(name: str) -> StoreKind:
     """The StoreKind registered as name (PluginError listing the installed kinds)."""
-    targets = store_targets()
-    if name not in targets:
-        raise PluginError(f"no tier kind {name!r}; installed: {', '.join(sorted(targets))}, pool")
-    kind = _load(targets[name], f"tier kind {name}")
+    kind = _named(store_targets(), name, "tier kind", also=", pool")
     if not isinstance(kind, StoreKind):
-        raise PluginError(f"tier kind {name}: {targets[name]} is a {type(kind).__name__}, not a StoreKind")
+        raise PluginError(f"tier kind {name}: {store_targets()[name]} is a {type(kind).__name__}, not a StoreKind")
     return kind
 
 
@@ -115,12 +132,9 @@ def store_kind(name: str) -> StoreKind:
 def policy_class(name: str) -> type:
     """The EvictionPolicy class registered as name (PluginError listing the installed policies)."""
     from tiers.policies.base import EvictionPolicy
-    targets = policy_targets()
-    if name not in targets:
-        raise PluginError(f"no eviction policy {name!r}; installed: {', '.join(sorted(targets))}")
-    cls = _load(targets[name], f"policy {name}")
+    cls = _named(policy_targets(), name, "eviction policy")
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-        raise PluginError(f"policy {name}: {targets[name]} is not an EvictionPolicy subclass")
+        raise PluginError(f"policy {name}: {policy_targets()[name]} is not an EvictionPolicy subclass")
     return cls
 
 
@@ -135,9 +149,3 @@ def lab(name: str) -> Any:
     if name not in targets:
         raise PluginError(f"{name} needs the SGLang side of hicache-tiers (scripts/install.sh without --no-engine)")
     return _load(targets[name], name)
-
-
-def describe(group: Optional[str] = None) -> Dict[str, Dict[str, str]]:
-    """What is installed, for ``hicache-tiers plugins``: group -> name -> target."""
-    out = {STORE_GROUP: store_targets(), POLICY_GROUP: policy_targets()}
-    return {group: out[group]} if group else out

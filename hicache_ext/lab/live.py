@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tiers.wire.client import lookup_all
+from tiers.wire.lookup import lookup_all
 from tiers.sim.capacity import Capacity
 from tiers.sim.simulate import access_hits, leading_run, score
 from tiers.sim.sweep import Row, ceiling

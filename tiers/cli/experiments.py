@@ -49,10 +49,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tiers.sim import kernels, report, sweep
     from tiers.sim.trace import read_traces
 
-    policies = policy_names() if args.policy == "all" else [p.lower() for p in _split(args.policy)]
-    unknown = [p for p in policies if p not in policy_names()]
+    installed = policy_names()
+    policies = installed if args.policy == "all" else [p.lower() for p in _split(args.policy)]
+    unknown = [p for p in policies if p not in installed]
     if unknown:
-        print(f"replay: unknown policy {', '.join(unknown)}; choose from {', '.join(policy_names())}", file=sys.stderr)
+        print(f"replay: unknown policy {', '.join(unknown)}; choose from {', '.join(installed)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         capacities = parse_capacities(args.capacity, args.block_tokens)

@@ -188,6 +188,11 @@ class StoreContract:
         assert store.contains([("ns", "k")]) == [False]
 
 
-def files_under(path: str) -> list:
-    """Every regular file below path (for corrupt hooks of file-backed stores)."""
-    return [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+def flip_bits(path: str, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of a file in place (offset < 0 counts from the end): the corrupt hooks' damage."""
+    with open(path, "r+b") as fh:
+        whence = os.SEEK_SET if offset >= 0 else os.SEEK_END
+        fh.seek(offset, whence)
+        byte = fh.read(1)
+        fh.seek(offset, whence)
+        fh.write(bytes([byte[0] ^ mask]))

@@ -316,7 +316,7 @@ class TierClient:
         return _held(self.call("lookup", self.deadlines.lookup, keys=keys), len(keys))
 
     def start_lookup(self, keys: List[str]):
-        """Send a lookup without waiting (see lookup_all); None when the tier is unreachable."""
+        """Send a lookup without waiting (tiers/wire/lookup.py); None when the tier is unreachable."""
         session = self._ensure_session()
         if session is None:
             return None
@@ -486,43 +486,3 @@ def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
         return None
     held = reply.header.get("held")
     return held if isinstance(held, bytes) and len(held) == n else None
-
-
-def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
-    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier.
-
-    Returns as soon as the tiers that replied hold every key between them: a
-    slow or frozen lower tier never delays a lookup the tiers above answer
-    alone (its late reply is skipped by id on that socket's next call).
-    """
-    results: List[Optional[bytes]] = [None] * len(clients)
-    waiting = {}
-    for i, client in enumerate(clients):
-        sent = client.start_lookup(keys)
-        if sent is not None:
-            waiting[i] = sent
-    covered = bytearray(len(keys))
-    full = b"\x01" * len(keys)
-    while waiting:
-        now = time.monotonic()
-        give_up = min(p[2] for p in waiting.values())
-        poller = zmq.Poller()
-        for i, (sock, _id, _end) in waiting.items():
-            poller.register(sock, zmq.POLLIN)
-        ready = dict(poller.poll(max(0, int((give_up - now) * 1000)) + 1))
-        for i in list(waiting):
-            sock, req_id, end = waiting[i]
-            if sock in ready:
-                reply = clients[i].poll_reply(sock, req_id)
-                if reply is None:
-                    continue  # a stale reply to an earlier call was skipped
-                del waiting[i]
-                results[i] = clients[i].lookup_reply(reply, keys)
-                if results[i] is not None:
-                    covered = bytearray(a | b for a, b in zip(covered, results[i]))
-            elif time.monotonic() >= end:
-                del waiting[i]
-                clients[i].give_up(sock, "lookup")
-        if bytes(covered) == full:
-            break
-    return results

@@ -3,7 +3,7 @@ import os
 
 from hicache_tier_tmpfs.mru import MRUPolicy
 from hicache_tier_tmpfs.store import TmpfsStore, _name
-from tiers.testing import PolicyContract, StoreContract, drain
+from tiers.testing import PolicyContract, StoreContract, drain, flip_bits
 
 
 class TestTmpfsStore(StoreContract):
@@ -12,11 +12,7 @@ class TestTmpfsStore(StoreContract):
         return TmpfsStore(path, capacity, policy, max_page_bytes)
 
     def corrupt(self, store, key):
-        with open(os.path.join(store.path, _name(key)), "r+b") as fh:
-            fh.seek(-1, 2)
-            last = fh.read(1)
-            fh.seek(-1, 2)
-            fh.write(bytes([last[0] ^ 1]))
+        flip_bits(os.path.join(store.path, _name(key)), -1, mask=1)
         return True
 
 
