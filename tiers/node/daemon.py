@@ -68,7 +68,7 @@ class TierDaemon:
         self.metrics = DaemonMetrics(name)
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
-        self._zap: Optional[security.ZapHandler] = None  # CurveZMQ admission on tcp:// endpoints
+        self._zap: Optional[security.Admission] = None  # CurveZMQ admission on tcp:// endpoints
         self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/node/fds.py)
         # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
         # NVMe or remote page passes through it.
@@ -146,15 +146,14 @@ class TierDaemon:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._regions is not None:
             self._regions.register(poller)
-        zap = self._zap.sockets() if self._zap is not None else []
-        for sock in zap:
-            poller.register(sock, zmq.POLLIN)
+        zap_monitor = self._zap.monitor if self._zap is not None else None
+        if zap_monitor is not None:
+            poller.register(zap_monitor, zmq.POLLIN)
         next_tick = 0.0
         try:
             while not self._stopping.is_set() or self._in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
-                if zap and any(sock in events for sock in zap):
-                    self._zap.handle()
+                if zap_monitor is not None and zap_monitor in events:
                     self._zap.handle_monitor()
                 if self._wake_r in events:
                     self._drain_wake()

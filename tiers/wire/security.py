@@ -1,4 +1,4 @@
-"""CurveZMQ on tcp:// endpoints: key files, which endpoint uses which keys, and the daemon's ZAP handler.
+"""CurveZMQ on tcp:// endpoints: key files, which endpoint uses which keys, and the daemon's admission.
 
 Local endpoints (ipc://) are guarded by the file system: the runtime directory
 is 0700 and every socket in it 0600.  A tcp:// endpoint is reachable by
@@ -35,7 +35,6 @@ from tiers.ops.logs import RateLimitedLog
 log = logging.getLogger("hicache.security")
 _warn = RateLimitedLog(log)
 
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 ZAP_DOMAIN = "hicache-tiers"
 _MAX_KEY_FILE_BYTES = 4096
 
@@ -146,30 +145,41 @@ def apply_client(sock: zmq.Socket, endpoint: str, settings: Optional[CurveSettin
 
 # ------------------------------------------------------------ server side
 
-class ZapHandler:
-    """Answers the ZAP requests of one context: CURVE clients with an authorized key pass.
+class Admission:
+    """CurveZMQ admission of one daemon: pyzmq's ThreadAuthenticator answers ZAP, asking this which keys pass.
 
-    Runs on the daemon's loop (a REP socket polled with the router); a refusal
-    is logged (rate-limited) with the peer's address.
+    The authenticator runs in its own thread (pyzmq's), so a daemon loop busy
+    with a large batch still answers handshakes. Handshakes that fail before
+    ZAP is asked (a client without keys, or with the wrong server key) are
+    seen through the router's monitor socket, which the daemon's loop polls.
     """
 
     def __init__(self, context: zmq.Context, authorized: FrozenSet[bytes], name: str):
+        from zmq.auth.thread import ThreadAuthenticator
+
         self.authorized = authorized
         self.name = name
         self.admitted = 0
         self.refused = 0
-        self.socket = context.socket(zmq.REP)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(ZAP_ENDPOINT)
         self.monitor: Optional[zmq.Socket] = None
+        self._authenticator = ThreadAuthenticator(context, log=log.getChild("zap"))
+        self._authenticator.start()  # binds the ZAP endpoint of this context
+        self._authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: True admits the client with this Z85 public key."""
+        if client_key in self.authorized:
+            self.admitted += 1
+            return True
+        self.refused += 1
+        _warn.warning(f"zap:{self.name}", "tier %s refused a connection: client key %s... not authorized",
+                      self.name, client_key[:8].decode("ascii", "replace"))
+        return False
 
     def watch(self, router: zmq.Socket) -> None:
         """Also log handshakes that fail before ZAP is asked (a client without CurveZMQ keys)."""
         self.monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-    def sockets(self) -> List[zmq.Socket]:
-        return [s for s in (self.socket, self.monitor) if s is not None]
 
     def handle_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -183,45 +193,16 @@ class ZapHandler:
                           "(event %d, value %d; a client without keys or with the wrong server key)",
                           self.name, event["event"], event["value"])
 
-    def handle(self) -> None:
-        """Answer every queued ZAP request."""
-        while True:
-            try:
-                msg = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.socket.send_multipart(self._answer(msg))
-
-    def _answer(self, msg: List[bytes]) -> List[bytes]:
-        if len(msg) < 6:
-            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, domain, address, _identity, mechanism = msg[:6]
-        credentials = msg[6:]
-        peer = address.decode("utf-8", "replace")
-        if version != b"1.0":
-            return [b"1.0", request_id, b"500", b"ZAP version not supported", b"", b""]
-        if mechanism == b"CURVE" and len(credentials) == 1 and len(credentials[0]) == 32:
-            key = zmq.utils.z85.encode(credentials[0])
-            if key in self.authorized:
-                self.admitted += 1
-                return [b"1.0", request_id, b"200", b"OK", key[:16], b""]
-            why = "client key not authorized"
-        else:
-            why = f"mechanism {mechanism.decode('ascii', 'replace')} refused; CURVE required"
-        self.refused += 1
-        _warn.warning(f"zap:{self.name}:{why}", "tier %s refused a connection from %s: %s", self.name, peer, why)
-        return [b"1.0", request_id, b"400", why.encode(), b"", b""]
-
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close(linger=0)
             self.monitor = None
-        self.socket.close(linger=0)
+        self._authenticator.stop()
 
 
 def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name: str,
-                  settings: CurveSettings) -> Optional[ZapHandler]:
-    """Make a ROUTER about to bind endpoint a CurveZMQ server; the ZAP handler to poll (None: plain).
+                  settings: CurveSettings) -> Optional[Admission]:
+    """Make a ROUTER about to bind endpoint a CurveZMQ server; its Admission (None: plain).
 
     ValueError (the daemon then refuses to start) for a tcp:// endpoint without
     keys unless allow_insecure_tcp, and for unusable key files.
@@ -243,12 +224,12 @@ def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name:
     if not authorized:
         raise KeyFileError(f"authorized keys directory {authorized_dir} holds no client certificate "
                            f"(only the server's own key)")
-    zap = ZapHandler(context, authorized, name)
-    zap.watch(router)
+    admission = Admission(context, authorized, name)
+    admission.watch(router)
     router.curve_server = True
     router.curve_publickey = public
     router.curve_secretkey = secret
     router.zap_domain = ZAP_DOMAIN.encode()
     log.info("tier %s: CurveZMQ on %s, %d authorized client keys from %s", name, endpoint, len(authorized),
              authorized_dir)
-    return zap
+    return admission
