@@ -1,4 +1,4 @@
-"""Series of repeated measurements: medians, spreads, percentiles, and the progress line."""
+"""Series of repeated measurements: medians, spreads, percentiles, and the progress bar."""
 from __future__ import annotations
 
 import math
@@ -65,30 +65,49 @@ class Figures:
 
 
 class Progress:
-    """One line per step on stderr (rewritten in place on a terminal), with elapsed time."""
+    """Where a long run is: a tqdm bar over its parts on a terminal, one line per step in a log.
 
-    def __init__(self, quiet: bool = False, stream=None):
+    advance(label) starts the next of ``total`` parts; step(text) says what the
+    current part is doing (repetitions, round trips); done(text) prints a line
+    that stays (a failure, the end).
+    """
+
+    def __init__(self, total: int = 0, quiet: bool = False, stream=None):
         self.stream = stream or sys.stderr
         self.quiet = quiet
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.started = time.monotonic()
-        self._last = 0
+        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._bar = None
+        if tty and not quiet:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total or None, unit="part", file=self.stream, leave=False, dynamic_ncols=True,
+                             bar_format="{n_fmt}/{total_fmt} [{elapsed}<{remaining}] {desc}")
+
+    def advance(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+        self.step(label)
 
     def step(self, text: str) -> None:
         if self.quiet:
             return
-        line = f"[{time.monotonic() - self.started:6.1f}s] {text}"
-        if self.tty:
-            self.stream.write("\r" + line.ljust(self._last) + "\x1b[K")
-            self._last = len(line)
-        else:
-            self.stream.write(line + "\n")
+        if self._bar is not None:
+            self._bar.set_description_str(text)
+            return
+        self.stream.write(f"[{time.monotonic() - self.started:6.1f}s] {text}\n")
         self.stream.flush()
 
     def done(self, text: str) -> None:
         if self.quiet:
             return
-        if self.tty:
-            self.stream.write("\r\x1b[K")
-        self.stream.write(f"[{time.monotonic() - self.started:6.1f}s] {text}\n")
-        self.stream.flush()
+        line = f"[{time.monotonic() - self.started:6.1f}s] {text}"
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -35,7 +35,6 @@ def _command_line() -> str:
 
 def run(args) -> int:
     parts = [p for p in PARTS if p in set(args.only)]
-    progress = Progress(quiet=args.quiet)
     figs = Figures()
     meta = {"command": args.command or _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -45,10 +44,11 @@ def run(args) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     steps = [(p, None) for p in parts if p in ONCE]  # rank processes first: peers may keep memory mapped
     steps += [(p, m) for m in args.page_mib for p in PER_SIZE if p in parts]
+    progress = Progress(total=len(steps), quiet=args.quiet)
     try:
         for i, (part, page_mib) in enumerate(steps, 1):
             label = part if page_mib is None else f"{part}, {page_mib} MiB pages"
-            progress.step(f"({i}/{len(steps)}) {label}")
+            progress.advance(f"({i}/{len(steps)}) {label}")
             try:
                 fn = _runner(part)
                 fn(figs, args, progress) if page_mib is None else fn(figs, args, progress, page_mib)
@@ -60,6 +60,7 @@ def run(args) -> int:
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     meta["seconds"] = time.monotonic() - started
+    progress.close()
     progress.done(f"done in {meta['seconds']:.0f} s, {len(figs.failures)} failure(s)")
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
