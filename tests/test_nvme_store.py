@@ -13,6 +13,7 @@ from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme.chunkfile import HEADER_SIZE
 from tiers.policies import policy_names
 from tiers.stores.base import PageTooLarge, StoreIOError
+from tiers.testing import RecordingListener
 
 PAGE = 1000
 CHUNK = HEADER_SIZE + PAGE  # on-disk bytes of an uncompressed PAGE
@@ -202,15 +203,14 @@ def test_delete_and_clear_after_restart(make_store):
     assert chunk_files(store.root) == [] and store.stats().used_bytes == 0
 
 
-def test_on_evict_receives_page(make_store):
-    store = make_store(capacity=2 * CHUNK)
-    seen = []
-    store.set_evict_hook(lambda key, views, reads: seen.append((key, b"".join(views), reads)))
+def test_evictions_reach_the_listener_with_their_reads(make_store):
+    listener = RecordingListener()
+    store = make_store(capacity=2 * CHUNK, evictions=listener)
     store.put(("ns", "k0"), [memoryview(page(0))])
     store.get_bytes(("ns", "k0"))
     store.put(("ns", "k1"), [memoryview(page(1))])
     store.put(("ns", "k2"), [memoryview(page(2))])
-    assert seen == [(("ns", "k0"), page(0), 1)]
+    assert listener.evicted == [(("ns", "k0"), page(0), 1)]
 
 
 def test_concurrent_puts_and_gets(make_store):

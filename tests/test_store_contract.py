@@ -6,15 +6,17 @@ from tiers.testing import StoreContract, flip_bits
 
 
 class TestDramStore(StoreContract):
-    def make_store(self, path, capacity, policy, max_page_bytes):
-        return DramStore(capacity, policy, block_size=4096, max_page_bytes=max_page_bytes, prefault=False)
+    def make_store(self, path, capacity, policy, max_page_bytes, evictions=None):
+        return DramStore(capacity, policy, block_size=4096, max_page_bytes=max_page_bytes, prefault=False,
+                         evictions=evictions)
 
 
 class TestNvmeStore(StoreContract):
     capacity = 64 * (20 << 10)  # on-disk bytes: each page also carries a 4 KiB header
 
-    def make_store(self, path, capacity, policy, max_page_bytes):
-        return NvmeStore(path, capacity, policy=policy, max_page_bytes=max_page_bytes, fsync=False)
+    def make_store(self, path, capacity, policy, max_page_bytes, evictions=None):
+        return NvmeStore(path, capacity, policy=policy, max_page_bytes=max_page_bytes, fsync=False,
+                         evictions=evictions)
 
     def corrupt(self, store, key):
         flip_bits(chunk_path(store.root, namespace_hash(key[0]), key_digest(*key)), -100)
@@ -22,6 +24,6 @@ class TestNvmeStore(StoreContract):
 
 
 class TestNvmeStoreCompressed(TestNvmeStore):
-    def make_store(self, path, capacity, policy, max_page_bytes):
+    def make_store(self, path, capacity, policy, max_page_bytes, evictions=None):
         return NvmeStore(path, capacity, policy=policy, max_page_bytes=max_page_bytes, fsync=False,
-                         compression="zstd")
+                         compression="zstd", evictions=evictions)

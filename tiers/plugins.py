@@ -57,7 +57,9 @@ class StoreKind:
     ``options``: key -> (parser, default, help), the shape of the built-in
     kinds' tables in tiers/ops/config.py; a parser takes (value, where) and
     returns the value or raises tiers.ops.config.ConfigError.  ``build(tier,
-    quotas)`` returns a tiers.stores.base.PageStore for a validated TierConfig.
+    quotas, evictions)`` returns a tiers.stores.base.PageStore for a validated
+    TierConfig; a store that evicts tells ``evictions`` (an EvictionListener,
+    or None) of each page it evicts, so the daemon can demote it.
     """
 
     name: str

@@ -36,6 +36,7 @@ F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 Extents = List[Tuple[int, int]]
+_PREFAULT_SLICE = 8 << 20  # ~5 ms of faults: what another thread's mmap or page fault may wait for
 
 
 @dataclass
@@ -71,6 +72,7 @@ class BlockArena:
         self._map = mmap.mmap(self.fd, self.size)
         self.view = memoryview(self._map)
         self.write_sealed = self._seal()
+        self._background = background
         if prefault and background:  # serve at once; blocks fault in from the bottom up meanwhile
             threading.Thread(target=self._prefault, name=f"{name}-prefault", daemon=True).start()
         elif prefault:
@@ -103,7 +105,8 @@ class BlockArena:
             self._map.madvise(_MADV_HUGEPAGE)  # where shmem THP is enabled; harmless elsewhere
         except (OSError, ValueError):
             pass
-        if not populate(self._map):
+        # Beside serving threads (background), a slice at a time: see populate.
+        if not populate(self._map, step=_PREFAULT_SLICE if self._background else 0):
             for offset in range(0, self.size, mmap.PAGESIZE):
                 self._map[offset] = 0
         log.info("%s: prefaulted %d MiB of arena in %.2fs", self.name, self.size >> 20, time.perf_counter() - started)

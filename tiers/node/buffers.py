@@ -168,15 +168,24 @@ def split_extents(views: Sequence[memoryview]) -> List[memoryview]:
     return [v for v in views if v.nbytes]
 
 
-def populate(mapping: mmap.mmap, write: bool = True) -> bool:
+def populate(mapping: mmap.mmap, write: bool = True, step: int = 0) -> bool:
     """Fault a whole shared mapping in (for writing, or for reading), without holding the GIL.
 
     mmap.madvise keeps the GIL for the whole call (seconds for a large pool),
-    which would freeze a daemon's loop; a ctypes call releases it.  Returns
-    False when the kernel cannot (pages then fault in on first use).
+    which would freeze a daemon's loop; a ctypes call releases it.  With step,
+    it goes a slice at a time: the kernel holds the process's mmap lock for a
+    call, and every other thread's mmap, munmap (and, behind a waiting writer,
+    page fault) waits for it, so a prefault beside serving threads must
+    be sliced.  Returns False when the kernel cannot (pages then fault in on
+    first use).
     """
     if _libc is None or len(mapping) == 0:
         return False
     with memoryview(mapping) as view:  # works for read-only mappings too; the export ends here
         address = address_of(view)
-    return _libc.madvise(address, len(mapping), MADV_POPULATE_WRITE if write else MADV_POPULATE_READ) == 0
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    step = step or len(mapping)
+    for start in range(0, len(mapping), step):
+        if _libc.madvise(address + start, min(step, len(mapping) - start), advice) != 0:
+            return False
+    return True

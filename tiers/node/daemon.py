@@ -24,7 +24,7 @@ import zmq
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.node.arena import BlockArena
-from tiers.node.demotion import Demoter, DemotionLink, DirtySet, MODES
+from tiers.node.demotion import Demoter, DirtySet, MODES
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
@@ -56,9 +56,9 @@ class TierDaemon:
 
     def __init__(self, name: str, store: PageStore, endpoint: str, fd_socket: Optional[str] = None,
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
-                 lower: Optional[DemotionLink] = None, max_dirty_pages: int = 1024,
+                 demoter: Optional[Demoter] = None,
                  staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
-                 demotion_queue_bytes: int = 256 << 20, curve: Optional[security.CurveSettings] = None):
+                 curve: Optional[security.CurveSettings] = None):
         self.name = name
         self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
         self.store = store
@@ -88,9 +88,10 @@ class TierDaemon:
         self._in_flight = 0
         self._inflight_bytes = 0
         self.ready = threading.Event()
-        # Write-back and selective pages go to the next tier down (if there is one), through a queue.
-        self.dirty = DirtySet(max_dirty_pages)
-        self.demoter = Demoter(store, self.dirty, lower, demotion_queue_bytes) if lower is not None else None
+        # Write-back and selective pages go to the next tier down (if there is one), through a queue;
+        # the demoter is the store's EvictionListener too (tiers/node/tier_factory.py).
+        self.demoter = demoter
+        self.dirty = demoter.dirty if demoter is not None else DirtySet(0)  # stays empty without a tier below
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -180,7 +181,7 @@ class TierDaemon:
         self.transfers.close()
         self._send_done()
         if self.demoter is not None:
-            self.demoter.close()
+            self.demoter.close(self.store)
         if self._regions is not None:
             self._regions.close()
         if self._router is not None:
@@ -283,7 +284,7 @@ class TierDaemon:
         if self._regions is not None:
             self._regions.tick(poller)
         if self.demoter is not None:
-            self.demoter.tick(self._pool.submit)
+            self.demoter.tick(self.store, self._pool.submit)
 
     # ------------------------------------------------------------- sessions
     def _session_ok(self, sid) -> bool:

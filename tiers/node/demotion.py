@@ -19,7 +19,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from tiers.node.buffers import scatter_copy
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.logs import RateLimitedLog
-from tiers.stores.base import PageKey
+from tiers.stores.base import EvictionListener, PageKey, PageStore
 from tiers.wire.security import CurveSettings
 
 log = logging.getLogger("hicache.demotion")
@@ -231,35 +231,37 @@ class DemotionQueue:
         self._thread.join(timeout=5)
 
 
-class Demoter:
+class Demoter(EvictionListener):
     """A daemon's duty to the tier below: evicted dirty pages and dirty pages over the bound go down
-    through the queue; at a graceful stop every eligible dirty page goes straight down."""
+    through the queue; at a graceful stop every eligible dirty page goes straight down.
 
-    def __init__(self, store, dirty: DirtySet, link: DemotionLink, queue_bytes: int):
-        self.store = store
-        self.dirty = dirty
+    Built before the store (tiers/node/tier_factory.py) and handed to it as its
+    EvictionListener, then to the daemon, which calls tick and close with the store.
+    """
+
+    def __init__(self, link: DemotionLink, max_dirty_pages: int, queue_bytes: int):
+        self.dirty = DirtySet(max_dirty_pages)
         self.link = link
         self.queue = DemotionQueue(link, queue_bytes)
         self._flushing = False
-        store.set_evict_hook(self.on_evict)
 
-    def on_evict(self, key: PageKey, views, reads: int) -> None:
-        """Called by the store, inside its lock, before an evicted page's memory is reused: only queues a copy."""
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
+        """Inside the store's lock, before an evicted page's memory is reused: only queues a copy."""
         pending = self.dirty.pop(key)
         if pending is not None and should_demote(pending[0], pending[1], reads):
             self.queue.offer(key, views, copy=True)
 
-    def tick(self, submit) -> None:
+    def tick(self, store: PageStore, submit) -> None:
         """Housekeeping: queue the dirty pages over the bound, off the loop thread (submit runs it)."""
         if not self._flushing and self.dirty.oldest_over_limit():
             self._flushing = True
-            submit(self._flush_over_limit)
+            submit(self._flush_over_limit, store)
 
-    def _flush_over_limit(self) -> None:
+    def _flush_over_limit(self, store: PageStore) -> None:
         """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
         try:
             for key in self.dirty.oldest_over_limit():
-                data = self.store.peek(key)
+                data = store.peek(key)
                 if data is None:
                     self.dirty.pop(key)
                 elif self.queue.offer(key, [memoryview(data)]):
@@ -269,20 +271,25 @@ class Demoter:
         finally:
             self._flushing = False
 
-    def close(self) -> None:
-        """Graceful stop: push what is queued, then every eligible dirty page straight down."""
+    def close(self, store: PageStore) -> None:
+        """Graceful stop: push what is queued, then every eligible dirty page of store straight down."""
         self.queue.close()
         done = total = 0
         for key, mode, min_reads in self.dirty.snapshot():
-            if not should_demote(mode, min_reads, self.store.read_count(key)):
+            if not should_demote(mode, min_reads, store.read_count(key)):
                 continue
-            data = self.store.peek(key)
+            data = store.peek(key)
             total += 1
             if data is not None and self.link.push(key, [memoryview(data)]):
                 self.dirty.pop(key)
                 done += 1
         if total:
             log.info("flushed %d of %d dirty pages to %s", done, total, self.link.name)
+        self.link.close()
+
+    def discard(self) -> None:
+        """Stop without a store (its build failed): nothing was dirty yet."""
+        self.queue.close()
         self.link.close()
 
     def stats(self) -> dict:

@@ -1,18 +1,23 @@
 """Builds the page store and daemon of one configured tier (kinds come from tiers/plugins.py)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from tiers.ops.config import NodeConfig, TierConfig
 from tiers.node.daemon import TierDaemon
-from tiers.node.demotion import DemotionLink
+from tiers.node.demotion import Demoter, DemotionLink
 from tiers.plugins import store_kind
-from tiers.stores.base import PageStore
+from tiers.stores.base import EvictionListener, PageStore
 
 
-def build_store(tier: TierConfig, quotas=None) -> PageStore:
-    """The store for a tier's kind, built by the kind's declaration (tiers/plugins.py)."""
+def build_store(tier: TierConfig, quotas=None, evictions: Optional[EvictionListener] = None) -> PageStore:
+    """The store for a tier's kind, built by the kind's declaration (tiers/plugins.py).
+
+    evictions hears of every page the store evicts (the daemon's Demoter when a tier is below).
+    """
     if tier.kind == "pool":
         raise ValueError("a pool runs as a daemon of its own, not as a store of a tier daemon")
-    store = store_kind(tier.kind).build(tier, quotas)
+    store = store_kind(tier.kind).build(tier, quotas, evictions)
     if not isinstance(store, PageStore):
         raise TypeError(f"tier kind {tier.kind} built a {type(store).__name__}, not a tiers.stores.base.PageStore")
     return store
@@ -23,14 +28,20 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     if tier.kind == "pool":  # a remote memory pool: no tier below, no host pool of its own
         from tiers.stores.remote.pool_daemon import build_pool_daemon
         return build_pool_daemon(node, tier)
-    store = build_store(tier, node.quotas)
-    fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
-    io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     position = [t.name for t in node.tiers].index(tier.name)
     below = node.tiers[position + 1] if position + 1 < len(node.tiers) else None
-    lower = DemotionLink(below.name, below.endpoint, curve=below.curve) if below is not None else None
+    demoter = None
+    if below is not None:
+        demoter = Demoter(DemotionLink(below.name, below.endpoint, curve=below.curve), node.max_dirty_pages,
+                          node.demotion_queue_bytes)
+    try:
+        store = build_store(tier, node.quotas, demoter)
+    except BaseException:
+        if demoter is not None:
+            demoter.discard()
+        raise
+    fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
+    io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
-                      io_threads=io_threads, lower=lower, max_dirty_pages=node.max_dirty_pages,
-                      staging_bytes=tier.staging_bytes, max_region_bytes=tier.max_region_bytes,
-                      max_inflight_bytes=tier.max_inflight_bytes, demotion_queue_bytes=node.demotion_queue_bytes,
-                      curve=tier.curve)
+                      io_threads=io_threads, demoter=demoter, staging_bytes=tier.staging_bytes,
+                      max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes, curve=tier.curve)

@@ -54,6 +54,22 @@ class StoreIOError(StoreError):
     code = "io_error"
 
 
+class EvictionListener(ABC):
+    """Hears of pages a store evicts, before their memory is reused (the daemon's demotion to the tier below).
+
+    A store that evicts takes one at construction (``StoreKind.build``'s
+    ``evictions``; None: nobody listens) and calls page_evicted for each page
+    its policy evicts, not for deletes or overwrites.
+    """
+
+    @abstractmethod
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
+        """key's page (views valid only during the call) was evicted after reads hits.
+
+        Called inside the store's lock: it must not block, and must copy what it keeps.
+        """
+
+
 @dataclass
 class StoreStats:
     """Counters every store keeps; extra holds tier-specific figures."""
@@ -165,10 +181,6 @@ class PageStore(ABC):
 
     def region_unmapped(self, view: memoryview) -> None:
         """Memory given to region_mapped goes away."""
-
-    def set_evict_hook(self, hook) -> None:
-        """hook(key, page views, reads) runs before an evicted page's memory is reused; it must not block
-        and must copy what it keeps (the views are valid only during the call)."""
 
     @abstractmethod
     def stats(self) -> StoreStats:

@@ -14,13 +14,13 @@ import logging
 import threading
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.node.fairness import FairShare, bounded_top
 from tiers.policies import EvictionPolicy, make_policy
-from tiers.stores.base import (Buffers, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
+from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
                          total_size)
 from tiers.plugins import StoreKind
 
@@ -54,7 +54,7 @@ class DramStore(PageStore):
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
                  max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
-                 quotas: Optional[Mapping[str, int]] = None):
+                 quotas: Optional[Mapping[str, int]] = None, evictions: Optional[EvictionListener] = None):
         self.arena = BlockArena(capacity, block_size, name, prefault)
         self.block_size = block_size
         self.capacity = self.arena.size
@@ -66,10 +66,7 @@ class DramStore(PageStore):
         self._fair = FairShare(self.capacity, quotas)
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
-        self._evict_hook: Optional[Callable] = None
-
-    def set_evict_hook(self, hook: Optional[Callable]) -> None:
-        self._evict_hook = hook
+        self._evictions = evictions
 
     def export_arena(self) -> BlockArena:
         return self.arena
@@ -100,10 +97,10 @@ class DramStore(PageStore):
         if victim is None:
             return False
         entry = self._index[victim]
-        if self._evict_hook is not None:
-            # Runs inside the lock: the hook copies the page into the demotion queue (bounded memory,
+        if self._evictions is not None:
+            # Runs inside the lock: the listener copies the page into the demotion queue (bounded memory,
             # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once.
-            self._evict_hook(victim, self.arena.views(entry.alloc), entry.reads)
+            self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads)
         self._release_locked(victim)
         tenant.evictions += 1
         self._stats.evictions += 1
@@ -285,10 +282,10 @@ class DramStore(PageStore):
             self.arena.close()
 
 
-def _build(tier, quotas=None) -> DramStore:
+def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> DramStore:
     return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
                      max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
-                     quotas=quotas)
+                     quotas=quotas, evictions=evictions)
 
 
 # The dram kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["dram"]).

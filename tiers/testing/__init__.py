@@ -5,6 +5,6 @@
 Needs pytest (and numpy for page bytes); nothing here runs in a daemon.
 """
 from tiers.testing.policy_contract import PolicyContract, drain
-from tiers.testing.store_contract import StoreContract, flip_bits, page, split
+from tiers.testing.store_contract import RecordingListener, StoreContract, flip_bits, page, split
 
-__all__ = ["PolicyContract", "StoreContract", "drain", "flip_bits", "page", "split"]
+__all__ = ["PolicyContract", "RecordingListener", "StoreContract", "drain", "flip_bits", "page", "split"]

@@ -5,28 +5,32 @@ A plug-in's tests subclass it and build the store under test:
     from tiers.testing import StoreContract
 
     class TestTmpfsStore(StoreContract):
-        def make_store(self, path, capacity, policy, max_page_bytes):
-            return TmpfsStore(path, capacity, policy, max_page_bytes)
+        def make_store(self, path, capacity, policy, max_page_bytes, evictions=None):
+            return TmpfsStore(path, capacity, policy, max_page_bytes, evictions)
 
         def corrupt(self, store, key):         # optional: damage a stored page
             ...; return True
 
 It checks the rules of tiers/stores/base.py: exact bytes through split buffers,
 misses that are misses, overwrite, the capacity bound, eviction by the
-store's policy (LRU here), per-namespace delete and clear, refusals with
-nothing visible, counters, concurrent calls for stores with ``parallel_io``,
-a restart that keeps pages for persistent stores, and corrupt data read as a
-miss.  The built-ins pass it (tests/test_store_contract.py).
+store's policy (LRU here), evicted pages handed to the EvictionListener (the
+daemon's demotion) with their exact bytes, per-namespace delete and clear,
+refusals with nothing visible, counters, concurrent calls for stores with
+``parallel_io``, batches and their deadlines for ``batched`` stores (a call
+past its deadline lands no byte), a restart that keeps pages for persistent
+stores, and corrupt data read as a miss.  The built-ins pass it
+(tests/test_store_contract.py, tests/test_remote_contract.py).
 """
 from __future__ import annotations
 
 import os
 import threading
-from typing import Optional
+import time
+from typing import List, Optional, Sequence, Tuple
 
 import pytest
 
-from tiers.stores.base import PageStore, StoreError
+from tiers.stores.base import EvictionListener, PageKey, PageStore, StoreError
 
 
 def page(seed: int, size: int) -> bytes:
@@ -48,6 +52,16 @@ def read(store: PageStore, key, size: int) -> Optional[bytes]:
     return bytes(out) if store.get_into(key, split(memoryview(out), 2)) else None
 
 
+class RecordingListener(EvictionListener):
+    """Keeps what a store says it evicted: (key, bytes, reads)."""
+
+    def __init__(self):
+        self.evicted: List[Tuple[PageKey, bytes, int]] = []
+
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
+        self.evicted.append((key, b"".join(bytes(v) for v in views), reads))
+
+
 class StoreContract:
     """Subclass as Test...; override make_store (and reopen/corrupt where they apply)."""
 
@@ -55,10 +69,12 @@ class StoreContract:
     capacity = 64 * (16 << 10)  # room for about 64 pages, less what the store spends per page
     max_page_bytes = 1 << 20
     persistent: Optional[bool] = None  # None: what the store declares (PageStore.persistent)
+    reports_evictions = True  # False for a store whose evictions happen elsewhere (the remote tier's pools)
 
     # ------------------------------------------------------------ to override
-    def make_store(self, path: str, capacity: int, policy: str, max_page_bytes: int) -> PageStore:
-        raise NotImplementedError("return the store under test, keeping its data under path")
+    def make_store(self, path: str, capacity: int, policy: str, max_page_bytes: int,
+                   evictions: Optional[EvictionListener] = None) -> PageStore:
+        raise NotImplementedError("return the store under test, keeping its data under path, telling evictions")
 
     def corrupt(self, store: PageStore, key) -> bool:
         """Damage key's stored bytes behind the store's back; False: this store has nothing to corrupt."""
@@ -120,6 +136,30 @@ class StoreContract:
             assert read(store, ("ns", "hot"), self.page_bytes) == page(0, self.page_bytes)
         assert store.contains([("ns", "hot"), ("ns", "k1")]) == [True, False]
 
+    def test_evicted_pages_reach_the_listener(self, store_path):
+        """What the daemon demotes: each evicted page once, exact bytes; deletes and overwrites are not evictions."""
+        if not self.reports_evictions:
+            pytest.skip("this store's evictions happen outside it")
+        listener = RecordingListener()
+        store = self.make_store(store_path, self.capacity, "lru", self.max_page_bytes, evictions=listener)
+        try:
+            store.put(("ns", "gone"), [memoryview(page(0, self.page_bytes))])
+            store.put(("ns", "over"), [memoryview(page(1, self.page_bytes))])
+            store.put(("ns", "over"), [memoryview(page(2, self.page_bytes))])
+            store.delete([("ns", "gone")])
+            assert listener.evicted == []
+            n = 3 * self.capacity // self.page_bytes
+            for i in range(n):
+                store.put(("ns", f"k{i}"), [memoryview(page(10 + i, self.page_bytes))])
+            keys = [key for key, _data, _reads in listener.evicted]
+            assert keys and len(keys) == len(set(keys)) == store.stats().evictions
+            assert not any(store.contains(keys))
+            written = {("ns", "over"): page(2, self.page_bytes)}
+            written.update({("ns", f"k{i}"): page(10 + i, self.page_bytes) for i in range(n)})
+            assert all(data == written[key] for key, data, _reads in listener.evicted)
+        finally:
+            store.close()
+
     def test_delete_and_clear_per_namespace(self, store):
         for ns in ("a", "b"):
             for i in range(3):
@@ -166,6 +206,30 @@ class StoreContract:
         for t in threads:
             t.join(60)
         assert not errors, errors[0]
+
+    def test_batches_round_trip(self, store):
+        if not store.batched:
+            pytest.skip("moves pages one at a time (batched = False)")
+        keys = [("ns", f"b{i}") for i in range(4)]
+        pages = [page(40 + i, self.page_bytes) for i in range(4)]
+        assert store.put_many(keys, [split(p, 2) for p in pages], [None] * 4, time.time() + 30) == [None] * 4
+        outs = [bytearray(self.page_bytes) for _ in range(5)]
+        found = store.get_many_into(keys + [("ns", "absent")], [split(memoryview(o), 2) for o in outs],
+                                    time.time() + 30)
+        assert found == [True] * 4 + [False]
+        assert [bytes(o) for o in outs[:4]] == pages
+
+    def test_batches_past_their_deadline_land_nothing(self, store):
+        """A call whose deadline passed refuses or misses: the engine stopped waiting for it."""
+        if not store.batched:
+            pytest.skip("moves pages one at a time (batched = False)")
+        key, data = ("ns", "late"), page(50, self.page_bytes)
+        outcome = store.put_many([key], [[memoryview(data)]], [None], time.time() - 1)
+        assert outcome[0] is not None and store.contains([key]) == [False]
+        assert store.put_many([key], [[memoryview(data)]], [None], time.time() + 30) == [None]
+        marker = bytearray(b"\xa5" * self.page_bytes)
+        assert store.get_many_into([key], [[memoryview(marker)]], time.time() - 1) == [False]
+        assert marker == b"\xa5" * self.page_bytes  # not one byte landed
 
     def test_restart_keeps_pages(self, store, store_path):
         if not (store.persistent if self.persistent is None else self.persistent):

@@ -17,7 +17,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from tiers.node.buffers import as_bytes_view
 from tiers.ops.logs import RateLimitedLog
@@ -27,7 +27,8 @@ from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.index import scan
 from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
-from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError,
+                               StoreStats, total_size)
 from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
@@ -45,7 +46,7 @@ class NvmeStore(PageStore):
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
                  direct_io: bool = True, io_threads: int = 4, name: str = "nvme",
-                 quotas: Optional[dict] = None):
+                 quotas: Optional[dict] = None, evictions: Optional[EvictionListener] = None):
         if capacity < cf.HEADER_SIZE + 1:
             raise ValueError("capacity must hold at least one chunk")
         self.root = os.path.abspath(path)
@@ -60,9 +61,8 @@ class NvmeStore(PageStore):
         self._dirsync = DirSyncer()
         self._warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
         self._rlog = RateLimitedLog(log)
-        # Called with (key, page views, reads) before an evicted chunk is removed:
-        # the write-back router may demote it further.
-        self._evict_hook: Optional[Callable[[PageKey, List[memoryview], int], None]] = None
+        # Hears of each evicted chunk before its file is removed: the daemon may demote it further.
+        self._evictions = evictions
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd: Optional[int] = self._lock_directory()
         self._direct = bool(direct_io) and self._probe_direct()
@@ -70,11 +70,9 @@ class NvmeStore(PageStore):
             log.info("%s: direct_io applies to uncompressed chunks only", name)
         self._rebuild()
 
-    def set_evict_hook(self, hook) -> None:
-        self._evict_hook = hook
-
     @classmethod
-    def from_config(cls, tier, quotas: Optional[dict] = None) -> "NvmeStore":
+    def from_config(cls, tier, quotas: Optional[dict] = None,
+                    evictions: Optional[EvictionListener] = None) -> "NvmeStore":
         """Build the store a tiers.ops.config.TierConfig of kind nvme describes."""
         from tiers.ops.config import KIND_OPTIONS
         opt = {k: tier.options[k] if k in tier.options else parser(default, k)
@@ -83,7 +81,8 @@ class NvmeStore(PageStore):
             raise ValueError(f"nvme tier {tier.name}: options.path is required")
         return cls(opt["path"], tier.capacity, policy=tier.policy, max_page_bytes=tier.max_page_bytes,
                    fsync=opt["fsync"], compression=opt["compression"], compression_level=opt["compression_level"],
-                   direct_io=opt["direct_io"], io_threads=opt["io_threads"], name=tier.name, quotas=quotas)
+                   direct_io=opt["direct_io"], io_threads=opt["io_threads"], name=tier.name, quotas=quotas,
+                   evictions=evictions)
 
     # ------------------------------------------------------------ start-up
     def _lock_directory(self) -> int:
@@ -131,7 +130,7 @@ class NvmeStore(PageStore):
 
     def _discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
         """Delete the file of a chunk already out of the index, unless the key was re-added."""
-        if evicted and self._evict_hook is not None:
+        if evicted and self._evictions is not None:
             self._notify_evict(entry)
         with self._stripe(digest):
             if digest not in self._ledger:  # else a newer version was renamed over the file already
@@ -146,7 +145,7 @@ class NvmeStore(PageStore):
             cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode, False)
         except (OSError, cf.CorruptChunk, cf.SizeMismatch):
             return  # nothing sound to hand on
-        self._evict_hook(entry.page_key, [memoryview(buf)], entry.reads)
+        self._evictions.page_evicted(entry.page_key, [memoryview(buf)], entry.reads)
 
     def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
         """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""

@@ -168,5 +168,5 @@ class MooncakeStoreTier(HostPoolStore, PageStore):
 
 
 # The mooncake_store kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS).
-KIND = StoreKind("mooncake_store", lambda tier, quotas=None: MooncakeStoreTier.from_config(tier),
+KIND = StoreKind("mooncake_store", lambda tier, quotas=None, evictions=None: MooncakeStoreTier.from_config(tier),
                  description="a Mooncake Store cluster (master and store nodes)")

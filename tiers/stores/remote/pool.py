@@ -1,7 +1,8 @@
 """A pool daemon's arena: pages written and read one-sided by remote engines.
 
-The arena is one anonymous mapping of ``capacity`` bytes registered with the
-Transfer Engine, cut into fixed blocks as in the DRAM tier.  A remote writer
+The arena is the node's fixed-block arena (tiers/node/arena.py, as in the DRAM
+tier) of ``capacity`` bytes, registered with the Transfer Engine; its own read
+leases are not used here: a pool pins pages for remote sessions instead.  A remote writer
 ``allocate``s (blocks reserved under a write lease, invisible to lookups),
 transfers, then ``commit``s; a reader ``locate``s (pages pinned under a read
 lease), transfers, then ``release``s.  Eviction follows the shared policies
@@ -12,14 +13,14 @@ at their expiry, so a client that vanished mid-transfer pins nothing for long.
 from __future__ import annotations
 
 import heapq
-import mmap
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from tiers.node.buffers import as_bytes_view, block_extents, scatter_copy
+from tiers.node.arena import Alloc, BlockArena
+from tiers.node.buffers import as_bytes_view, scatter_copy
 from tiers.policies import make_policy
 from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreStats, total_size
 
@@ -28,8 +29,7 @@ Extents = List[Tuple[int, int]]
 
 @dataclass
 class _Page:
-    blocks: List[int]
-    extents: Extents  # (offset, length) in the arena
+    alloc: Optional[Alloc]  # its blocks and (offset, length) extents in the arena; None once freed
     size: int
     pins: int = 0
     doomed: bool = False  # removed from the index while pinned: free at the last unpin
@@ -44,36 +44,21 @@ class _Lease:
     parents: Dict[PageKey, Optional[str]] = field(default_factory=dict)
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-_POPULATE_STEP = 8 << 20  # about 20 ms of faults here: the loop waits at most that long for the interpreter
-
-
-def _populate(mapping: mmap.mmap) -> None:
-    """Fault an arena in, a slice at a time so the daemon's loop keeps the interpreter between slices."""
-    try:
-        for start in range(0, len(mapping), _POPULATE_STEP):
-            mapping.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, len(mapping) - start))
-    except (OSError, ValueError):
-        pass  # an older kernel, or the arena closed meanwhile: pages fault in on first use
-
-
 class PoolStore(PageStore):
     """Pages in a registered arena of fixed blocks, with write and read leases."""
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 1 << 20,
                  max_page_bytes: int = 64 << 20, max_lease: float = 30.0, prefault: bool = False):
-        if block_size <= 0 or capacity < block_size:
-            raise ValueError("capacity must hold at least one block")
+        # Sparse until written; prefaulted in the background (page tables built then, not as
+        # faults under the first remote writes) without holding the interpreter.
+        self.blocks = BlockArena(capacity, block_size, "pool", prefault=prefault, background=True)
         self.block_size = block_size
-        self.n_blocks = capacity // block_size
-        self.capacity = self.n_blocks * block_size
+        self.capacity = self.blocks.size
         self.max_page_bytes = min(max_page_bytes, self.capacity)
         self.max_lease = max_lease
-        self._map = mmap.mmap(-1, self.capacity)  # anonymous: memory is used only when written
-        self._arena = memoryview(self._map)
+        self._arena = self.blocks.view
         from tiers.stores.remote.engine import address_of
         self.base = address_of(self._arena)
-        self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
         self._index: Dict[PageKey, _Page] = {}
         self._leases: Dict[int, _Lease] = {}
         self._expiry: List[Tuple[float, int]] = []  # heap of (expires, lease id)
@@ -81,25 +66,24 @@ class PoolStore(PageStore):
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
         self._reserved_bytes = 0
-        if prefault:  # page tables built in the background, not as faults under the first remote writes
-            threading.Thread(target=_populate, args=(self._map,), name="pool-prefault", daemon=True).start()
 
     # ------------------------------------------------------------- blocks
-    def _take_blocks_locked(self, size: int) -> Tuple[List[int], Extents]:
-        needed = -(-size // self.block_size)
-        while len(self._free) < needed:
+    def _take_blocks_locked(self, size: int) -> Alloc:
+        while True:
+            alloc = self.blocks.take(size)
+            if alloc is not None:
+                return alloc
             if not self._evict_one_locked():
-                raise StoreFull(f"pool full: {len(self._free)} free blocks, {needed} needed, "
-                                "the rest pinned or reserved")
-        blocks = [self._free.pop() for _ in range(needed)]
-        return blocks, block_extents(blocks, self.block_size, size)
+                raise StoreFull(f"pool full: {self.blocks.free_blocks()} free blocks, "
+                                f"{self.blocks.blocks_for(size)} needed, the rest pinned or reserved")
 
     def _free_page_locked(self, page: _Page) -> None:
         if page.pins:
             page.doomed = True  # a reader is still transferring: free at its release
             return
-        self._free.extend(reversed(page.blocks))
-        page.blocks = []
+        if page.alloc is not None:
+            self.blocks.give(page.alloc)
+            page.alloc = None
 
     def _drop_locked(self, key: PageKey) -> bool:
         page = self._index.pop(key, None)
@@ -185,15 +169,15 @@ class PoolStore(PageStore):
                     out.append(None)
                     continue
                 try:
-                    blocks, extents = self._take_blocks_locked(size)
+                    alloc = self._take_blocks_locked(size)
                 except StoreError as exc:
                     refusal = refusal or (exc.code, str(exc))
                     out.append(None)
                     continue
-                lease.pages[key] = _Page(blocks, extents, size)
+                lease.pages[key] = _Page(alloc, size)
                 lease.parents[key] = parent
                 self._reserved_bytes += size
-                out.append(self.addresses(extents))
+                out.append(self.addresses(alloc.extents))
             if not lease.pages:
                 del self._leases[lease_id]
         return lease_id, out, refusal
@@ -240,7 +224,7 @@ class PoolStore(PageStore):
                 self._policy.touch(key)
                 self._stats.hits += 1
                 self._stats.bytes_read += page.size
-                out.append((page.size, self.addresses(page.extents)))
+                out.append((page.size, self.addresses(page.alloc.extents)))
             if not lease.pages:
                 del self._leases[lease_id]
         return lease_id, out
@@ -262,9 +246,8 @@ class PoolStore(PageStore):
             raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
         with self._lock:
             self._drop_locked(key)
-            blocks, extents = self._take_blocks_locked(size)
-            page = _Page(blocks, extents, size)
-            scatter_copy([self._arena[o:o + n] for o, n in extents], src)
+            page = _Page(self._take_blocks_locked(size), size)
+            scatter_copy(self.blocks.views(page.alloc), src)
             self._index[key] = page
             self._policy.insert(key, (key[0], parent) if parent else None)
             self._stats.used_bytes += size
@@ -281,7 +264,7 @@ class PoolStore(PageStore):
             self._policy.touch(key)
             self._stats.hits += 1
             self._stats.bytes_read += page.size
-            scatter_copy(dst, [self._arena[o:o + n] for o, n in page.extents])
+            scatter_copy(dst, self.blocks.views(page.alloc))
             return True
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
@@ -293,7 +276,7 @@ class PoolStore(PageStore):
             self._policy.touch(key)
             self._stats.hits += 1
             self._stats.bytes_read += page.size
-            return b"".join(self._arena[o:o + n] for o, n in page.extents)
+            return b"".join(self.blocks.views(page.alloc))
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         index = self._index
@@ -334,7 +317,7 @@ class PoolStore(PageStore):
         with self._lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
             snap.pages = len(self._index)
-            snap.extra = {"block_size": self.block_size, "free_blocks": len(self._free),
+            snap.extra = {"block_size": self.block_size, "free_blocks": self.blocks.free_blocks(),
                           "reserved_bytes": self._reserved_bytes, "leases": len(self._leases)}
             return snap
 
@@ -342,8 +325,4 @@ class PoolStore(PageStore):
         with self._lock:
             self._index.clear()
             self._leases.clear()
-            try:
-                self._arena.release()
-                self._map.close()
-            except BufferError:  # a transfer still holds a view; the process is ending anyway
-                pass
+            self.blocks.close()

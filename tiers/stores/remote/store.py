@@ -246,6 +246,9 @@ class RemoteStore(HostPoolStore, PageStore):
             size = total_size(page)
             extents = self._registrations.extents(page) if 0 < size <= self.max_page_bytes else None
             if extents is None:  # too large, empty or not in registered memory: the one-page path says which
+                if deadline is not None and time.time() > deadline:
+                    out[j] = StoreIOError("deadline passed before the page was sent")  # the caller stopped waiting
+                    continue
                 try:
                     self.put((namespace, names[j]), page, parents[j])
                     out[j] = True
@@ -311,6 +314,9 @@ class RemoteStore(HostPoolStore, PageStore):
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
                    deadline: Optional[float]) -> List[bool]:
+        if deadline is not None and time.time() >= deadline:  # nothing could land in time: not even a locate
+            self._counters.add(misses=len(names))
+            return [False] * len(names)
         local = [self._registrations.extents(page) for page in views] if self.direct_reads else None
         if local is not None and any(extents is None for extents in local):  # frames or foreign buffers: staged
             local = None
@@ -456,5 +462,5 @@ class RemoteStore(HostPoolStore, PageStore):
 
 
 # The remote kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["remote"]).
-KIND = StoreKind("remote", lambda tier, quotas=None: RemoteStore.from_config(tier),
+KIND = StoreKind("remote", lambda tier, quotas=None, evictions=None: RemoteStore.from_config(tier),
                  description="memory pools of other nodes through the Mooncake Transfer Engine")

@@ -19,7 +19,7 @@ import xxhash
 from tiers.ops.config_values import _str
 from tiers.plugins import StoreKind
 from tiers.policies import make_policy
-from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreStats, total_size
+from tiers.stores.base import Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreStats, total_size
 
 CHECKSUM = 8
 
@@ -30,8 +30,10 @@ def _name(key: PageKey) -> str:
 
 class TmpfsStore(PageStore):
     persistent = True  # the index is rebuilt from the directory at start
-    def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20):
+    def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
+                 evictions: Optional[EvictionListener] = None):
         self.path, self.capacity, self.max_page_bytes = path, capacity, max_page_bytes
+        self._evictions = evictions  # the daemon's demotion to the tier below, when there is one
         self.policy = make_policy(policy)
         self._lock = threading.Lock()
         self._index: Dict[str, Tuple[PageKey, int]] = {}  # file name -> (key, payload bytes)
@@ -76,6 +78,17 @@ class TmpfsStore(PageStore):
         self._stats.pages -= 1
         self._stats.evictions += evicted
 
+    def _evict(self, key: PageKey) -> None:
+        if self._evictions is not None:  # hand the page on before its file goes (reads are not counted here)
+            try:
+                with open(os.path.join(self.path, self._by_key[key]), "rb") as fh:
+                    data = fh.read()
+            except OSError:
+                data = b""
+            if len(data) >= CHECKSUM and xxhash.xxh3_64_digest(data[CHECKSUM:]) == data[:CHECKSUM]:
+                self._evictions.page_evicted(key, [memoryview(data)[CHECKSUM:]], 0)
+        self._drop(key, evicted=True)
+
     # ------------------------------------------------------------- pages
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         size = total_size(buffers)
@@ -89,7 +102,7 @@ class TmpfsStore(PageStore):
             if key in self._by_key:
                 self._drop(key)
             while self._stats.used_bytes + size > self.capacity:
-                self._drop(self.policy.pop_victim(), evicted=True)
+                self._evict(self.policy.pop_victim())
             tmp = os.path.join(self.path, f".{name}.tmp")
             with open(tmp, "wb") as fh:
                 fh.write(digest.digest())
@@ -162,9 +175,9 @@ class TmpfsStore(PageStore):
             return StoreStats(**{**self._stats.__dict__, "extra": {}, "per_namespace": {}})
 
 
-def _build(tier, quotas=None) -> TmpfsStore:
+def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> TmpfsStore:
     path = tier.options["path"] or os.path.join("/dev/shm", f"hicache-{tier.name}")
-    return TmpfsStore(path, tier.capacity, tier.policy, tier.max_page_bytes)
+    return TmpfsStore(path, tier.capacity, tier.policy, tier.max_page_bytes, evictions)
 
 
 # What tiers/plugins.py loads for kind = "tmpfs": the options the node configuration may set, and the builder.

@@ -8,8 +8,8 @@ from tiers.testing import PolicyContract, StoreContract, drain, flip_bits
 
 class TestTmpfsStore(StoreContract):
 
-    def make_store(self, path, capacity, policy, max_page_bytes):
-        return TmpfsStore(path, capacity, policy, max_page_bytes)
+    def make_store(self, path, capacity, policy, max_page_bytes, evictions=None):
+        return TmpfsStore(path, capacity, policy, max_page_bytes, evictions)
 
     def corrupt(self, store, key):
         flip_bits(os.path.join(store.path, _name(key)), -1, mask=1)
