@@ -24,7 +24,7 @@ from typing import Iterable, List, Optional, Tuple
 
 from tiers.node.buffers import as_bytes_view, scatter_copy
 from tiers.stores.remote.engine import EngineError, address_of
-from tiers.stores.remote.staging import Counters, HostPoolStore, Registrations, Staging, page_views
+from tiers.stores.remote.staging import Counters, Registrations, Staging, page_views
 from tiers.stores.base import Buffers, PageKey, PageStore, StoreError, StoreIOError, StoreStats, total_size
 from tiers.plugins import StoreKind
 
@@ -41,7 +41,7 @@ def _load():
     return MooncakeDistributedStore
 
 
-class MooncakeStoreTier(HostPoolStore, PageStore):
+class MooncakeStoreTier(PageStore):
     """Pages in a Mooncake Store cluster, through one MooncakeDistributedStore client."""
 
     parallel_io = True
@@ -95,7 +95,7 @@ class MooncakeStoreTier(HostPoolStore, PageStore):
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         src, size = page_views(buffers, self.max_page_bytes)
         name = self._name(key)
-        with self.source_extents(src, size, self._slot_timeout) as local:
+        with self._staging.source_extents(src, size, self._slot_timeout) as local:
             if len(local) == 1:
                 ret = self._client.upsert_from(name, local[0][0], size)
             else:
@@ -157,6 +157,13 @@ class MooncakeStoreTier(HostPoolStore, PageStore):
 
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         raise StoreError("a Mooncake Store tier does not evict: the cluster's master does")
+
+    def region_mapped(self, view: memoryview) -> None:
+        """A host pool the daemon mapped: registered with the engine so pages move from and into it directly."""
+        self._registrations.add(view, background=True)
+
+    def region_unmapped(self, view: memoryview) -> None:
+        self._registrations.remove(view)
 
     def stats(self) -> StoreStats:
         return self._counters.snapshot(master_healthy=1 if self._client.health_check() == 0 else 0,

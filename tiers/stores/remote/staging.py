@@ -125,6 +125,21 @@ class Staging:
     def free_slots(self) -> int:
         return self._free.qsize()
 
+    @contextmanager
+    def source_extents(self, views: Sequence[memoryview], size: int, timeout: float) -> Iterator[Extents]:
+        """Addresses to send a page from: its own when registered (a host pool), else a slot holding a copy."""
+        local = self._registrations.extents(views)
+        if local is not None:
+            yield local
+            return
+        slot = self.take(timeout)
+        try:
+            staged = self.view(slot, size)
+            scatter_copy([staged], views)
+            yield [(address_of(staged), size)]
+        finally:
+            self.give(slot)
+
     def close(self) -> None:
         self._registrations.remove(self._view)
         try:
@@ -313,35 +328,3 @@ def page_views(buffers: Buffers, max_page_bytes: int) -> Tuple[List[memoryview],
     if size == 0 or size > max_page_bytes:
         raise PageTooLarge(f"page of {size} bytes not accepted (max {max_page_bytes})")
     return views, size
-
-
-class HostPoolStore:
-    """Mixin of the node-side remote stores: host-pool mappings, and where a page's bytes leave from.
-
-    The subclass sets ``_registrations`` and ``_staging``.
-    """
-
-    _registrations: Registrations
-    _staging: Staging
-
-    def region_mapped(self, view: memoryview) -> None:
-        """Register a host-pool mapping with the engine (the tier daemon calls this when it maps one)."""
-        self._registrations.add(view, background=True)
-
-    def region_unmapped(self, view: memoryview) -> None:
-        self._registrations.remove(view)
-
-    @contextmanager
-    def source_extents(self, views: Sequence[memoryview], size: int, timeout: float) -> Iterator[Extents]:
-        """Addresses to send a page from: its own when registered, else a staging slot holding a copy."""
-        local = self._registrations.extents(views)
-        if local is not None:
-            yield local
-            return
-        slot = self._staging.take(timeout)
-        try:
-            staged = self._staging.view(slot, size)
-            scatter_copy([staged], views)
-            yield [(address_of(staged), size)]
-        finally:
-            self._staging.give(slot)

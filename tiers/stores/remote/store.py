@@ -30,7 +30,7 @@ from tiers.node.buffers import as_bytes_view, scatter_copy
 from tiers.stores.remote.engine import Engine, EngineConfig, pair_extents
 from tiers.stores.remote.placement import Rendezvous
 from tiers.stores.remote.pool_client import PoolClient
-from tiers.stores.remote.staging import Abandoned, Counters, HostPoolStore, Landing, Registrations, Staging, page_views
+from tiers.stores.remote.staging import Abandoned, Counters, Landing, Registrations, Staging, page_views
 from tiers.stores.base import Buffers, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats, total_size
 from tiers.plugins import StoreKind
 from tiers.wire.security import CurveSettings
@@ -42,7 +42,7 @@ LANDING_BYTES = 256 << 20  # staged reads in flight at once: 32 pages of 8 MiB
 LANDING_CHUNK = 256 << 10
 
 
-class RemoteStore(HostPoolStore, PageStore):
+class RemoteStore(PageStore):
     """Pages on remote pools, moved by the Transfer Engine."""
 
     parallel_io = True
@@ -107,7 +107,7 @@ class RemoteStore(HostPoolStore, PageStore):
         if client.is_down():
             raise StoreIOError(f"pool {pool} is down")
         timeout = self._timeout(size)
-        with self.source_extents(src, size, timeout) as local:
+        with self._staging.source_extents(src, size, timeout) as local:
             grant = client.alloc([name], [size], [parent], ttl=timeout + self.lease_margin + self.abandoned_lease)
             if grant is None:
                 raise StoreIOError(f"pool {pool} did not answer an alloc")
@@ -415,6 +415,13 @@ class RemoteStore(HostPoolStore, PageStore):
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         raise StoreError("a remote tier does not evict: each pool evicts by its own policy "
                          "(run `evict` against the pool daemons)")
+
+    def region_mapped(self, view: memoryview) -> None:
+        """A host pool the daemon mapped: registered with the engine so pages move from and into it directly."""
+        self._registrations.add(view, background=True)
+
+    def region_unmapped(self, view: memoryview) -> None:
+        self._registrations.remove(view)
 
     def stats(self) -> StoreStats:
         """This node's hits, misses and bytes; capacity, use, pages and evictions summed over the pools that answer."""
