@@ -15,9 +15,10 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-DEFAULT_CONFIG_TOML = """\
-# hicache-tiers embedded default: DRAM in front of NVMe, every page in both.
-[node]
+SYSTEM_CONFIG = "/etc/hicache-tiers/node.toml"  # read when no --config and no $HICACHE_TIERS_CONFIG
+
+# The embedded default's write policy and chain of tiers (install-units writes the same into its example node.toml).
+DEFAULT_CHAIN_TOML = """\
 write_policy = "write_through"
 
 [[tiers]]
@@ -32,6 +33,7 @@ kind = "nvme"
 capacity = "64GiB"
 policy = "lru"
 """
+DEFAULT_CONFIG_TOML = "# hicache-tiers embedded default: DRAM in front of NVMe, every page in both.\n[node]\n" + DEFAULT_CHAIN_TOML
 
 from tiers.wire.security import CurveSettings
 from tiers.ops.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
