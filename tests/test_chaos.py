@@ -9,7 +9,7 @@ import sys
 import time
 
 
-from tests.nodes import eventually, start_node
+from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
 from tiers.node.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
@@ -19,27 +19,14 @@ ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Deadlines(base=1.0, lookup=0.5, connect_wait=0.1, backoff_min=0.05, backoff_max=0.2)
 
-NVME_CHAIN = """
-[node]
-write_policy = "write_through"
-
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "8MiB"
-block_size = "4KiB"
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-fsync = true
-"""
+DRAM = dram_tier("8MiB")
+NVME = nvme_tier(fsync=True)
+NVME_CHAIN = node_toml(DRAM, NVME, write_policy="write_through")
 
 
 def test_region_transfers_recover_after_a_restart_without_a_lookup(tmp_path):
     """A put/get naming the host-pool region must not carry the region of the session that died with the daemon."""
-    runner = start_node(tmp_path, NVME_CHAIN[NVME_CHAIN.index('[[tiers]]\nname = "nvme"'):])
+    runner = start_node(tmp_path, node_toml(NVME))
     fd = os.memfd_create("pool")
     os.ftruncate(fd, 1 << 16)
     view = mmap.mmap(fd, 1 << 16)
@@ -116,8 +103,7 @@ def test_chaos_short(tmp_path):
 def test_service_is_back_within_two_seconds_after_a_long_outage(tmp_path):
     """A daemon down long enough for the client's back-off to reach its longest (an NVMe index
     rebuild of 100,000 chunks takes ~9 s): once it answers again, calls must succeed within 2 s."""
-    runner = start_node(tmp_path, NVME_CHAIN[NVME_CHAIN.index('[[tiers]]\nname = "dram"'):
-                                             NVME_CHAIN.index('[[tiers]]\nname = "nvme"')])
+    runner = start_node(tmp_path, node_toml(DRAM))
     client = TierClient("dram", runner.config.tier("dram").endpoint, "outage", deadlines=Deadlines())  # defaults
     try:
         assert client.lookup(["k"]) == b"\x00"

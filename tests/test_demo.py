@@ -2,19 +2,11 @@
 import subprocess
 import sys
 
+from tests.nodes import dram_tier, node_toml, nvme_tier
+
 ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
 
-SMALL_NODE = """
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "32MiB"
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-"""
+SMALL_NODE = node_toml(dram_tier("32MiB", block_size="64KiB"), nvme_tier(fsync=True))
 
 
 def test_demo_moves_and_verifies_pages(tmp_path):

@@ -25,7 +25,7 @@ import random
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.nodes import RawPeer, rss_bytes, start_node
+from tests.nodes import RawPeer, dram_tier, node_toml, rss_bytes, start_node
 from tiers.wire import protocol as P
 
 MESSAGES_PER_EXAMPLE = 10
@@ -183,15 +183,7 @@ def test_descriptor_and_size_decoders_raise_only_protocol_errors(desc, counts, n
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    text = """
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "8MiB"
-block_size = "4KiB"
-max_page_bytes = "64KiB"
-"""
-    runner = start_node(tmp_path_factory.mktemp("fuzz"), text)
+    runner = start_node(tmp_path_factory.mktemp("fuzz"), node_toml(dram_tier("8MiB", max_page_bytes="64KiB")))
     yield runner
     assert runner.stop() == {"dram": 0}  # a clean, graceful stop after all of it
 

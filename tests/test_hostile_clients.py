@@ -12,17 +12,10 @@ import zmq
 
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tests.nodes import RawPeer, dram_config, rss_bytes, start_node
+from tests.nodes import RawPeer, dram_config, node_toml, nvme_tier, rss_bytes, start_node
 from tiers.ops.node_runner import NodeRunner
 
-NVME = """
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-fsync = false
-staging_bytes = "16MiB"
-"""
+NVME = node_toml(nvme_tier(staging_bytes="16MiB"))
 
 
 def _attach(fd_socket: str, session, fd=None, size=0):
@@ -50,7 +43,7 @@ def _stats(endpoint: str) -> dict:
 
 @pytest.mark.parametrize("tier", ["dram", "nvme"])
 def test_a_truncated_host_pool_is_a_refusal_not_a_dead_daemon(tmp_path, tier):
-    config = dram_config(capacity="16MiB") if tier == "dram" else "[node]\n" + NVME
+    config = dram_config(capacity="16MiB") if tier == "dram" else NVME
     runner = start_node(tmp_path, config)
     endpoint = runner.config.tier(tier).endpoint
     fd = os.memfd_create("hostile-pool")
@@ -183,14 +176,7 @@ def _shared_tier(kind: str, pages: int, page: int, extra: str = "") -> str:
     if kind == "dram":
         return dram_config(capacity=f"{pages * page}", block_size="64KiB") + extra
     # NVMe counts on-disk bytes: a 4 KiB header a chunk.
-    return f"""[node]
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = {pages * (page + 4096)}
-fsync = false
-""" + extra
+    return node_toml(nvme_tier(pages * (page + 4096))) + extra
 
 
 @pytest.mark.parametrize("kind", ["dram", "nvme"])

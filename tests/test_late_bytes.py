@@ -19,7 +19,7 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
 from tests.backend_env import Engine, make_keys
-from tests.nodes import start_node
+from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.ops.node_runner import NodeRunner
 from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config
 
@@ -28,26 +28,10 @@ PAGES = 48
 TRIALS = 12
 MAX_TRIALS = 40
 
-NVME_BELOW = """
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "256MiB"
-fsync = false
-staging_bytes = "64MiB"
-"""
-
-
 def _config(tiers: str) -> str:
-    dram = """
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = "64MiB"
-block_size = "64KiB"
-"""
-    return "[node]\nwrite_policy = \"write_through\"\n" + (dram if "dram" in tiers else "") + \
-        (NVME_BELOW if "nvme" in tiers else "")
+    chain = [dram_tier("64MiB", block_size="64KiB")] if "dram" in tiers else []
+    chain += [nvme_tier("256MiB", staging_bytes="64MiB")] if "nvme" in tiers else []
+    return node_toml(*chain, write_policy="write_through")
 
 
 def _wait_up(engine: Engine, keys, timeout: float = 10.0) -> None:

@@ -20,7 +20,7 @@ import time
 import pytest
 import zmq
 
-from tests.nodes import RawPeer
+from tests.nodes import RawPeer, node_toml, nvme_tier
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.node_runner import NodeRunner
 
@@ -30,15 +30,7 @@ PAGE = 64 << 10
 
 
 def nvme_config(path: str, capacity: str = "64MiB") -> str:
-    return f"""
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "{capacity}"
-max_page_bytes = "1MiB"
-fsync = true
-path = "{path}"
-"""
+    return node_toml(nvme_tier(capacity, max_page_bytes="1MiB", fsync=True, path=path))
 
 
 @pytest.fixture
@@ -330,16 +322,9 @@ def test_a_peer_that_accepts_and_never_answers_costs_one_deadline(kind, caplog):
 def test_a_remote_tier_whose_pools_never_answer_serves_misses(tmp_path):
     pytest.importorskip("mooncake.engine", reason="the remote tier needs the Mooncake Transfer Engine")
     router, acceptor = SilentRouter(), SilentAcceptor()
-    config = f"""
-[[tiers]]
-name = "remote"
-kind = "remote"
-pools = ["{router.endpoint}", "{acceptor.endpoint}"]
-max_page_bytes = "1MiB"
-te_hostname = "127.0.0.1"
-pool_timeout_ms = 200
-pool_retry_max_ms = 500
-"""
+    config = node_toml({"name": "remote", "kind": "remote", "pools": [router.endpoint, acceptor.endpoint],
+                        "max_page_bytes": "1MiB", "te_hostname": "127.0.0.1", "pool_timeout_ms": 200,
+                        "pool_retry_max_ms": 500})
     runner = NodeRunner(config, str(tmp_path / "run"), str(tmp_path / "data"))
     runner.start(timeout=60)
     client = TierClient("remote", runner.config.tier("remote").endpoint, "ns", deadlines=DEADLINE)

@@ -8,12 +8,11 @@ import pytest
 
 from tiers.cli import main
 from tiers.ops.config import parse_config
-from tests.nodes import RawPeer
-from tests.test_ops_support import REPO, dram_tier
+from tests.nodes import RawPeer, dram_tier, node_toml
+from tests.test_ops_support import REPO
 from tiers.ops.node_runner import NodeRunner
 
-NODE = ('[node]\nwrite_policy = "write_through"\n'  # spare first: dram, the last tier, demotes nowhere
-        + dram_tier("spare", "16MiB") + dram_tier("dram", "16MiB"))
+NODE = node_toml(dram_tier(name="spare"), dram_tier(), write_policy="write_through")  # dram, the last, demotes nowhere
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,7 @@ def test_config_check_missing_file_and_valid_summary(tmp_path, capsys):
     assert main(["config", "check", str(tmp_path / "none.toml")]) == 2
     assert "none.toml: cannot read" in capsys.readouterr().err
     path = tmp_path / "node.toml"
-    path.write_text("[node]\nmetrics_port = 9470\n" + dram_tier("dram", "4GiB") + dram_tier("more", "1GiB"))
+    path.write_text(node_toml(dram_tier("4GiB"), dram_tier("1GiB", name="more"), metrics_port=9470))
     assert main(["config", "check", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{path}: valid" in out
@@ -130,7 +129,7 @@ def test_config_check_missing_file_and_valid_summary(tmp_path, capsys):
 
 def test_config_show_applies_flags_and_environment_and_round_trips(tmp_path, capsys, monkeypatch):
     path = tmp_path / "node.toml"
-    path.write_text('[node]\nruntime_dir = "/from/file"\ndata_dir = "/from/file"\n' + dram_tier())
+    path.write_text(node_toml(dram_tier("32MiB"), runtime_dir="/from/file", data_dir="/from/file"))
     monkeypatch.setenv("HICACHE_TIERS_DATA_DIR", "/from/env")
     monkeypatch.setenv("HICACHE_TIERS_LOG_LEVEL", "warning")
     assert main(["config", "show", "--config", str(path), "--runtime-dir", "/from/flag"]) == 0
@@ -147,7 +146,7 @@ def test_config_show_applies_flags_and_environment_and_round_trips(tmp_path, cap
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/hicache-tiers")
     monkeypatch.delenv("HICACHE_TIERS_LOG_LEVEL")
     assert main(["config", "show", "--config", str(tmp_path / "bare.toml")]) == 2
-    (tmp_path / "bare.toml").write_text(dram_tier())
+    (tmp_path / "bare.toml").write_text(node_toml(dram_tier()))
     assert main(["config", "show", "--config", str(tmp_path / "bare.toml")]) == 0
     shown = tomllib.loads(capsys.readouterr().out)
     assert shown["node"]["runtime_dir"] == "/run/hicache-tiers" and shown["node"]["log_level"] == "info"

@@ -4,8 +4,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.nodes import RawPeer
-from tests.test_ops_support import DaemonProcess, dram_tier, free_port
+from tests.nodes import RawPeer, dram_tier, node_toml
+from tests.test_ops_support import DaemonProcess, free_port
 
 
 def scrape(port: int) -> dict:
@@ -26,7 +26,7 @@ def value(samples: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     port = free_port()
-    config = '[node]\nmetrics_address = "127.0.0.1"\n' + dram_tier(capacity="1MiB", extra=f"metrics_port = {port}")
+    config = node_toml(dram_tier("1MiB", metrics_port=port), metrics_address="127.0.0.1")
     proc = DaemonProcess(str(tmp_path_factory.mktemp("metrics")), config)
     proc.port = port
     proc.wait_ready()
@@ -78,15 +78,15 @@ def test_counters_move_during_a_workload(daemon):
 
 def test_metrics_are_off_unless_configured(tmp_path):
     from tiers.ops.config import parse_config
-    config = parse_config(dram_tier(), "node.toml")
+    config = parse_config(node_toml(dram_tier()), "node.toml")
     assert config.metrics_port == 0 and config.tier("dram").metrics_port == 0
-    base = parse_config("[node]\nmetrics_port = 9470\n" + dram_tier("a") + dram_tier("b", extra="metrics_port = 0")
-                        + dram_tier("c"), "node.toml")
+    base = parse_config(node_toml(dram_tier(name="a"), dram_tier(name="b", metrics_port=0), dram_tier(name="c"),
+                                  metrics_port=9470), "node.toml")
     assert [t.metrics_port for t in base.tiers] == [9470, 0, 9472]
 
 
 def test_a_metrics_port_in_use_fails_the_start_with_1(daemon, tmp_path):
-    config = dram_tier(capacity="1MiB", extra=f"metrics_port = {daemon.port}")
+    config = node_toml(dram_tier("1MiB", metrics_port=daemon.port))
     second = DaemonProcess(str(tmp_path), config)
     try:
         assert second.proc.wait(30) == 1

@@ -10,6 +10,7 @@ import time
 from typing import Dict, List, Optional
 
 from tiers.ops.node_runner import ping
+from tests.nodes import dram_tier, node_toml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,8 +48,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dram_tier(name: str = "dram", capacity: str = "32MiB", extra: str = "") -> str:
-    return f'[[tiers]]\nname = "{name}"\nkind = "dram"\ncapacity = "{capacity}"\nblock_size = "64KiB"\n{extra}\n'
+def dram_node(*names_and_capacities, log_level: str = "info") -> str:
+    """A node of DRAM tiers ((name, capacity) pairs; default one 32 MiB "dram")."""
+    tiers = names_and_capacities or (("dram", "32MiB"),)
+    return node_toml(*(dram_tier(capacity, name=name, block_size="64KiB") for name, capacity in tiers),
+                     log_level=log_level)
 
 
 class DaemonProcess:

@@ -15,13 +15,14 @@ from tiers.wire import protocol as P
 from tiers.cli import main
 from tiers.ops.node_runner import ping
 from tiers.node.regions import MAX_CONNECTIONS
-from tests.test_ops_support import REPO, DaemonProcess, dram_tier
+from tests.nodes import node_toml, nvme_tier
+from tests.test_ops_support import REPO, DaemonProcess, dram_node
 
 UNITS = os.path.join(REPO, "scripts", "systemd")
 
 
 def test_ready_after_bind_watchdog_pings_and_stopping(tmp_path):
-    daemon = DaemonProcess(str(tmp_path), dram_tier(), watchdog_usec=300_000)
+    daemon = DaemonProcess(str(tmp_path), dram_node(), watchdog_usec=300_000)
     try:
         ready = daemon.wait_ready()  # asserts the ZeroMQ socket answers once READY=1 is in
         assert "STATUS=serving dram tier dram on ipc://" in ready
@@ -37,18 +38,18 @@ def test_ready_after_bind_watchdog_pings_and_stopping(tmp_path):
 
 
 def test_sighup_reloads_log_level_and_names_what_needs_a_restart(tmp_path):
-    config = '[node]\nlog_level = "info"\n' + dram_tier()
+    config = dram_node()
     daemon = DaemonProcess(str(tmp_path), config)
     try:
         daemon.wait_ready()
-        daemon.write_config('[node]\nlog_level = "warning"\n' + dram_tier(capacity="64MiB"))
+        daemon.write_config(dram_node(("dram", "64MiB"), log_level="warning"))
         daemon.signal(signal.SIGHUP)
         reloading = daemon.notify.wait_for("RELOADING=1", timeout=10.0)
         assert re.search(r"^MONOTONIC_USEC=\d+$", reloading, re.M)
         ready = daemon.notify.wait_for("READY=1", timeout=10.0)
         assert "restart to apply: tier dram: capacity" in ready
         # A broken file: the daemon says so and keeps serving with what it has.
-        daemon.write_config('[node]\nlog_level = "loud"\n' + dram_tier())
+        daemon.write_config(dram_node(log_level="loud"))
         daemon.signal(signal.SIGHUP)
         daemon.notify.wait_for("RELOADING=1", timeout=10.0)
         ready = daemon.notify.wait_for("READY=1", timeout=10.0)
@@ -64,7 +65,7 @@ def test_sighup_reloads_log_level_and_names_what_needs_a_restart(tmp_path):
 
 
 def test_serving_every_tier_is_ready_when_each_answers(tmp_path):
-    daemon = DaemonProcess(str(tmp_path), dram_tier("spare", "8MiB") + dram_tier("dram", "8MiB"), tier=None)
+    daemon = DaemonProcess(str(tmp_path), dram_node(("spare", "8MiB"), ("dram", "8MiB")), tier=None)
     try:
         ready = daemon.wait_ready()  # pings dram; the supervisor pinged both before READY=1
         assert "STATUS=serving tiers spare, dram" in ready
@@ -78,7 +79,7 @@ def test_serving_every_tier_is_ready_when_each_answers(tmp_path):
 
 
 def test_repeated_failures_do_not_flood_the_log(tmp_path):
-    daemon = DaemonProcess(str(tmp_path), dram_tier())
+    daemon = DaemonProcess(str(tmp_path), dram_node())
     conns = []
     try:
         daemon.wait_ready()
@@ -116,8 +117,7 @@ def _send_big_put(endpoint, pages=48, page_bytes=4 << 20):
 def _slow_tier(tmp_path) -> str:
     """Durable disk writes keep a big put busy for hundreds of milliseconds on any machine; a
     DRAM put of the same bytes can finish (~40 ms) before the test gets to send its signal."""
-    return (f'[[tiers]]\nname = "nvme"\nkind = "nvme"\ncapacity = "1GiB"\nfsync = true\n'
-            f'max_page_bytes = "8MiB"\npath = "{tmp_path / "chunks"}"\n')
+    return node_toml(nvme_tier("1GiB", fsync=True, max_page_bytes="8MiB", path=str(tmp_path / "chunks")))
 
 
 def test_sigterm_finishes_requests_in_flight_then_exits_0(tmp_path):

@@ -14,6 +14,7 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 from tiers.wire import protocol as P
 from tiers.node.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
+from tests.nodes import node_toml
 from tiers.ops.node_runner import NodeRunner
 from tiers.stores.remote.loopback import free_ports
 
@@ -27,15 +28,8 @@ def page(seed: int) -> bytes:
 
 
 def node_config(master_port: int, segment: str) -> str:
-    return f"""
-[[tiers]]
-name = "mc"
-kind = "mooncake_store"
-master_server_address = "127.0.0.1:{master_port}"
-global_segment_size = "{segment}"
-local_buffer_size = "16MiB"
-max_page_bytes = "1MiB"
-"""
+    return node_toml({"name": "mc", "kind": "mooncake_store", "master_server_address": f"127.0.0.1:{master_port}",
+                      "global_segment_size": segment, "local_buffer_size": "16MiB", "max_page_bytes": "1MiB"})
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from tests.nodes import RawPeer, dram_config, start_node
+from tests.nodes import RawPeer, dram_config, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.client import Deadlines, TierClient
@@ -250,14 +250,7 @@ def nvme_node(tmp_path_factory):
     """Two independent nodes (a DRAM tier, an NVMe tier): each serves its own namespaces."""
     tmp = tmp_path_factory.mktemp("secnvme")
     dram = start_node(tmp / "d", dram_config(capacity="8MiB", max_page_bytes="1MiB"))
-    nvme = start_node(tmp / "n", """
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "16MiB"
-max_page_bytes = "1MiB"
-fsync = false
-""")
+    nvme = start_node(tmp / "n", node_toml(nvme_tier("16MiB", max_page_bytes="1MiB")))
     yield Tiers(dram, nvme), tmp
     dram.stop()
     nvme.stop()
@@ -418,15 +411,9 @@ def test_pools_on_tcp_admit_only_remote_tiers_with_the_keys(tmp_path):
     port = free_ports(1)[0]
     node_keys = (f'[node]\ncurve_server_key = "{keys}/server.key_secret"\n'
                  f'curve_client_key = "{keys}/client.key_secret"\n')
-    pool_text = node_keys + f"""
-[[tiers]]
-name = "pool"
-kind = "pool"
-capacity = "16MiB"
-block_size = "64KiB"
-max_page_bytes = "1MiB"
-endpoint = "tcp://127.0.0.1:{port}"
-"""
+    pool_text = node_toml({"name": "pool", "kind": "pool", "capacity": "16MiB", "block_size": "64KiB",
+                           "max_page_bytes": "1MiB", "endpoint": f"tcp://127.0.0.1:{port}"},
+                          curve_server_key=f"{keys}/server.key_secret", curve_client_key=f"{keys}/client.key_secret")
     pool = NodeRunner(pool_text, str(tmp_path / "pool" / "run"), str(tmp_path / "pool" / "data"))
     with open(pool.log_path, "ab") as log:  # started by hand: NodeRunner's ping speaks without CurveZMQ
         pool.procs["pool"] = subprocess.Popen(pool.command("pool"), stdout=log, stderr=subprocess.STDOUT)

@@ -5,32 +5,15 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
-from tests.nodes import start_node
+from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
 
 
 def chain_config(dram_pages: int, max_dirty: int = 1024, write_policy: str = "write_through") -> str:
-    return f"""
-[node]
-write_policy = "{write_policy}"
-max_dirty_pages = {max_dirty}
-
-[[tiers]]
-name = "dram"
-kind = "dram"
-capacity = {dram_pages * PAGE_BYTES}
-policy = "lru"
-block_size = "4KiB"
-
-[[tiers]]
-name = "nvme"
-kind = "nvme"
-capacity = "64MiB"
-policy = "lru"
-fsync = true
-"""
+    return node_toml(dram_tier(dram_pages * PAGE_BYTES), nvme_tier(fsync=True), write_policy=write_policy,
+                     max_dirty_pages=max_dirty)
 
 
 def nvme_held(runner, engine, keys):
