@@ -25,6 +25,7 @@ from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.node.arena import BlockArena
 from tiers.node.demotion import Demoter, DirtySet, MODES
+from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
@@ -39,16 +40,6 @@ SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
-
-
-def private_dir(path: str) -> None:
-    """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_mode & 0o077 and st.st_uid == os.getuid():
-        log.info("runtime directory %s was mode %o; now 0700 (sockets are for this account only)",
-                 path, st.st_mode & 0o777)
-        os.chmod(path, 0o700)
 
 
 class TierDaemon:
@@ -81,7 +72,7 @@ class TierDaemon:
         self.arena_id = secrets.randbits(62)
         self._sessions: Dict[int, dict] = {}
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
-                                       self._session_ok, max_region_bytes or _physical_memory()) if fd_socket else None
+                                       self._session_ok, max_region_bytes or physical_memory()) if fd_socket else None
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
@@ -101,31 +92,8 @@ class TierDaemon:
         needs CurveZMQ keys (or allow_insecure_tcp), else ValueError: the
         daemon refuses to start (tiers/wire/security.py).
         """
-        if self.endpoint.startswith("ipc://"):
-            path = self.endpoint[len("ipc://"):]
-            private_dir(os.path.dirname(path))
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket from a killed daemon
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, self.max_page_bytes + (P.MAX_HEADER_BYTES))
-        router.setsockopt(zmq.RCVHWM, HWM)
-        router.setsockopt(zmq.SNDHWM, HWM)
-        try:
-            self._zap = security.secure_router(router, self._ctx, self.endpoint, self.name, self.curve)
-            old_umask = os.umask(0o077)  # no moment where the socket file is open to others
-            try:
-                router.bind(self.endpoint)
-            finally:
-                os.umask(old_umask)
-        except BaseException:
-            router.close(linger=0)
-            if self._zap is not None:
-                self._zap.close()
-                self._zap = None
-            raise
-        if self.endpoint.startswith("ipc://"):
-            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        router, self._zap = bind_router(self._ctx, self.endpoint, self.name, self.curve,
+                                        self.max_page_bytes + P.MAX_HEADER_BYTES, HWM)
         self._router = router
         if self._regions is not None:
             self._regions.bind()
@@ -458,11 +426,3 @@ class TierDaemon:
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
         return stats
-
-
-def _physical_memory() -> int:
-    """Bytes of RAM: no host pool can be larger (the default bound on a registered region)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 40
