@@ -59,7 +59,7 @@ def bind_router(context: zmq.Context, endpoint: str, name: str, curve: security.
     return router, admission
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
     """Bytes of RAM: no host pool can be larger (the default bound on a registered region)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
