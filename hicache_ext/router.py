@@ -5,13 +5,15 @@ The chain is ordered fastest first (as the node configuration lists it).
 - read: every page comes from the fastest tier holding it (ask the top tier
   for all, the next for what is still missing, ...); a page found below the
   top tier is written back up when ``promote`` is on.
-- write: write_through stores into every tier and acknowledges a page only
-  when all have it; write_back and selective acknowledge once the top tier
-  has it (the daemons move pages down on eviction).
+- write: write_through stores into every tier at once (a chain costs its
+  slowest tier, not the sum of its tiers) and acknowledges a page only when
+  all have it; write_back and selective acknowledge once the top tier has it
+  (the daemons move pages down on eviction).
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
 
 from hicache_ext.host_pool import PageBatch
@@ -35,6 +37,11 @@ class TierRouter:
         self.promotions = 0
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
+        # write_through's puts to the tiers below the first, beside the caller's own put to the first.
+        # Each thread has its own socket to each tier (TierClient); every put is bounded by its deadline.
+        self._writers: Optional[ThreadPoolExecutor] = None
+        if write_policy == "write_through" and len(clients) > 1:
+            self._writers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-write")
 
     # ---------------------------------------------------------------- lookup
     def held(self, keys: List[str]) -> bytes:
@@ -64,15 +71,17 @@ class TierRouter:
                 return [client]
         return self.clients[:1]
 
-    def _acknowledged(self, n: int, put: Callable[[TierClient], List[bool]]) -> List[bool]:
-        """A page is acknowledged when every target tier of the write policy stored it."""
-        result = [True] * n
-        for client in self._write_targets():
-            result = [a and b for a, b in zip(result, put(client))]
+    def _acknowledged(self, put: Callable[[TierClient], List[bool]]) -> List[bool]:
+        """A page is acknowledged when every target tier of the write policy stored it (all asked at once)."""
+        first, *below = self._write_targets()  # more than one only under write_through, which has _writers
+        pending = [self._writers.submit(put, client) for client in below]
+        result = list(put(first))
+        for future in pending:
+            result = [a and b for a, b in zip(result, future.result())]
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        return self._acknowledged(len(batch.keys), lambda client: self._put(client, batch, parents, mode=self._mode))
+        return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode))
 
     def _put_fields(self, mode: str, promote: bool = False) -> dict:
         """What the daemon is told with a put: demote later or not, and the selective threshold."""
@@ -96,7 +105,7 @@ class TierRouter:
         """Legacy path: pages given as buffers of this process (same policy fields and parents as write)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
         extra = self._put_fields(self._mode)
-        return self._acknowledged(len(keys), lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
+        return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
 
     # ---------------------------------------------------------------- reads
     def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]],
@@ -144,6 +153,8 @@ class TierRouter:
         return self._fall_through(len(keys), fetch)
 
     def close(self) -> None:
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
         for client in self.clients:
             client.close()
 
