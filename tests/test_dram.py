@@ -1,4 +1,5 @@
 """The DRAM tier: exact bytes back, eviction by policy, memory within its bound."""
+import threading
 
 import numpy as np
 import pytest
@@ -90,3 +91,28 @@ def test_daemon_writing_twice_its_capacity_evicts_lru_and_stays_bounded(tmp_path
         client.close()
     finally:
         runner.stop()
+
+
+def test_a_background_prefault_the_kernel_cannot_do_never_writes_over_stored_pages(monkeypatch):
+    """Without MADV_POPULATE_WRITE (Linux < 5.14) a serving arena is left to fault in on first use."""
+    import tiers.node.arena as arena_module
+    gate = threading.Event()
+
+    def populate_unsupported(mapping, write=True, step=0):
+        gate.wait(10)  # the arena serves meanwhile
+        return False
+    monkeypatch.setattr(arena_module, "populate", populate_unsupported)
+    arena = arena_module.BlockArena(1 << 20, 64 << 10, "stored", prefault=True, background=True)
+    try:
+        prefault = next(t for t in threading.enumerate() if t.name == "stored-prefault")
+        alloc = arena.take(256 << 10)
+        data = np.random.default_rng(3).integers(1, 256, 256 << 10, dtype=np.uint8).tobytes()
+        at = 0
+        for view in arena.views(alloc):
+            view[:] = data[at:at + view.nbytes]
+            at += view.nbytes
+        gate.set()
+        prefault.join(10)
+        assert not prefault.is_alive() and b"".join(arena.views(alloc)) == data
+    finally:
+        arena.close()

@@ -72,11 +72,10 @@ class BlockArena:
         self._map = mmap.mmap(self.fd, self.size)
         self.view = memoryview(self._map)
         self.write_sealed = self._seal()
-        self._background = background
         if prefault and background:  # serve at once; blocks fault in from the bottom up meanwhile
-            threading.Thread(target=self._prefault, name=f"{name}-prefault", daemon=True).start()
+            threading.Thread(target=self._prefault, args=(True,), name=f"{name}-prefault", daemon=True).start()
         elif prefault:
-            self._prefault()
+            self._prefault(beside_serving=False)
         self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
         # Pins count leases per allocation (a page), not per block: a batch of 8 MiB pages in
         # 64 KiB blocks is 128 pins, not 16,384.
@@ -98,15 +97,26 @@ class BlockArena:
             log.warning("%s: this kernel cannot seal the arena against writes; engines could map it writable", self.name)
             return False
 
-    def _prefault(self) -> None:
-        """Fault the whole arena in now: a first touch costs ~10x a warm copy (0.5 vs 3-7 GB/s here)."""
+    def _prefault(self, beside_serving: bool) -> None:
+        """Fault the whole arena in now: a first touch costs ~10x a warm copy (0.5 vs 3-7 GB/s here).
+
+        Beside serving threads it goes a slice at a time (see populate), and
+        where the kernel cannot populate it leaves the pages to fault in on
+        first use: touching them by writing would overwrite pages already stored.
+        """
         started = time.perf_counter()
         try:
             self._map.madvise(_MADV_HUGEPAGE)  # where shmem THP is enabled; harmless elsewhere
         except (OSError, ValueError):
             pass
-        # Beside serving threads (background), a slice at a time: see populate.
-        if not populate(self._map, step=_PREFAULT_SLICE if self._background else 0):
+        try:
+            done = populate(self._map, step=_PREFAULT_SLICE if beside_serving else 0)
+        except ValueError:  # closed meanwhile (a daemon stopping at once)
+            return
+        if not done and beside_serving:
+            log.info("%s: this kernel cannot prefault the arena; its pages fault in on first use", self.name)
+            return
+        if not done:  # nothing is stored yet: a write a page faults it in and changes nothing anyone reads
             for offset in range(0, self.size, mmap.PAGESIZE):
                 self._map[offset] = 0
         log.info("%s: prefaulted %d MiB of arena in %.2fs", self.name, self.size >> 20, time.perf_counter() - started)
