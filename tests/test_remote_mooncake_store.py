@@ -15,7 +15,7 @@ from tiers.wire import protocol as P
 from tiers.node.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
 from tests.nodes import node_toml
-from tiers.ops.node_runner import NodeRunner
+from tiers.ops.node_runner import NodeRunner, stop_process
 from tiers.stores.remote.loopback import free_ports
 
 MASTER = shutil.which("mooncake_master")
@@ -51,8 +51,7 @@ def cluster(tmp_path_factory):
     finally:
         for runner in nodes:
             runner.stop()
-        master.terminate()
-        master.wait(10)
+        stop_process(master)
         log.close()
 
 

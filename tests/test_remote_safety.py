@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
 from tiers.ops.node_runner import NodeRunner
-from tiers.stores.remote.engine import Engine, EngineConfig, address_of
+from tiers.node.buffers import address_of
+from tiers.stores.remote.engine import Engine, EngineConfig
 from tiers.stores.remote.loopback import free_ports, pool_config
 from tiers.stores.remote.store import RemoteStore
 from tests.nodes import eventually

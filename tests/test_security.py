@@ -14,7 +14,7 @@ from tests.nodes import RawPeer, dram_config, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.client import Deadlines, TierClient
-from tiers.ops.node_runner import NodeRunner
+from tiers.ops.node_runner import NodeRunner, stop_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Deadlines(base=1.0, lookup=0.5, connect_wait=0.2, backoff_min=0.05, backoff_max=0.2)
@@ -50,16 +50,6 @@ def wait_log(path: str, text: str, timeout: float = 15.0) -> str:
             return content
         time.sleep(0.05)
     raise AssertionError(f"{text!r} not in {path}:\n{content}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ------------------------------------------------------- local sockets
@@ -113,7 +103,7 @@ def test_tcp_with_explicit_insecure_opt_out_serves_and_warns(tmp_path):
         finally:
             peer.close()
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +125,7 @@ def curve_node(tmp_path_factory):
     proc = serve(str(path), "net", log)
     wait_log(log, "serving on")
     yield dict(endpoint=f"tcp://127.0.0.1:{port}", keys=keys, log=log, proc=proc, tmp=tmp, curve=curve)
-    stop(proc)
+    stop_process(proc)
 
 
 def test_curve_client_with_the_configured_keys_is_served(curve_node):

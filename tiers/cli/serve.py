@@ -65,7 +65,7 @@ def register(sub) -> None:
     p.add_argument("--source", metavar="DIR", default=UNIT_SOURCE, help="where the unit files are (default scripts/systemd)")
     p.add_argument("--doc-dir", metavar="DIR", default=DOC_DIR,
                    help=f"where OPERATIONS.md goes, for the units' Documentation= (default {DOC_DIR})")
-    p.set_defaults(func=install_units)
+    p.set_defaults(func=cmd_install_units)
 
 
 def cmd_serve(args) -> int:
@@ -96,3 +96,7 @@ def serve_flags(args) -> List[str]:
         if value:
             flags += [f"--{flag.replace('_', '-')}", value]
     return flags
+
+
+def cmd_install_units(args) -> int:
+    return install_units(args.source, args.prefix, args.config_dir, args.doc_dir, args.exec_path)

@@ -56,28 +56,32 @@ def scatter_runs(dst: Sequence[Tuple[int, int]], src: Sequence[Tuple[int, int]])
 
     Runs are (address, length); both sides must add up to the same total (ValueError otherwise).
     """
-    total = sum(n for _a, n in src)
-    if total != sum(n for _a, n in dst):
+    if sum(n for _a, n in src) != sum(n for _a, n in dst):
         raise ValueError("page size mismatch")
-    runs_d: List[int] = []
-    runs_s: List[int] = []
+    return line_up_runs(dst, src)
+
+
+def line_up_runs(a: Sequence[Tuple[int, int]], b: Sequence[Tuple[int, int]]) -> Tuple[List[int], List[int], List[int]]:
+    """Cut two lists of (address, length) runs into pieces both sides hold whole, in order, until either ends:
+    (addresses in a, addresses in b, lengths).  Copies (scatter_runs) and Transfer Engine requests
+    (tiers/stores/remote/engine.py pair_extents) are made of these."""
+    runs_a: List[int] = []
+    runs_b: List[int] = []
     runs_n: List[int] = []
-    di = si = doff = soff = 0
-    copied = 0
-    while copied < total:
-        (da, dn), (sa, sn) = dst[di], src[si]
-        n = min(dn - doff, sn - soff)
-        runs_d.append(da + doff)
-        runs_s.append(sa + soff)
+    ai = bi = aoff = boff = 0
+    while ai < len(a) and bi < len(b):
+        (aa, an), (ba, bn) = a[ai], b[bi]
+        n = min(an - aoff, bn - boff)
+        runs_a.append(aa + aoff)
+        runs_b.append(ba + boff)
         runs_n.append(n)
-        copied += n
-        doff += n
-        soff += n
-        if doff == dn:
-            di, doff = di + 1, 0
-        if soff == sn:
-            si, soff = si + 1, 0
-    return runs_d, runs_s, runs_n
+        aoff += n
+        boff += n
+        if aoff == an:
+            ai, aoff = ai + 1, 0
+        if boff == bn:
+            bi, boff = bi + 1, 0
+    return runs_a, runs_b, runs_n
 
 
 def copy_runs(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int]) -> int:

@@ -194,18 +194,23 @@ class TierDaemon:
                     lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes: self._finish(fut, i, r, o, t, n))
                 return
             reply = result
-        except P.ProtocolError as exc:
-            self.metrics.error(exc.code)
-            reply = [P.reply_error(req_id, exc.code, exc.msg)]
-        except StoreError as exc:
-            self.metrics.error(exc.code)
-            reply = [P.reply_error(req_id, exc.code, str(exc))]
-        except Exception as exc:  # a bug must not end the daemon
-            log.exception("internal error serving %s", op)
-            self.metrics.error("internal")
-            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+        except Exception as exc:
+            reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
         self._send(ident, reply)
+
+    def _error_reply(self, req_id: int, op: str, exc: Exception) -> list:
+        """The reply to a request that raised (called inside the except): refusals keep their code; a bug is
+        logged with its traceback and answered as internal, and must not end the daemon."""
+        if isinstance(exc, P.ProtocolError):
+            code, message = exc.code, exc.msg
+        elif isinstance(exc, StoreError):
+            code, message = exc.code, str(exc)
+        else:
+            log.exception("internal error serving %s", op)
+            code, message = "internal", f"{type(exc).__name__}: {exc}"
+        self.metrics.error(code)
+        return [P.reply_error(req_id, code, message)]
 
     def _send(self, ident: bytes, reply: list) -> None:
         try:
@@ -216,16 +221,8 @@ class TierDaemon:
     def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int) -> None:
         try:
             reply = fut.result()
-        except P.ProtocolError as exc:
-            self.metrics.error(exc.code)
-            reply = [P.reply_error(req_id, exc.code, exc.msg)]
-        except StoreError as exc:
-            self.metrics.error(exc.code)
-            reply = [P.reply_error(req_id, exc.code, str(exc))]
         except Exception as exc:
-            log.exception("internal error in %s", op)
-            self.metrics.error("internal")
-            reply = [P.reply_error(req_id, "internal", f"{type(exc).__name__}: {exc}")]
+            reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
         self._done.append((ident, reply, nbytes))
         try:

@@ -44,4 +44,5 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
                       io_threads=io_threads, demoter=demoter, staging_bytes=tier.staging_bytes,
-                      max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes, curve=tier.curve)
+                      max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes,
+                      curve=tier.curve)

@@ -91,13 +91,8 @@ class NodeRunner:
                 proc.send_signal(signum)
         for name in names:
             proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
-            try:
-                codes[name] = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
+            if proc is not None:
+                codes[name] = wait_or_kill(proc, timeout)
         return codes
 
     def pid(self, tier: str) -> int:
@@ -109,6 +104,22 @@ class NodeRunner:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
+    """Its exit code, waiting at most timeout before SIGKILL."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM a process (a helper the demo, benchmarks or tests started), SIGKILL after timeout; its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+    return wait_or_kill(proc, timeout)
 
 
 def ping(endpoint: str, timeout: float = 0.5, curve: Optional[security.CurveSettings] = None) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from typing import Optional
 
 from tiers.ops.config import DEFAULT_CHAIN_TOML, SYSTEM_CONFIG
 
@@ -58,31 +59,33 @@ EXAMPLES = {"node.toml": EXAMPLE_NODE_TOML, "pool.toml": EXAMPLE_POOL_TOML}
 
 
 
-def install_units(args) -> int:
-    """Install the units (ExecStart pointing at this installation) and an example node.toml."""
-    exec_path = args.exec_path or shutil.which("hicache-tiers") or os.path.join(os.path.dirname(sys.executable), "hicache-tiers")
+def install_units(source: str, prefix: str, config_dir: str, doc_dir: str, exec_path: Optional[str] = None) -> int:
+    """Install the units of source into prefix (ExecStart: exec_path, default the installed hicache-tiers; the
+    configuration in config_dir; Documentation= in doc_dir) and example configurations; an exit code."""
+    exec_path = exec_path or shutil.which("hicache-tiers") or os.path.join(os.path.dirname(sys.executable),
+                                                                           "hicache-tiers")
     try:
-        sources = sorted(f for f in os.listdir(args.source) if f.endswith(".service"))
+        sources = sorted(f for f in os.listdir(source) if f.endswith(".service"))
     except OSError as exc:
-        print(f"hicache-tiers: cannot read unit files in {args.source}: {exc.strerror} (pass --source DIR)", file=sys.stderr)
+        print(f"hicache-tiers: cannot read unit files in {source}: {exc.strerror} (pass --source DIR)", file=sys.stderr)
         return 1
     if not sources:
-        print(f"hicache-tiers: no unit files in {args.source} (pass --source DIR)", file=sys.stderr)
+        print(f"hicache-tiers: no unit files in {source} (pass --source DIR)", file=sys.stderr)
         return 1
     if not os.access(exec_path, os.X_OK):
         print(f"hicache-tiers: warning: {exec_path} is not an executable; pass --exec PATH", file=sys.stderr)
     _warn_if_hidden_from_units(exec_path)
-    config_dir = os.path.abspath(args.config_dir)
-    doc_dir = os.path.abspath(args.doc_dir)
+    config_dir = os.path.abspath(config_dir)
+    doc_dir = os.path.abspath(doc_dir)
     try:
-        os.makedirs(args.prefix, exist_ok=True)
+        os.makedirs(prefix, exist_ok=True)
         for name in sources:
-            with open(os.path.join(args.source, name), encoding="utf-8") as fh:
+            with open(os.path.join(source, name), encoding="utf-8") as fh:
                 text = fh.read()
             text = text.replace(UNIT_EXEC, exec_path).replace(os.path.dirname(SYSTEM_CONFIG) + "/", config_dir + "/")
             text = text.replace(f"file://{DOC_DIR}/", f"file://{doc_dir}/")
-            write_file(os.path.join(args.prefix, name), text, 0o644)
-            print(f"installed {os.path.join(args.prefix, name)}")
+            write_file(os.path.join(prefix, name), text, 0o644)
+            print(f"installed {os.path.join(prefix, name)}")
         if os.path.exists(DOC_SOURCE):
             os.makedirs(doc_dir, mode=0o755, exist_ok=True)
             with open(DOC_SOURCE, encoding="utf-8") as fh:

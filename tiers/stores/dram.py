@@ -20,8 +20,8 @@ from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.node.fairness import FairShare, bounded_top
 from tiers.policies import EvictionPolicy, make_policy
-from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull, StoreStats,
-                         total_size)
+from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
+                               StoreStats, total_size)
 from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.dram")

@@ -10,6 +10,7 @@ import time
 from hicache_ext.lab.bench.project import measure
 from hicache_ext.lab.bench.rig import MiB, Rank
 from tiers.bench.stats import Figures, Progress
+from tiers.ops.node_runner import stop_process
 from tiers.stores.remote.loopback import free_ports
 
 
@@ -58,10 +59,5 @@ def run_mooncake(figs: Figures, args, progress: Progress, page_mib: int) -> None
             rank.close()
             del rank
             gc.collect()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

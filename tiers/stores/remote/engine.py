@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+from tiers.node.buffers import line_up_runs
 
 log = logging.getLogger("hicache.remote.engine")
 
@@ -47,11 +47,6 @@ class EngineConfig:
                    device_name=options.get("device_name", ""),
                    metadata_server=options.get("metadata_server", P2P),
                    require_rdma=bool(options.get("require_rdma", False)))
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte (read-only buffers too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def _load():
@@ -203,17 +198,4 @@ class Engine:
 
 def pair_extents(local: Sequence[Tuple[int, int]], remote: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
     """Cut two lists of (address, length) covering the same bytes into aligned transfer pieces."""
-    pieces: List[Tuple[int, int, int]] = []
-    li = ri = loff = roff = 0
-    while li < len(local) and ri < len(remote):
-        la, ln = local[li]
-        ra, rn = remote[ri]
-        n = min(ln - loff, rn - roff)
-        pieces.append((la + loff, ra + roff, n))
-        loff += n
-        roff += n
-        if loff == ln:
-            li, loff = li + 1, 0
-        if roff == rn:
-            ri, roff = ri + 1, 0
-    return pieces
+    return list(zip(*line_up_runs(local, remote)))

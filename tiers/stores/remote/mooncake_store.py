@@ -22,8 +22,8 @@ import os
 import re
 from typing import Iterable, List, Optional, Tuple
 
-from tiers.node.buffers import as_bytes_view, scatter_copy
-from tiers.stores.remote.engine import EngineError, address_of
+from tiers.node.buffers import address_of, as_bytes_view, scatter_copy
+from tiers.stores.remote.engine import EngineError
 from tiers.stores.remote.staging import Counters, Registrations, Staging, page_views
 from tiers.stores.base import Buffers, PageKey, PageStore, StoreError, StoreIOError, StoreStats, total_size
 from tiers.plugins import StoreKind

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import as_bytes_view, scatter_copy
+from tiers.node.buffers import address_of, as_bytes_view, scatter_copy
 from tiers.policies import make_policy
 from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreStats, total_size
 
@@ -56,9 +56,7 @@ class PoolStore(PageStore):
         self.capacity = self.blocks.size
         self.max_page_bytes = min(max_page_bytes, self.capacity)
         self.max_lease = max_lease
-        self._arena = self.blocks.view
-        from tiers.stores.remote.engine import address_of
-        self.base = address_of(self._arena)
+        self.base = address_of(self.blocks.view)
         self._index: Dict[PageKey, _Page] = {}
         self._leases: Dict[int, _Lease] = {}
         self._expiry: List[Tuple[float, int]] = []  # heap of (expires, lease id)
