@@ -187,22 +187,25 @@ class Abandoned:
                     self._cond.wait()
                 if self._closed:
                     return
-                entries, self._entries = self._entries, []
-            kept, ended = [], []
+                # A copy: the entries stay listed (pending() counts them) while their state is asked.
+                entries = list(self._entries)
+            ended, still = [], {}
             now = time.monotonic()
-            for since, batches, then in entries:
+            for entry in entries:
+                since, batches, then = entry
                 live = [b for b in batches if self._status(b) not in (1, -1)]  # 0 running, -2 timed out: not over
                 if not live:
-                    ended.append(then)
+                    ended.append(entry)
                     continue
                 if now - since > self.warn_after and not self._warned:
                     self._warned = True
                     log.warning("a transfer given up %.0f s ago has not ended (a frozen or partitioned peer?): "
                                 "the memory or lease it may still write stays out of use", now - since)
-                kept.append((since, live, then))
-            with self._cond:
-                self._entries[:0] = kept
-            for then in ended:
+                still[id(entry)] = (since, live, then)  # an ended id is freed: never asked again
+            gone = {id(entry) for entry in ended}
+            with self._cond:  # entries added meanwhile are kept as they are
+                self._entries = [still.get(id(entry), entry) for entry in self._entries if id(entry) not in gone]
+            for _since, _batches, then in ended:
                 if then is not None:
                     try:
                         then()
