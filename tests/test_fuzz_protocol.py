@@ -162,6 +162,28 @@ def test_decoder_raises_only_protocol_errors(raw):
         assert exc.code in P.ERROR_CODES
 
 
+# Keys near the rules' edges: the alphabet and its neighbours, separators, dots, lengths about the limit.
+edge_keys = st.one_of(
+    st.text(alphabet="ab09_.:=+-/\n \x00é", min_size=0, max_size=6),
+    st.integers(P.MAX_KEY_CHARS - 1, P.MAX_KEY_CHARS + 1).map(lambda n: "k" * n),
+    st.sampled_from([".", "..", "...", "a.", ".a", ""]),
+    st.binary(max_size=4), st.integers(), st.none())
+
+
+@settings(max_examples=300, **FUZZ_SETTINGS)
+@given(st.lists(edge_keys, max_size=6))
+def test_the_batch_key_check_agrees_with_the_per_key_check(keys):
+    """keys_field's C-level batch passes accept exactly the batches check_key accepts key by key."""
+    def one_by_one() -> bool:
+        try:
+            for key in keys:
+                P.check_key(key)
+        except P.ProtocolError:
+            return False
+        return True
+    assert P._keys_valid(keys) == one_by_one()
+
+
 @settings(max_examples=100, **FUZZ_SETTINGS)
 @given(values, values, st.integers(0, 16), st.integers(0, 1 << 20))
 def test_descriptor_and_size_decoders_raise_only_protocol_errors(desc, counts, n, size):

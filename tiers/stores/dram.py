@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from itertools import repeat
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
@@ -45,6 +44,9 @@ class _Tenant:
     bytes: int = 0
     hits: int = 0
     evictions: int = 0
+    # The names this namespace holds, beside the index: a lookup tests each key against this set
+    # without building and hashing a (namespace, name) tuple a key (half a 1,024-key lookup's cost).
+    names: Set[str] = field(default_factory=set)
 
 
 class DramStore(PageStore):
@@ -84,6 +86,7 @@ class DramStore(PageStore):
             self.arena.give(entry.alloc)  # parked while a reader's lease holds them
             self._stats.used_bytes -= entry.size
             tenant = self._tenants[key[0]]
+            tenant.names.discard(key[1])
             tenant.bytes -= entry.size
             tenant.policy.remove(key)
         return entry
@@ -143,6 +146,7 @@ class DramStore(PageStore):
             self._release_locked(key)
             self._index[key] = _Entry(alloc)
             tenant = self._tenant(key[0])
+            tenant.names.add(key[1])
             tenant.policy.insert(key, (key[0], parent) if parent else None)
             tenant.bytes += size
             self._stats.used_bytes += size
@@ -234,7 +238,8 @@ class DramStore(PageStore):
 
     def held(self, namespace: str, keys: List[str]) -> bytes:
         # One C-level pass: a lookup of 1,024 keys is on the engine's prefetch path.
-        return bytes(map(self._index.__contains__, zip(repeat(namespace), keys)))
+        tenant = self._tenants.get(namespace)
+        return bytes(map(tenant.names.__contains__, keys)) if tenant is not None else bytes(len(keys))
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         index = self._index
@@ -279,6 +284,7 @@ class DramStore(PageStore):
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+            self._tenants.clear()
             self.arena.close()
 
 
