@@ -119,7 +119,8 @@ class TieredHiCacheStorage(HiCacheStorage):
             for client in clients:
                 client.attach_region(view.memfd, view.memfd_size)
         router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
-                            selective_min_reads=self.settings.selective_min_reads)
+                            selective_min_reads=self.settings.selective_min_reads,
+                            promote_max_bytes=self.settings.promote_max_mib << 20)
         return _Route(namespace, view, router, writes=(not shared) or self.is_writer, shards=shards)
 
     def _head_shards(self, pool) -> Optional[HeadShards]:
@@ -291,6 +292,14 @@ class TieredHiCacheStorage(HiCacheStorage):
     def tier_stats(self) -> dict:
         """Each tier daemon's stats (None for a tier that does not answer)."""
         return {c.name: c.stats() for c in self._router.clients}
+
+    def router_stats(self) -> dict:
+        """This rank's own counters, summed over its host pools (promotions queued, done, dropped, failed)."""
+        total: dict = {}
+        for route in list(self._routes.values()):
+            for name, value in route.router.counters().items():
+                total[name] = total.get(name, 0) + value
+        return total
 
     def close(self) -> None:
         for route in list(self._routes.values()):

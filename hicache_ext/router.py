@@ -2,9 +2,12 @@
 
 The chain is ordered fastest first (as the node configuration lists it).
 - lookup: the hit is the longest run of leading keys each held by some tier.
-- read: every page comes from the fastest tier holding it (ask the top tier
-  for all, the next for what is still missing, ...); a page found below the
-  top tier is written back up when ``promote`` is on.
+- read: every page comes from the fastest tier holding it.  After a lookup of
+  the same keys (SGLang's batch_exists, then batch_get), each tier is asked
+  only for the keys it said it holds, all tiers at once; otherwise (or for
+  what a tier no longer has) the top tier is asked first, then the next for
+  what is still missing.  A page found below the top tier is copied back up
+  after the read returned, when ``promote`` is on (hicache_ext/read_plan.py).
 - write: write_through stores into every tier at once (a chain costs its
   slowest tier, not the sum of its tiers) and acknowledges a page only when
   all have it; write_back and selective acknowledge once the top tier has it
@@ -14,27 +17,29 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hicache_ext.host_pool import PageBatch
+from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter
 from tiers.wire import protocol as P
 from tiers.node.buffers import scatter_copy
 from tiers.wire.client import TierClient
-from tiers.wire.lookup import held_by_any
+from tiers.wire.lookup import merge_held, per_tier_held
 
 log = logging.getLogger("hicache.backend")
 
 
 class TierRouter:
     def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True,
-                 selective_min_reads: int = 2):
+                 selective_min_reads: int = 2, promote_max_bytes: int = 256 << 20):
         if not clients:
             raise ValueError("the tier chain is empty")
         self.clients = clients
         self.write_policy = write_policy
         self.promote = promote
         self.selective_min_reads = selective_min_reads
-        self.promotions = 0
+        self.hints = LookupHints(len(clients))
+        self.promoter = Promoter(promote_max_bytes)
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
         # write_through's puts to the tiers below the first, beside the caller's own put to the first.
@@ -42,6 +47,10 @@ class TierRouter:
         self._writers: Optional[ThreadPoolExecutor] = None
         if write_policy == "write_through" and len(clients) > 1:
             self._writers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-write")
+        # Reads of the keys each lower tier said it holds, beside the caller's own read of the top tier's.
+        self._readers: Optional[ThreadPoolExecutor] = None
+        if len(clients) > 1:
+            self._readers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-read")
 
     # ---------------------------------------------------------------- lookup
     def held(self, keys: List[str]) -> bytes:
@@ -55,7 +64,11 @@ class TierRouter:
         """
         out = bytearray()
         for start in range(0, len(keys), P.MAX_BATCH):
-            flags = held_by_any(self.clients, keys[start:start + P.MAX_BATCH])
+            chunk = keys[start:start + P.MAX_BATCH]
+            per_tier = per_tier_held(self.clients, chunk)
+            if len(self.clients) > 1:
+                self.hints.remember(chunk, per_tier)
+            flags = merge_held(per_tier, len(chunk))
             out += flags
             if not all(flags):
                 break
@@ -108,32 +121,70 @@ class TierRouter:
         return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
 
     # ---------------------------------------------------------------- reads
-    def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]],
-                      promote: Optional[Callable[[List[int]], None]] = None) -> List[bool]:
-        """Ask each tier, fastest first, for the pages still missing; promote what lower tiers served."""
+    def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]]) -> List[bool]:
+        """Ask each tier, fastest first, for the pages still missing."""
         found = [False] * n
         missing = list(range(n))
-        for depth, client in enumerate(self.clients):
+        for client in self.clients:
             if not missing:
                 break
             got = fetch(client, missing)
             hits = [i for i, ok in zip(missing, got) if ok]
             for i in hits:
                 found[i] = True
-            if depth > 0 and hits and promote is not None and self.promote and not self.clients[0].is_down():
-                promote(hits)
             missing = [i for i, ok in zip(missing, got) if not ok]
         return found
 
     def read(self, batch: PageBatch) -> List[bool]:
+        """Each page from the fastest tier holding it; lower tiers' pages are promoted after the return."""
         n = len(batch.keys)
+        plan = self.hints.plan(batch.keys) if self._readers is not None else None
+        starts: Dict[int, List[int]] = {}  # first tier to ask -> pages
+        if plan is None:
+            starts[0] = list(range(n))
+        else:
+            for i, tier in enumerate(plan):
+                starts.setdefault(0 if tier == UNKNOWN else tier, []).append(i)
+        walks = sorted(starts.items())
+        # The top group on this thread, the others on the reader threads: every tier moves at once.
+        pending = [self._readers.submit(self._walk, batch, idx, first) for first, idx in walks[1:]]
+        first, idx = walks[0]
+        served = [self._walk(batch, idx, first)] + [future.result() for future in pending]
+        found = [False] * n
+        below: List[int] = []  # pages a lower tier served
+        for hits in served:
+            for i, depth in hits:
+                found[i] = True
+                if depth > 0:
+                    below.append(i)
+        if below and self.promote and not self.clients[0].is_down():
+            self._promote(batch.subset(sorted(below)))
+        return found
 
-        def promote(hits: List[int]) -> None:
-            # A promoted page is already below, so the top tier holds it clean.
-            self.promotions += sum(self._put(self.clients[0], batch.subset(hits), None, promote=True))
+    def _walk(self, batch: PageBatch, idx: List[int], first: int) -> List[Tuple[int, int]]:
+        """Ask tier first for pages idx, the next for what it missed, ...; (page, tier depth) of each hit."""
+        hits: List[Tuple[int, int]] = []
+        missing = idx
+        for depth in range(first, len(self.clients)):
+            if not missing:
+                break
+            got = self._get(self.clients[depth], batch if len(missing) == len(batch.keys) else batch.subset(missing))
+            hits += [(i, depth) for i, ok in zip(missing, got) if ok]
+            missing = [i for i, ok in zip(missing, got) if not ok]
+        return hits
 
-        return self._fall_through(
-            n, lambda client, idx: self._get(client, batch if len(idx) == n else batch.subset(idx)), promote)
+    def _promote(self, pages: PageBatch) -> None:
+        """Queue copies of pages into the top tier (they are below already: the top tier holds them clean)."""
+        top = self.clients[0]
+        extra = self._put_fields("through", promote=True)
+
+        def put(keys: List[str], copies: List[List[bytes]]) -> List[bool]:
+            return top.put_frames(keys, copies, sum(len(b) for page in copies for b in page), None, **extra)
+        self.promoter.submit(pages.keys, pages.views(), put)
+
+    def counters(self) -> dict:
+        """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
+        return self.promoter.counters()
 
     def _get(self, client: TierClient, batch: PageBatch) -> List[bool]:
         if client.can_lease():
@@ -153,8 +204,10 @@ class TierRouter:
         return self._fall_through(len(keys), fetch)
 
     def close(self) -> None:
-        if self._writers is not None:
-            self._writers.shutdown(wait=True)
+        self.promoter.close()
+        for pool in (self._writers, self._readers):
+            if pool is not None:
+                pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
 

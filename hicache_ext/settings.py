@@ -31,7 +31,8 @@ SETTINGS_HELP = {
     "deadline_base_s": "seconds any call may take, plus its bytes at deadline_min_gbps",
     "deadline_min_gbps": "bandwidth (GB/s) below which a transfer is given up",
     "lookup_timeout_s": "seconds a prefix lookup may take",
-    "promote": "copy pages served by a lower tier into the top tier",
+    "promote": "copy pages served by a lower tier into the top tier (after the read returned)",
+    "promote_max_mib": "MiB of page copies waiting to be promoted; promotions past it are dropped and counted",
     "selective_min_reads": "selective policy: reads before a page is written below",
 }
 
@@ -46,6 +47,7 @@ class BackendSettings:
     deadline_min_gbps: float = 0.1
     lookup_timeout_s: float = 0.5
     promote: bool = True  # copy pages read from a lower tier into the top tier
+    promote_max_mib: int = 256  # copies waiting for the top tier; past it a promotion is dropped (counted)
     selective_min_reads: int = 2  # selective: reads before a page is written below
 
     @classmethod
@@ -85,6 +87,9 @@ class BackendSettings:
                 raise ValueError(f"extra-config {name} must be a positive number, got {value!r}")
         if not isinstance(self.promote, bool):
             raise ValueError(f"extra-config promote must be true or false, got {self.promote!r}")
+        if isinstance(self.promote_max_mib, bool) or not isinstance(self.promote_max_mib, int) \
+                or self.promote_max_mib < 0:
+            raise ValueError(f"extra-config promote_max_mib must be an integer >= 0, got {self.promote_max_mib!r}")
         if isinstance(self.selective_min_reads, bool) or not isinstance(self.selective_min_reads, int) \
                 or self.selective_min_reads < 1:
             raise ValueError(f"extra-config selective_min_reads must be an integer >= 1, got {self.selective_min_reads!r}")

@@ -22,8 +22,7 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
         sent = client.start_lookup(keys)
         if sent is not None:
             waiting[i] = sent
-    covered = bytearray(len(keys))
-    full = b"\x01" * len(keys)
+    covered, full = 0, int.from_bytes(b"\x01" * len(keys), "little")  # 0/1 bytes as one integer: OR in C
     while waiting:
         now = time.monotonic()
         give_up = min(p[2] for p in waiting.values())
@@ -40,21 +39,31 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
                 del waiting[i]
                 results[i] = clients[i].lookup_reply(reply, keys)
                 if results[i] is not None:
-                    covered = bytearray(a | b for a, b in zip(covered, results[i]))
+                    covered |= int.from_bytes(results[i], "little")
             elif time.monotonic() >= end:
                 del waiting[i]
                 clients[i].give_up(sock, "lookup")
-        if bytes(covered) == full:
+        if covered == full:
             break
     return results
 
 
-def held_by_any(clients: Sequence[TierClient], keys: List[str]) -> bytes:
-    """One byte per key: 1 when some tier holds it (a tier that does not answer holds nothing)."""
+def per_tier_held(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
+    """Each tier's held flags (None where it did not answer); one tier is asked directly."""
     if len(clients) == 1:
-        return clients[0].lookup(keys) or bytes(len(keys))
-    held = bytearray(len(keys))
-    for flags in lookup_all(clients, keys):
-        if flags is not None:
-            held = bytearray(a | b for a, b in zip(held, flags))
-    return bytes(held)
+        return [clients[0].lookup(keys)]
+    return lookup_all(clients, keys)
+
+
+def merge_held(per_tier: Sequence[Optional[bytes]], n: int) -> bytes:
+    """One byte per key: 1 when some tier holds it (a tier that does not answer holds nothing)."""
+    answered = [flags for flags in per_tier if flags is not None]
+    if not answered:
+        return bytes(n)
+    if len(answered) == 1:
+        return answered[0]
+    # Flags are 0/1 bytes: an integer OR of the whole arrays is one C-level pass.
+    merged = 0
+    for flags in answered:
+        merged |= int.from_bytes(flags, "little")
+    return merged.to_bytes(n, "little")

@@ -1,0 +1,147 @@
+"""What a read can skip, and what it may leave for later.
+
+LookupHints: SGLang looks a prefix up (``batch_exists``) and, moments later,
+reads a run of the keys it found (``batch_get``, often in chunks).  The
+lookup already asked every tier; the read asks each tier only for the keys
+it said it holds, all tiers at once, instead of asking the top tier for
+every page and walking down with the misses.  Remembering costs the lookup
+nothing per key: the last few answers are kept whole (keys and per-tier
+flags) and a read finds its keys in them with C-level list operations.
+
+Promoter: a page a lower tier served is copied into the top tier after the
+read returned.  Its bytes are copied out of the engine's host memory first
+(the engine may reuse those slots the moment the read returns), within a
+bound; past the bound a promotion is dropped and counted, never waited for.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Deque, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("hicache.backend")
+
+UNKNOWN = 255  # no tier is known to hold the key: the read walks the chain
+
+
+class LookupHints:
+    """The fastest tier holding each key of the last few lookups, for reads that follow within ttl seconds."""
+
+    def __init__(self, tiers: int, keep: int = 16, ttl: float = 5.0):
+        if tiers >= UNKNOWN:
+            raise ValueError("too many tiers for a one-byte hint")
+        self.tiers = tiers
+        self.ttl = ttl
+        self._answers: Deque[Tuple[float, List[str], bytes]] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def remember(self, keys: List[str], per_tier: Sequence[Optional[bytes]]) -> None:
+        """One lookup's answers: per tier, its held flags (None: it did not answer)."""
+        fastest = bytearray(b"\xff" * len(keys))
+        # Bottom tier first, so a faster tier holding a key overwrites a slower one (C-level passes a tier).
+        for tier in range(len(per_tier) - 1, -1, -1):
+            flags = per_tier[tier]
+            if flags is None:
+                continue
+            mark = bytes([tier])
+            for start in _runs_of_ones(flags):
+                begin, end = start
+                fastest[begin:end] = mark * (end - begin)
+        with self._lock:
+            self._answers.append((time.monotonic() + self.ttl, keys, bytes(fastest)))
+
+    def plan(self, keys: List[str]) -> Optional[bytes]:
+        """The fastest tier of each key (UNKNOWN where not known), or None when no recent lookup covers them."""
+        if not keys:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            answers = list(self._answers)
+        for expires, looked_up, fastest in reversed(answers):  # the newest answer first
+            if expires < now:
+                continue
+            try:
+                start = looked_up.index(keys[0])
+            except ValueError:
+                continue
+            if looked_up[start:start + len(keys)] == keys:
+                return fastest[start:start + len(keys)]
+        return None
+
+
+def _runs_of_ones(flags: bytes):
+    """(begin, end) of each run of 1 bytes, found with bytes.find (no Python step a key)."""
+    n, pos = len(flags), 0
+    while pos < n:
+        begin = flags.find(1, pos)
+        if begin < 0:
+            return
+        end = flags.find(0, begin)
+        end = n if end < 0 else end
+        yield begin, end
+        pos = end
+
+
+class Promoter:
+    """Copies of pages a lower tier served, put into the top tier on a thread of their own, bounded.
+
+    ``submit(keys, pages, put)`` copies the pages now (the caller's memory
+    may be reused once it returns) and runs ``put(keys, copies)`` later; a
+    batch that would take the bytes in flight past ``max_bytes`` is dropped.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self.queued = self.done = self.dropped = self.failed = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-promote")
+        self._closed = False
+
+    def submit(self, keys: List[str], pages: Sequence[Sequence[memoryview]],
+               put: Callable[[List[str], List[List[bytes]]], List[bool]]) -> bool:
+        nbytes = sum(v.nbytes for page in pages for v in page)
+        with self._lock:
+            if self._closed or self._in_flight + nbytes > self.max_bytes:
+                self.dropped += len(keys)
+                return False
+            self._in_flight += nbytes
+            self.queued += len(keys)
+        copies = [[bytes(v) for v in page] for page in pages]  # before the engine can reuse its slots
+        self._thread.submit(self._run, keys, copies, nbytes, put)
+        return True
+
+    def _run(self, keys, copies, nbytes: int, put) -> None:
+        try:
+            stored = sum(put(keys, copies))
+        except Exception:  # a promotion is an optimisation: it must never take the engine down
+            log.debug("promotion failed", exc_info=True)
+            stored = 0
+        with self._lock:
+            self._in_flight -= nbytes
+            self.done += stored
+            self.failed += len(keys) - stored
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"promotions_queued": self.queued, "promotions_done": self.done,
+                    "promotions_dropped": self.dropped, "promotions_failed": self.failed,
+                    "promotion_bytes_in_flight": self._in_flight}
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued promotion ended (tests, shutdown); False on timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                if self._in_flight == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._thread.shutdown(wait=True)

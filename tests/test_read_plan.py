@@ -1,0 +1,100 @@
+"""Reads planned from the lookup before them, and promotion after the read returned.
+
+Unit tests of the plan and the promoter, then the real chain: DRAM and NVMe
+daemons, the backend from SGLang's factory, pages only NVMe holds (DRAM was
+restarted empty).  With DRAM frozen after the lookup, the read of those
+pages must not wait for it: the lookup said DRAM does not hold them.
+"""
+import os
+import signal
+import threading
+import time
+
+from hicache_ext.lab.sglang_harness import make_keys
+from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter
+from tests.backend_env import Engine
+from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
+
+
+def test_a_read_of_a_run_of_looked_up_keys_gets_each_keys_fastest_tier():
+    hints = LookupHints(tiers=3, ttl=60)
+    keys = [f"k{i}" for i in range(8)]
+    hints.remember(keys, [b"\x01\x01\x00\x00\x00\x00\x01\x00", None, b"\x01\x00\x01\x01\x00\x00\x01\x00"])
+    assert hints.plan(keys) == bytes([0, 0, 2, 2, UNKNOWN, UNKNOWN, 0, UNKNOWN])
+    assert hints.plan(keys[2:5]) == bytes([2, 2, UNKNOWN])  # SGLang reads in chunks
+    assert hints.plan(["k3", "k5"]) is None  # not a run of the lookup: no plan, the read walks the chain
+    assert hints.plan(["other"]) is None
+
+
+def test_a_plan_expires_and_the_newest_lookup_wins():
+    hints = LookupHints(tiers=2, ttl=0.2)
+    keys = ["a", "b"]
+    hints.remember(keys, [b"\x00\x00", b"\x01\x01"])
+    hints.remember(keys, [b"\x01\x00", b"\x01\x01"])
+    assert hints.plan(keys) == b"\x00\x01"
+    time.sleep(0.3)
+    assert hints.plan(keys) is None
+
+
+def test_promotions_past_the_bound_are_dropped_and_counted():
+    release = threading.Event()
+    stored = []
+
+    def put(keys, copies):
+        release.wait(5)
+        stored.append((keys, copies))
+        return [True] * len(keys)
+
+    promoter = Promoter(max_bytes=3000)
+    try:
+        page = bytearray(b"x" * 1000)
+        assert promoter.submit(["a", "b"], [[memoryview(page)], [memoryview(page)]], put)
+        page[:] = b"y" * 1000  # the engine reuses its slot once the read returned: the copy keeps the old bytes
+        assert not promoter.submit(["c", "d"], [[memoryview(page)], [memoryview(page)]], put)  # 4000 > 3000
+        release.set()
+        assert promoter.drain(5)
+        assert stored == [(["a", "b"], [[b"x" * 1000], [b"x" * 1000]])]
+        assert promoter.counters() == {"promotions_queued": 2, "promotions_done": 2, "promotions_dropped": 2,
+                                       "promotions_failed": 0, "promotion_bytes_in_flight": 0}
+    finally:
+        release.set()
+        promoter.close()
+
+
+def test_a_read_asks_only_the_tier_the_lookup_named_and_promotes_afterwards(tmp_path):
+    config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
+    runner = start_node(tmp_path / "node", config)
+    engine = Engine(runner, model="plan", pages=16, deadline_base_s=2.0)
+    try:
+        keys = make_keys(6, salt=5, page_size=16)
+        written, sums = engine.write(keys, 0, seed=3)
+        assert written == 6
+        runner.kill("dram")
+        runner.start("dram")  # back, empty: only NVMe holds the pages
+        assert eventually(lambda: engine.backend.tier_stats()["dram"] is not None, 10)
+        assert engine.driver.exists(keys) == 6  # the lookup: NVMe holds all six, DRAM none
+        dram = runner.pid("dram")
+        os.kill(dram, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            done, got = engine.read(keys, 8)
+            elapsed = time.monotonic() - start
+            assert done == 6 and got == sums
+            # Asking the frozen DRAM tier first would have cost its whole deadline (2 s) before NVMe.
+            assert elapsed < 1.0, f"the read waited {elapsed:.2f}s for a tier the lookup said holds nothing"
+        finally:
+            os.kill(dram, signal.SIGCONT)
+        # The promotion ran after the read, from copies; once DRAM thawed it holds the pages.
+        def ended():
+            counts = engine.backend.router_stats()
+            return counts["promotions_done"] + counts["promotions_failed"] == 6
+        assert eventually(ended, 15)
+        stats = engine.backend.router_stats()
+        assert stats["promotions_queued"] == 6 and stats["promotions_dropped"] == 0
+        if stats["promotions_done"] == 6:  # the put waited out the freeze within its deadline
+            assert eventually(lambda: engine.backend.tier_stats()["dram"]["pages"] == 6, 10)
+        else:
+            assert stats["promotions_failed"] == 6
+    finally:
+        engine.close()
+        runner.stop()
