@@ -17,8 +17,12 @@ def test_percentile_and_ratios():
         figs.add("limit.memcpy.1MiB", 2 * v)
     assert figs.median("dram.1MiB.write") == 2.0 and figs.spread("dram.1MiB.write") == (1.0, 3.0)
     assert figs.ratio("dram.1MiB.write", "limit.memcpy.1MiB") == 0.5
-    rows = report.target_rows(figs, [1])
-    assert rows[0][1] == "0.50x" and rows[0][2] == "**no**"
+    rows = report.target_rows(figs, ["1MiB"])
+    assert rows[0] == ("DRAM write >= 0.7x memcpy (1 MiB pages)", "0.50x", "**no**")
+    figs.set("lookup.128.p50", 150.0, "us")
+    figs.set("lookup.zmq_rtt.p50", 100.0, "us")
+    assert ("128-key lookup p50 <= 1.5x a bare ZeroMQ round trip", "1.50x (150 us, round trip 100 us)",
+            "yes") in report.target_rows(figs, ["1MiB"])
 
 
 def test_quick_run_writes_report_json_and_plot(tmp_path):

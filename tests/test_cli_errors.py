@@ -66,7 +66,8 @@ CASES = [
     (["model", "--plot", "/nonexistent/x.png"], "directory /nonexistent does not exist", 2),
     (["keys", "generate"], "required: DIR", 2),
     (["bench", "--only", "nope"], "choose from", 2),
-    (["bench", "--page-mib", "x"], "not a comma-separated list of numbers", 2),
+    (["bench", "--page-sizes", "x"], "is not a size", 2),
+    (["bench", "--page-sizes", "48KiB"], "multiples of 32KiB", 2),
     (["bench", "--out", "/nonexistent/x.md"], "directory /nonexistent does not exist", 2),
     (["bench", "--repeat", "0"], "must be at least 1", 2),
 ]

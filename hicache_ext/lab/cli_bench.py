@@ -7,6 +7,22 @@ import os
 from tiers.cli import output_file, positive_int
 
 PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks")
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB)
+
+
+def _sizes(text: str):
+    """'64KiB,1MiB' -> bytes; each a whole number of tokens of the bench's model shapes."""
+    from tiers.ops.config_values import ConfigError, parse_size
+    try:
+        sizes = [parse_size(p.strip(), "page size") for p in text.split(",") if p.strip()]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    bad = [s for s in sizes if s <= 0 or (s % MiB if s >= MiB else s % (32 * KiB))]
+    if bad or not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r}: page sizes are multiples of 32KiB below 1MiB and of 1MiB "
+                                         "from it (e.g. 64KiB,256KiB,1MiB)")
+    return sizes
 
 
 def _list(kind, allowed=None):
@@ -33,8 +49,9 @@ def register(sub) -> None:
                     "run failed (never because a figure is low).")
     p.add_argument("--only", type=_list(str, PARTS), default=list(PARTS), metavar="PARTS",
                    help=f"comma-separated parts: {','.join(PARTS)} (default all)")
-    p.add_argument("--page-mib", type=_list(int), default=[1, 4, 8], metavar="SIZES",
-                   help="page sizes in MiB (default 1,4,8)")
+    p.add_argument("--page-sizes", type=_sizes, default=list(DEFAULT_SIZES), metavar="SIZES",
+                   help="page sizes, comma-separated, multiples of 32KiB below 1MiB and of 1MiB from it "
+                        "(default 64KiB,256KiB,1MiB,4MiB,8MiB)")
     p.add_argument("--pages", type=positive_int, default=128, help="pages a batch (default 128)")
     p.add_argument("--repeat", type=positive_int, default=3, help="repetitions; figures are medians (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions")
@@ -52,8 +69,8 @@ def register(sub) -> None:
 def _run(args) -> int:
     if args.quick:
         args.pages, args.repeat = min(args.pages, 8), min(args.repeat, 2)
-        if args.page_mib == [1, 4, 8]:
-            args.page_mib = [1]
+        if args.page_sizes == list(DEFAULT_SIZES):
+            args.page_sizes = [MiB]
     if args.pages < 1 or args.repeat < 1:
         print("bench: --pages and --repeat must be positive")
         return 2

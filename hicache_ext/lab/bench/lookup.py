@@ -16,7 +16,7 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 1000) -> No
     """p50/p99 of batch_exists for 1, 128 and 1,024 held keys on a DRAM tier over an ipc socket."""
     node = Node(os.path.join(args.work_dir, "lookup"), node_toml([tier_toml("dram", 16 * 8 * MiB, 8 * MiB)]))
     try:
-        rank = Rank.tiered(node, 1, max(KEY_COUNTS), tiny=True)
+        rank = Rank.tiered(node, MiB, max(KEY_COUNTS), tiny=True)
         keys = rank.keys(11)
         if rank.write(keys) != len(keys):
             figs.failures.append("lookup: could not store the pages to look up")
@@ -31,7 +31,7 @@ def run_lookup(figs: Figures, args, progress: Progress, calls: int = 1000) -> No
         finally:
             echo.close()
         # The same 128-key lookup while another rank writes 8 MiB pages to the same daemon.
-        busy = Rank.tiered(node, 8, 4 if args.quick else 16)
+        busy = Rank.tiered(node, 8 * MiB, 4 if args.quick else 16)
         stop = threading.Event()
 
         def writer():

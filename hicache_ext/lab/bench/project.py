@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, Optional
 
-from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, size_label, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, gbps, timed
 from tiers.stores.remote.loopback import free_ports, pool_config
@@ -54,12 +54,12 @@ def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progres
         rank.clear()
 
 
-def _through_node(figs: Figures, args, progress: Progress, root: str, config: str, page_mib: int, prefix: str,
+def _through_node(figs: Figures, args, progress: Progress, root: str, config: str, page: int, prefix: str,
                   salt: int, write_policy: Optional[str] = None, cold_tier: Optional[str] = None, **kw) -> None:
     """Start the node's daemons, build a rank on them, warm up (untimed), measure, stop everything."""
     node = Node(os.path.join(args.work_dir, root), config)
     try:
-        rank = Rank.tiered(node, page_mib, args.pages, write_policy=write_policy)
+        rank = Rank.tiered(node, page, args.pages, write_policy=write_policy)
         rank.write(rank.keys(99))  # connections, region registration, first touches: not timed
         rank.clear()
         cold = node.data_path(cold_tier) if cold_tier else None
@@ -69,62 +69,62 @@ def _through_node(figs: Figures, args, progress: Progress, root: str, config: st
         node.close()
 
 
-def run_dram(figs: Figures, args, progress: Progress, page_mib: int) -> None:
-    size = page_mib * MiB
+def run_dram(figs: Figures, args, progress: Progress, size: int) -> None:
+    label = size_label(size)
     copy, shared = limits.Memcpy(size), limits.Memcpy(size, shared=True)
 
     def sample():
-        figs.add(f"limit.memcpy.{page_mib}MiB", copy.sample(args.pages))
-        figs.add(f"limit.memcpy_shm.{page_mib}MiB", shared.sample(args.pages))
-    _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), page_mib,
-                  f"dram.{page_mib}MiB", 1000, before={"write": sample, "read": sample})
+        figs.add(f"limit.memcpy.{label}", copy.sample(args.pages))
+        figs.add(f"limit.memcpy_shm.{label}", shared.sample(args.pages))
+    _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), size,
+                  f"dram.{label}", 1000, before={"write": sample, "read": sample})
 
 
-def run_nvme(figs: Figures, args, progress: Progress, page_mib: int) -> None:
-    size = page_mib * MiB
+def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:
+    label = size_label(size)
     disk = limits.RawDisk(os.path.join(args.work_dir, "raw-disk"), size)
-    before = {"write": lambda: figs.add(f"limit.disk_write.{page_mib}MiB", disk.write(args.pages)),
-              "read": lambda: figs.add(f"limit.disk_read_direct.{page_mib}MiB", disk.read(args.pages))}
+    before = {"write": lambda: figs.add(f"limit.disk_write.{label}", disk.write(args.pages)),
+              "read": lambda: figs.add(f"limit.disk_read_direct.{label}", disk.read(args.pages))}
     try:
         _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size)]),
-                      page_mib, f"nvme.{page_mib}MiB", 2000, cold_tier="nvme", before=before, warm=True)
+                      size, f"nvme.{label}", 2000, cold_tier="nvme", before=before, warm=True)
     finally:
         disk.clean(args.pages)
 
 
-def run_remote(figs: Figures, args, progress: Progress, page_mib: int) -> None:
-    pages, size = args.pages, page_mib * MiB
+def run_remote(figs: Figures, args, progress: Progress, size: int) -> None:
+    pages, label = args.pages, size_label(size)
     te_pages = min(pages, 16)
     (port,) = free_ports(1)
     pool_capacity = 2 * pages * size + 3 * te_pages * size + 64 * MiB
     pool = Node(os.path.join(args.work_dir, "pool"), pool_config([port], capacity=f"{pool_capacity >> 20}MiB",
-                                                                  block_size="1MiB", max_page_bytes=f"{page_mib}MiB"))
+                                                                  block_size="1MiB" if size >= MiB else "64KiB",
+                                                                  max_page_bytes=f"{max(1, size // MiB)}MiB"))
     try:
         te = limits.load_bench_remote()
         if te is None:
             figs.note("remote", "scripts/bench_remote.py is missing: no raw Transfer Engine figure.")
         else:
-            progress.step(f"remote.{page_mib}MiB: raw Transfer Engine ({te_pages} pages)")
+            progress.step(f"remote.{label}: raw Transfer Engine ({te_pages} pages)")
             raw = te.InProcess(port, size, te_pages)
             try:
                 for _ in range(args.repeat):  # the better of the engine's blocking batch call and polling
                     for op, write in (("write", True), ("read", False)):
                         best = min(timed(lambda: raw.raw_sync(write)), timed(lambda: raw.raw_poll(write)))
-                        figs.add(f"limit.te_{op}.{page_mib}MiB", gbps(te_pages * size, best))
+                        figs.add(f"limit.te_{op}.{label}", gbps(te_pages * size, best))
                 raw.check()
             finally:
                 raw.close()
         _through_node(figs, args, progress, "remote", node_toml([tier_toml("remote", pages * size, size,
                                                                            pool_port=port)]),
-                      page_mib, f"remote.{page_mib}MiB", 3000)
+                      size, f"remote.{label}", 3000)
     finally:
         pool.close()
 
 
-def run_policies(figs: Figures, args, progress: Progress, page_mib: int) -> None:
+def run_policies(figs: Figures, args, progress: Progress, size: int) -> None:
     """The DRAM + NVMe chain under each write policy (reads come from DRAM)."""
-    size = page_mib * MiB
     chain = node_toml([tier_toml("dram", args.pages * size, size), tier_toml("nvme", args.pages * size, size)])
     for policy in WRITE_POLICIES:
-        _through_node(figs, args, progress, "chain", chain, page_mib, f"chain.{policy}.{page_mib}MiB", 4000,
+        _through_node(figs, args, progress, "chain", chain, size, f"chain.{policy}.{size_label(size)}", 4000,
                       write_policy=policy)

@@ -13,12 +13,23 @@ from tiers.ops.node_runner import NodeRunner
 # Llama-3-8B's KV shape: 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB a token.
 SHAPE = dict(layers=32, kv_heads=8, head_dim=128)
 TOKEN_BYTES = 32 * 8 * 128 * 2 * 2
-MiB = 1 << 20
+# Pages under 1 MiB: a small model (Llama-3.2-1B: 16 layers, 8 KV heads, head dim 64; 32 KiB a token).
+SMALL_SHAPE = dict(layers=16, kv_heads=8, head_dim=64)
+SMALL_TOKEN_BYTES = 16 * 8 * 64 * 2 * 2
+KiB, MiB = 1 << 10, 1 << 20
 
 
-def page_tokens(page_mib: int) -> int:
-    """Tokens a page of page_mib MiB holds for SHAPE (8 tokens a MiB)."""
-    return page_mib * MiB // TOKEN_BYTES
+def page_shape(page_bytes: int):
+    """(model shape, tokens a page) for a page of page_bytes: Llama-3-8B from 1 MiB, Llama-3.2-1B below."""
+    shape, token = (SHAPE, TOKEN_BYTES) if page_bytes >= MiB else (SMALL_SHAPE, SMALL_TOKEN_BYTES)
+    if page_bytes % token:
+        raise ValueError(f"a page of {page_bytes} bytes is not a whole number of {token}-byte tokens")
+    return shape, page_bytes // token
+
+
+def size_label(page_bytes: int) -> str:
+    """The page size in figure names: "64KiB", "1MiB"."""
+    return f"{page_bytes // MiB}MiB" if page_bytes % MiB == 0 else f"{page_bytes // KiB}KiB"
 
 
 def _size(nbytes: int) -> str:
@@ -65,11 +76,10 @@ class Node:
 class Rank:
     """One SGLang rank: host pool (memfd unless allocator="default"), backend, controller page functions."""
 
-    def __init__(self, backend_name: str, page_mib: int, pages: int, extra: dict, allocator: str = "shm",
+    def __init__(self, backend_name: str, page_bytes: int, pages: int, extra: dict, allocator: str = "shm",
                  tp_rank: int = 0, tp_size: int = 1, model: str = "bench-llama-3-8b", tiny: bool = False):
         # tiny: 256-byte pages (1 layer, 1 head, dim 8, 8 tokens) for lookups, where bytes do not matter
-        shape = dict(layers=1, kv_heads=1, head_dim=8) if tiny else SHAPE
-        tokens = 8 if tiny else page_tokens(page_mib)
+        shape, tokens = (dict(layers=1, kv_heads=1, head_dim=8), 8) if tiny else page_shape(page_bytes)
         self.pool = build_mha_host_pool(layout="page_first", allocator=allocator, page_size=tokens, pages=pages,
                                         **shape)
         if allocator == "shm":
@@ -79,19 +89,19 @@ class Rank:
         self.backend = create_backend(backend_name, self.config, self.pool)
         self.driver = PageDriver(self.backend, self.pool, self.config, backend_name)
         self.pages = pages
-        self.page_bytes = 256 if tiny else page_mib * MiB
+        self.page_bytes = 256 if tiny else page_bytes
         self.indices = host_indices_for_pages(self.pool, 0, pages)
         fill_pages(self.pool, self.indices, seed=7)
         self.expected = page_checksums(self.pool, self.indices)
 
     @classmethod
-    def tiered(cls, node: Node, page_mib: int, pages: int, write_policy: Optional[str] = None, **kw) -> "Rank":
+    def tiered(cls, node: Node, page_bytes: int, pages: int, write_policy: Optional[str] = None, **kw) -> "Rank":
         extra = {"backend_name": "hicache_tiers", "module_path": "hicache_ext", "class_name": "TieredHiCacheStorage",
                  "interface_v1": 1, "runtime_dir": node.runner.runtime_dir, "tiers_config": node.runner.config_path,
                  "deadline_base_s": 30.0, "lookup_timeout_s": 5.0}
         if write_policy:
             extra["write_policy"] = write_policy
-        return cls("dynamic", page_mib, pages, extra, **kw)
+        return cls("dynamic", page_bytes, pages, extra, **kw)
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 
+from hicache_ext.lab.bench.rig import size_label
 from tiers.bench import machine, report
 from tiers.bench.stats import Figures, Progress
 
@@ -39,19 +40,19 @@ def run(args) -> int:
     meta = {"command": args.command or _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine.describe(args.work_dir), "pages": args.pages, "repeat": args.repeat,
-            "page_mib": args.page_mib, "parts": parts}
+            "page_sizes": [size_label(b) for b in args.page_sizes], "parts": parts}
     started = time.monotonic()
     os.makedirs(args.work_dir, exist_ok=True)
     steps = [(p, None) for p in parts if p in ONCE]  # rank processes first: peers may keep memory mapped
-    steps += [(p, m) for m in args.page_mib for p in PER_SIZE if p in parts]
+    steps += [(p, m) for m in args.page_sizes for p in PER_SIZE if p in parts]
     progress = Progress(total=len(steps), quiet=args.quiet)
     try:
-        for i, (part, page_mib) in enumerate(steps, 1):
-            label = part if page_mib is None else f"{part}, {page_mib} MiB pages"
+        for i, (part, page) in enumerate(steps, 1):
+            label = part if page is None else f"{part}, {size_label(page)} pages"
             progress.advance(f"({i}/{len(steps)}) {label}")
             try:
                 fn = _runner(part)
-                fn(figs, args, progress) if page_mib is None else fn(figs, args, progress, page_mib)
+                fn(figs, args, progress) if page is None else fn(figs, args, progress, page)
             except Exception as exc:  # one part failing must not lose the others' figures
                 figs.failures.append(f"{label}: {type(exc).__name__}: {exc}")
                 progress.done(f"{label} FAILED: {type(exc).__name__}: {exc}")
@@ -64,10 +65,10 @@ def run(args) -> int:
     progress.done(f"done in {meta['seconds']:.0f} s, {len(figs.failures)} failure(s)")
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        if report.plot(figs, args.page_mib, args.plot):
+        if report.plot(figs, meta["page_sizes"], args.plot):
             out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else os.getcwd()
             meta["plot"] = os.path.relpath(os.path.abspath(args.plot), out_dir)
-    text = report.markdown(figs, args.page_mib, meta)
+    text = report.markdown(figs, meta["page_sizes"], meta)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
