@@ -51,6 +51,55 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     return copy_runs(*scatter_runs(pairs_d, pairs_s))
 
 
+def scatter_pages(dst: Sequence[Sequence[Tuple[int, int]]], src: Sequence[Sequence[Tuple[int, int]]],
+                  src_base: int = 0) -> Tuple[List[int], List[int], List[int]]:
+    """scatter_runs for many pages at once: page i's src runs (offsets from src_base) into its dst runs.
+
+    Cut in numpy for the whole batch: as every page has the same total on
+    both sides (ValueError otherwise), page boundaries are boundaries of both
+    concatenated run lists, so one global cut is every page's cut.  Cutting
+    page by page in Python cost ~8 us a page, a third of a 64 KiB page's copy.
+    """
+    if len(dst) != len(src):
+        raise ValueError("page count mismatch")
+    if not dst:
+        return [], [], []
+    if all(len(p) == 1 for p in dst) and all(len(p) == 1 for p in src):  # one run a side: nothing to cut
+        lengths = [p[0][1] for p in dst]
+        if lengths != [p[0][1] for p in src]:
+            raise ValueError("page size mismatch")
+        return [p[0][0] for p in dst], [src_base + p[0][0] for p in src], lengths
+    d_addr, d_len, d_pages = _flatten(dst, 0)
+    s_addr, s_len, s_pages = _flatten(src, src_base)
+    if not np.array_equal(_page_totals(d_len, d_pages), _page_totals(s_len, s_pages)):
+        raise ValueError("page size mismatch")
+    d_end, s_end = np.cumsum(d_len), np.cumsum(s_len)
+    ends = np.union1d(d_end, s_end)  # every piece ends where a run of either side ends
+    starts = np.concatenate(([0], ends[:-1]))
+    di = np.searchsorted(d_end, starts, side="right")  # the run of each side a piece lies in
+    si = np.searchsorted(s_end, starts, side="right")
+    d_at = d_addr[di] + (starts - (d_end[di] - d_len[di]))
+    s_at = s_addr[si] + (starts - (s_end[si] - s_len[si]))
+    return d_at.tolist(), s_at.tolist(), (ends - starts).tolist()
+
+
+def _flatten(pages: Sequence[Sequence[Tuple[int, int]]], base: int):
+    """(addresses, lengths, runs a page) of pages of (address, length) runs, as int64 arrays."""
+    counts = np.fromiter((len(p) for p in pages), dtype=np.int64, count=len(pages))
+    flat = np.array([run for page in pages for run in page], dtype=np.int64).reshape(-1, 2)
+    return flat[:, 0] + base, flat[:, 1], counts
+
+
+def _page_totals(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    if (counts <= 0).any():  # an empty page has no run to sum: its total is 0
+        totals = np.zeros(len(counts), dtype=np.int64)
+        nonempty = counts > 0
+        firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))[nonempty]
+        totals[nonempty] = np.add.reduceat(lengths, firsts) if len(firsts) else []
+        return totals
+    return np.add.reduceat(lengths, np.concatenate(([0], np.cumsum(counts)[:-1])))
+
+
 def scatter_runs(dst: Sequence[Tuple[int, int]], src: Sequence[Tuple[int, int]]):
     """(dst addresses, src addresses, lengths) of the memcpys that copy the src runs into the dst runs.
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_runs
+from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_pages
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import PageStore, StoreError
 
@@ -62,9 +63,9 @@ class PageTransfers:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
         region = regions.get(region_id, header.get("s"))
         extents = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
-        return Sources([[region.view[off:off + n] for off, n in page] for page in extents],
-                       [sum(n for _o, n in page) for page in extents],
-                       [[(region.base + off, n) for off, n in page] for page in extents])
+        base = region.base
+        return Sources(None, [sum(n for _o, n in page) for page in extents],
+                       [[(base + off, n) for off, n in page] for page in extents], region.view, base)
 
     def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
                   deadline: Optional[float]) -> Tuple[List[bool], Refusal]:
@@ -129,15 +130,8 @@ class PageTransfers:
         pool went away under it or it ended after the deadline."""
         if _late(deadline):
             return ("deadline", "deadline passed during the batch")
-        runs_d: List[int] = []
-        runs_s: List[int] = []
-        runs_n: List[int] = []
-        base = self.arena_base
-        for i, alloc in group:
-            d, s, k = scatter_runs([(base + off, m) for off, m in alloc.extents], sources.runs[i])
-            runs_d += d
-            runs_s += s
-            runs_n += k
+        runs_s, runs_d, runs_n = scatter_pages([sources.runs[i] for i, _alloc in group],
+                                               [alloc.extents for _i, alloc in group], self.arena_base)
         try:
             copy_runs(runs_d, runs_s, runs_n)
         except MemoryFault:
@@ -266,9 +260,20 @@ class Sources:
     """The pages of a put: views of each (frames, or slices of a host pool), their sizes, and for a
     host pool their (address, length) runs in this process (None for frames: memory we own)."""
 
-    views: List[List[memoryview]]
+    frame_views: Optional[List[List[memoryview]]]  # frames; None for a host pool (views made on demand)
     sizes: List[int]
     runs: Optional[List[List[Tuple[int, int]]]]
+    region_view: Optional[memoryview] = None  # the host pool's mapping, for views of its pages
+    region_base: int = 0
+
+    @cached_property
+    def views(self) -> List[List[memoryview]]:
+        """Each page's views; for a host pool only the paths that copy page by page ask (the arena path
+        copies by address and never builds them)."""
+        if self.frame_views is not None:
+            return self.frame_views
+        base, view = self.region_base, self.region_view
+        return [[view[a - base:a - base + n] for a, n in page] for page in self.runs]
 
 
 def _late(deadline: Optional[float]) -> bool:

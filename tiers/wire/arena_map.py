@@ -12,7 +12,7 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import address_of, copy_runs, populate, scatter_runs
+from tiers.node.buffers import address_of, copy_runs, populate, scatter_pages
 
 
 class ArenaMap:
@@ -80,16 +80,11 @@ class ArenaMap:
         if not self.use():
             return out
         try:
-            runs_d: List[int] = []
-            runs_s: List[int] = []
-            runs_n: List[int] = []
-            pages = iter(extents)
-            for i, ok in enumerate(found):
-                if ok:
-                    d, s, k = scatter_runs(list(dst[i]), [(self.base + off, m) for off, m in next(pages)])
-                    runs_d += d
-                    runs_s += s
-                    runs_n += k
+            chosen = [i for i, ok in enumerate(found) if ok]
+            sources = list(extents)
+            if len(sources) != len(chosen):
+                raise ValueError("the reply's extents do not match its found pages")
+            runs_d, runs_s, runs_n = scatter_pages([dst[i] for i in chosen], sources, self.base)
             if time.monotonic() < expiry:
                 copy_runs(runs_d, runs_s, runs_n)
                 if time.monotonic() <= expiry:
