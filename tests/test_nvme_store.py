@@ -295,3 +295,50 @@ compression = "zstd-shuffle"
         assert bytes(store.get_bytes(("ns", "k"))) == bf16_like(1, 8192)
     finally:
         store.close()
+
+
+def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_store, monkeypatch):
+    """The scan is held back; meanwhile the store serves writes, and what it decides wins over the scan:
+    a page written since keeps its new bytes, one deleted or of a cleared namespace stays gone (its old
+    file is removed when the scan meets it), the rest appears once the scan has passed."""
+    from tiers.stores.nvme import index, rebuild
+    store = make_store(capacity=64 * CHUNK)
+    for i in range(6):
+        store.put(("a", f"old{i}"), [memoryview(page(i))])
+    for i in range(3):
+        store.put(("b", f"old{i}"), [memoryview(page(100 + i))])
+    store.close()
+    files_before = len(chunk_files(store.root))
+
+    release = threading.Event()
+    real_parts = index.scan_parts
+
+    def held_back(root, stop=None):
+        release.wait(30)
+        yield from real_parts(root, stop)
+    monkeypatch.setattr(index, "scan_parts", held_back)
+    monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
+    store = make_store(capacity=64 * CHUNK, policy="fifo")  # reads below do not reorder it
+    try:
+        assert store.stats().extra["index_building"] == 1.0
+        assert store.contains([("a", "old0")]) == [False]  # not reached yet: a miss, never a wrong page
+        store.put(("a", "new"), [memoryview(page(50))])
+        store.put(("a", "old1"), [memoryview(page(51))])  # rewritten while the scan has the older file
+        assert store.delete([("a", "old2")]) == 0  # not indexed yet, but must stay deleted
+        store.clear("b")
+        assert bytes(store.get_bytes(("a", "new"))) == page(50)
+    finally:
+        release.set()
+    assert store._build.done.wait(30)
+    st = store.stats()
+    assert st.extra["index_building"] == 0.0 and st.extra["stale_removed"] == 4  # old2 and b's three
+    assert bytes(store.get_bytes(("a", "old1"))) == page(51)
+    assert all(bytes(store.get_bytes(("a", f"old{i}"))) == page(i) for i in (0, 3, 4, 5))
+    assert store.contains([("a", "old2"), ("b", "old0"), ("b", "old1"), ("b", "old2")]) == [False] * 4
+    assert len(chunk_files(store.root)) == files_before - 4 + 1  # stale files gone, "new" added
+    assert st.pages == 6 and st.used_bytes == 6 * CHUNK
+    # The eviction order was rebuilt oldest first: the scanned pages go before the ones written meanwhile
+    # (in insertion order, the scan's parts would come after them).
+    evicted, _ = store.evict(4 * CHUNK)
+    assert evicted == 4
+    assert store.contains([("a", "new"), ("a", "old1")]) == [True, True]

@@ -6,7 +6,7 @@ import os
 
 from tiers.cli import output_file, positive_int
 
-PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks")
+PARTS = ("zmq", "lookup", "dram", "file", "nvme", "remote", "policies", "mooncake", "ranks", "restart")
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB)
 
@@ -49,12 +49,15 @@ def register(sub) -> None:
                     "run failed (never because a figure is low).")
     p.add_argument("--only", type=_list(str, PARTS), default=list(PARTS), metavar="PARTS",
                    help=f"comma-separated parts: {','.join(PARTS)} (default all)")
-    p.add_argument("--page-sizes", type=_sizes, default=list(DEFAULT_SIZES), metavar="SIZES",
+    p.add_argument("--page-sizes", type=_sizes, default="64KiB,256KiB,1MiB,4MiB,8MiB", metavar="SIZES",
                    help="page sizes, comma-separated, multiples of 32KiB below 1MiB and of 1MiB from it "
-                        "(default 64KiB,256KiB,1MiB,4MiB,8MiB)")
+                        "(default 64KiB,256KiB,1MiB,4MiB,8MiB)")  # a string default goes through _sizes
     p.add_argument("--pages", type=positive_int, default=128, help="pages a batch (default 128)")
     p.add_argument("--repeat", type=positive_int, default=3, help="repetitions; figures are medians (default 3)")
-    p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions")
+    p.add_argument("--restart-chunks", type=positive_int, default=1_000_000,
+                   help="chunks the NVMe tier restarts over in the restart part (default 1000000)")
+    p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions, "
+                   "10000 chunks to restart over")
     p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
                    "(default /var/tmp/hicache-bench-PID; removed afterwards)")
     p.add_argument("--json", metavar="FILE", type=output_file, help="write every sample here")
@@ -69,6 +72,7 @@ def register(sub) -> None:
 def _run(args) -> int:
     if args.quick:
         args.pages, args.repeat = min(args.pages, 8), min(args.repeat, 2)
+        args.restart_chunks = min(args.restart_chunks, 10_000)
         if args.page_sizes == list(DEFAULT_SIZES):
             args.page_sizes = [MiB]
     if args.pages < 1 or args.repeat < 1:

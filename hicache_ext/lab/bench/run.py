@@ -15,13 +15,14 @@ from tiers.bench import machine, report
 from tiers.bench.stats import Figures, Progress
 
 PER_SIZE = ("dram", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
-ONCE = ("zmq", "lookup", "ranks")
+ONCE = ("zmq", "lookup", "ranks", "restart")
 PARTS = ONCE[:2] + PER_SIZE + ONCE[2:]
 
 
 def _runner(part: str):
-    from hicache_ext.lab.bench import lookup, peers, project, ranks
+    from hicache_ext.lab.bench import lookup, peers, project, ranks, restart
     return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
+            "restart": restart.run_restart,
             "dram": project.run_dram, "nvme": project.run_nvme, "remote": project.run_remote,
             "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
 

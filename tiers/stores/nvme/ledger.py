@@ -10,8 +10,8 @@ files before writing its own and the disk never holds more than capacity.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from tiers.node.fairness import FairShare, bounded_top
 from tiers.policies import EvictionPolicy, make_policy
@@ -30,6 +30,16 @@ class Entry:
 
 
 Victim = Tuple[int, Entry]
+
+
+@dataclass
+class _Build:
+    """What changed while the index was being rebuilt in the background (tiers/stores/nvme/rebuild.py)."""
+
+    fresh: List[int] = field(default_factory=list)  # digests committed meanwhile, in order
+    gone: Set[int] = field(default_factory=set)  # digests deleted, evicted or dropped meanwhile
+    cleared: Set[Optional[int]] = field(default_factory=set)  # namespace hashes cleared (None: all)
+    scanned: int = 0
 
 
 @dataclass
@@ -58,25 +68,75 @@ class Ledger:
         self.used = 0
         self.reserved = 0
         self.stats = StoreStats(capacity_bytes=capacity)
+        self._build: Optional[_Build] = None  # set while the index is rebuilt behind the serving store
         self.extra: Dict[str, float] = {"corrupt_removed": 0, "read_errors": 0, "enospc_retries": 0,
                                         "raw_bytes_in": 0, "stored_bytes_in": 0}
 
-    def load(self, chunks: Iterable[Tuple[int, int, int, int, str]]) -> List[Victim]:
-        """Index scanned chunks (oldest first); returns victims when they exceed capacity."""
+    # ------------------------------------------------- background rebuild
+    def start_build(self) -> None:
         with self.lock:
+            self._build = _Build()
+
+    @property
+    def building(self) -> bool:
+        return self._build is not None
+
+    def add_scanned(self, chunks: Iterable[Tuple[int, int, int, int, str]]) -> List[Tuple[int, str]]:
+        """Index chunks the scan found, unless the serving store decided about them meanwhile: a digest
+        written since wins; one deleted, evicted or of a cleared namespace is stale ((digest, path) returned,
+        for the caller to unlink)."""
+        stale = []
+        with self.lock:
+            build = self._build
             for _mtime, digest, ns_hash, size, path in chunks:
+                build.scanned += 1
+                if digest in self._index:
+                    continue
+                if digest in build.gone or ns_hash in build.cleared or None in build.cleared:
+                    stale.append((digest, path))
+                    continue
                 self._index[digest] = Entry(path, ns_hash, size)
                 tenant = self._tenant_locked(ns_hash)
                 tenant.policy.insert(digest)
                 tenant.bytes += size
                 self.used += size
+        return stale
+
+    def finish_build(self, order: Iterable[Tuple[int, int, int, int, str]]) -> List[Victim]:
+        """The scan ended: rebuild each namespace's policy oldest first (the scanned chunks by mtime, then
+        the pages written meanwhile, in order), end the build, evict down to capacity."""
+        with self.lock:
+            build, self._build = self._build, None
+            fresh = set(build.fresh)
+            for tenant in self._tenants.values():
+                tenant.policy = make_policy(self._policy_name)
+            for _mtime, digest, _ns, _size, _path in order:
+                entry = self._index.get(digest)
+                if entry is not None and digest not in fresh:
+                    self._tenants[entry.ns_hash].policy.insert(digest)
+            seen = set()
+            for digest in build.fresh:
+                entry = self._index.get(digest)
+                if entry is not None and digest not in seen:
+                    seen.add(digest)
+                    self._tenants[entry.ns_hash].policy.insert(digest)
             victims = []
-            while self.used > self.capacity:  # capacity lowered since the last run
+            while self.used > self.capacity:  # capacity lowered since the last run, or written meanwhile
                 victim = self._pop_victim_locked(None)
                 if victim is None:
                     break
                 victims.append(victim)
             return victims
+
+    def cleared(self, ns_hash: Optional[int]) -> None:
+        """A namespace (None: all) was cleared: chunks of it the scan has not reached yet are stale."""
+        with self.lock:
+            if self._build is not None:
+                self._build.cleared.add(ns_hash)
+
+    def build_progress(self) -> int:
+        with self.lock:
+            return self._build.scanned if self._build is not None else -1
 
     def _tenant_locked(self, ns_hash: int, name: Optional[str] = None) -> _Tenant:
         tenant = self._tenants.get(ns_hash)
@@ -103,6 +163,8 @@ class Ledger:
         if digest is None:
             return None
         entry = self._index.pop(digest)
+        if self._build is not None:
+            self._build.gone.add(digest)
         self.used -= entry.disk_size
         tenant.bytes -= entry.disk_size
         tenant.evictions += 1
@@ -164,6 +226,8 @@ class Ledger:
             if old is not None:
                 self._forget_locked(digest, old)
             self._index[digest] = entry
+            if self._build is not None:
+                self._build.fresh.append(digest)
             self.used += entry.disk_size
             tenant = self._tenant_locked(entry.ns_hash, entry.page_key[0] if entry.page_key else None)
             tenant.bytes += entry.disk_size
@@ -171,6 +235,8 @@ class Ledger:
 
     def _forget_locked(self, digest: int, entry: Entry) -> None:
         """Bytes and policy of an entry already out of the index."""
+        if self._build is not None:
+            self._build.gone.add(digest)
         self.used -= entry.disk_size
         tenant = self._tenants.get(entry.ns_hash)
         if tenant is not None:
@@ -200,6 +266,8 @@ class Ledger:
         with self.lock:
             out = []
             for digest in digests:
+                if self._build is not None:  # also one the scan has not reached: it must not come back
+                    self._build.gone.add(digest)
                 entry = self._index.pop(digest, None)
                 if entry is not None:
                     self._forget_locked(digest, entry)
@@ -242,6 +310,7 @@ class Ledger:
             snap.used_bytes = self.used
             extra = dict(self.extra)
             extra["reserved_bytes"] = self.reserved
+            extra["index_building"] = float(self._build is not None)  # 1 while the restart scan runs
             active = sum(1 for t in self._tenants.values() if t.bytes)
             per_ns = {(t.name or f"#{h:x}"): {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits,
                                               "evictions": t.evictions, "fair_share": int(self._fair.share(active)),

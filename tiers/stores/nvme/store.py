@@ -24,7 +24,7 @@ from tiers.ops.logs import RateLimitedLog
 from tiers.stores.nvme import chunkfile as cf
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
-from tiers.stores.nvme.index import scan
+from tiers.stores.nvme.rebuild import IndexBuild
 from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError,
@@ -107,13 +107,12 @@ class NvmeStore(PageStore):
         return True
 
     def _rebuild(self) -> None:
-        found = scan(self.root)
-        self._dirs = found.dirs
-        for victim in self._ledger.load(found.chunks):
-            self._discard(*victim)
-        self._ledger.extra.update(rebuild_seconds=found.seconds, rebuild_files=len(found.chunks),
-                                  temp_removed=found.temps_removed, torn_removed=found.torn_removed,
-                                  foreign_files=found.foreign_files)
+        """Index the chunk files: at once for a small directory, else in the background while serving."""
+        self._dirs: set = set()
+        self._build = IndexBuild(self.root, self._ledger, self.name, self._dirs, self._discard, self._unlink_stale)
+        if not self._build.start():
+            log.info("%s: serving while the index is rebuilt in the background (chunks not yet indexed miss)",
+                     self.name)
         try:
             st = os.statvfs(self.root)
             if self.capacity > self._ledger.used + st.f_bavail * st.f_frsize:
@@ -121,8 +120,6 @@ class NvmeStore(PageStore):
                             self.name, self.capacity, self.root)
         except OSError:
             pass
-        log.info("%s: indexed %d chunks (%d bytes) in %.2f s; removed %d temp and %d torn files", self.name,
-                 len(found.chunks), self._ledger.used, found.seconds, found.temps_removed, found.torn_removed)
 
     # ------------------------------------------------------------- helpers
     def _stripe(self, digest: int) -> threading.Lock:
@@ -135,6 +132,12 @@ class NvmeStore(PageStore):
         with self._stripe(digest):
             if digest not in self._ledger:  # else a newer version was renamed over the file already
                 cf.unlink_quietly(entry.path)
+
+    def _unlink_stale(self, digest: int, path: str) -> None:
+        """A file the rebuild found after its page was deleted, evicted or cleared: gone, unless re-added."""
+        with self._stripe(digest):
+            if digest not in self._ledger:
+                cf.unlink_quietly(path)
 
     def _notify_evict(self, entry: Entry) -> None:
         try:
@@ -329,7 +332,9 @@ class NvmeStore(PageStore):
         return self._remove([key_digest(ns, k) for ns, k in keys])
 
     def clear(self, namespace: Optional[str] = None) -> int:
-        return self._remove(self._ledger.digests(None if namespace is None else namespace_hash(namespace)))
+        ns_hash = None if namespace is None else namespace_hash(namespace)
+        self._ledger.cleared(ns_hash)  # chunks the rebuild has not reached yet go too
+        return self._remove(self._ledger.digests(ns_hash))
 
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
@@ -345,6 +350,7 @@ class NvmeStore(PageStore):
 
     def close(self) -> None:
         """Release the directory lock; every acknowledged chunk is already in its file."""
+        self._build.stop()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -1,0 +1,90 @@
+"""The NVMe tier's index rebuilt behind a store that already serves.
+
+A restart used to scan every chunk name before the first request (300,000
+chunks: 11 s; a 2 TiB disk of 1 MiB pages: over a minute dark).  Now the
+store starts serving at once (after at most ``wait`` seconds, enough for a
+small directory to be indexed exactly as before) while a thread scans the
+fan-out directories and adds what it finds.  Until the scan ends, a chunk it
+has not reached yet reads as a miss: a cache may miss, it may not serve a
+stale page.  What the serving store does meanwhile wins over the scan
+(tiers/stores/nvme/ledger.py ``_Build``): a page written since is not
+replaced by its older file, a page deleted, evicted or cleared since is not
+brought back (its file is removed when the scan meets it).  At the end each
+namespace's eviction order is rebuilt oldest first and capacity enforced.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional, Set
+
+from tiers.stores.nvme import index
+from tiers.stores.nvme.index import ScanResult
+from tiers.stores.nvme.ledger import Ledger, Victim
+
+log = logging.getLogger("hicache.nvme")
+
+START_WAIT_S = 0.2  # a directory indexed within this is served only once complete, as before
+ADD_SLICE = 256  # chunks indexed under one hold of the ledger lock: a lookup waits for at most this many
+
+
+class IndexBuild:
+    """Scan root into ledger on a thread of its own."""
+
+    def __init__(self, root: str, ledger: Ledger, name: str, dirs: Set[str],
+                 discard: Callable[[int, object], None], unlink_stale: Callable[[int, str], None]):
+        self.root, self.name = root, name
+        self._ledger = ledger
+        self._dirs = dirs  # the store's set of leaf directories known to exist: filled as they are found
+        self._discard = discard
+        self._unlink_stale = unlink_stale
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-index", daemon=True)
+
+    def start(self, wait: Optional[float] = None) -> bool:
+        """Begin; True when the index was complete within wait seconds (default START_WAIT_S)."""
+        self._ledger.start_build()
+        self._thread.start()
+        return self.done.wait(START_WAIT_S if wait is None else wait)
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        totals = ScanResult()
+        order: List[tuple] = []
+        stale = 0
+        try:
+            for part in index.scan_parts(self.root, self._stop):
+                self._dirs |= part.dirs
+                for start in range(0, len(part.chunks), ADD_SLICE):
+                    for digest, path in self._ledger.add_scanned(part.chunks[start:start + ADD_SLICE]):
+                        self._unlink_stale(digest, path)
+                        stale += 1
+                    time.sleep(0)  # let the serving loop have the GIL and the ledger between slices
+                order.extend(part.chunks)
+                part.chunks = []
+                totals.merge(part)
+            if self._stop.is_set():
+                return
+            order.sort()  # oldest first; ties broken by digest, so the rebuilt order is deterministic
+            victims: List[Victim] = self._ledger.finish_build(order)
+            for victim in victims:
+                self._discard(*victim)
+            seconds = time.perf_counter() - started
+            self._ledger.extra.update(rebuild_seconds=seconds, rebuild_files=len(order),
+                                      temp_removed=totals.temps_removed, torn_removed=totals.torn_removed,
+                                      foreign_files=totals.foreign_files, stale_removed=stale)
+            log.info("%s: indexed %d chunks (%d bytes) in %.2f s; removed %d temp, %d torn and %d stale files",
+                     self.name, len(order), self._ledger.used, seconds, totals.temps_removed,
+                     totals.torn_removed, stale)
+        except Exception:  # a scan that fails leaves a partial index: misses, never wrong pages
+            log.exception("%s: the index rebuild failed; chunks not indexed read as misses", self.name)
+            self._ledger.finish_build(order)
+        finally:
+            self.done.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
