@@ -33,7 +33,6 @@ class LookupHints:
     def __init__(self, tiers: int, keep: int = 16, ttl: float = 5.0):
         if tiers >= UNKNOWN:
             raise ValueError("too many tiers for a one-byte hint")
-        self.tiers = tiers
         self.ttl = ttl
         self._answers: Deque[Tuple[float, List[str], bytes]] = deque(maxlen=keep)
         self._lock = threading.Lock()
@@ -47,8 +46,7 @@ class LookupHints:
             if flags is None:
                 continue
             mark = bytes([tier])
-            for start in _runs_of_ones(flags):
-                begin, end = start
+            for begin, end in _runs_of_ones(flags):
                 fastest[begin:end] = mark * (end - begin)
         with self._lock:
             self._answers.append((time.monotonic() + self.ttl, keys, bytes(fastest)))

@@ -121,20 +121,6 @@ class TierRouter:
         return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
 
     # ---------------------------------------------------------------- reads
-    def _fall_through(self, n: int, fetch: Callable[[TierClient, List[int]], List[bool]]) -> List[bool]:
-        """Ask each tier, fastest first, for the pages still missing."""
-        found = [False] * n
-        missing = list(range(n))
-        for client in self.clients:
-            if not missing:
-                break
-            got = fetch(client, missing)
-            hits = [i for i, ok in zip(missing, got) if ok]
-            for i in hits:
-                found[i] = True
-            missing = [i for i, ok in zip(missing, got) if not ok]
-        return found
-
     def read(self, batch: PageBatch) -> List[bool]:
         """Each page from the fastest tier holding it; lower tiers' pages are promoted after the return."""
         n = len(batch.keys)
@@ -147,9 +133,9 @@ class TierRouter:
                 starts.setdefault(0 if tier == UNKNOWN else tier, []).append(i)
         walks = sorted(starts.items())
         # The top group on this thread, the others on the reader threads: every tier moves at once.
-        pending = [self._readers.submit(self._walk, batch, idx, first) for first, idx in walks[1:]]
+        pending = [self._readers.submit(self._walk_batch, batch, idx, first) for first, idx in walks[1:]]
         first, idx = walks[0]
-        served = [self._walk(batch, idx, first)] + [future.result() for future in pending]
+        served = [self._walk_batch(batch, idx, first)] + [future.result() for future in pending]
         found = [False] * n
         below: List[int] = []  # pages a lower tier served
         for hits in served:
@@ -161,17 +147,23 @@ class TierRouter:
             self._promote(batch.subset(sorted(below)))
         return found
 
-    def _walk(self, batch: PageBatch, idx: List[int], first: int) -> List[Tuple[int, int]]:
+    def _walk(self, idx: List[int], fetch: Callable[[TierClient, List[int]], List[bool]],
+              first: int = 0) -> List[Tuple[int, int]]:
         """Ask tier first for pages idx, the next for what it missed, ...; (page, tier depth) of each hit."""
         hits: List[Tuple[int, int]] = []
         missing = idx
         for depth in range(first, len(self.clients)):
             if not missing:
                 break
-            got = self._get(self.clients[depth], batch if len(missing) == len(batch.keys) else batch.subset(missing))
+            got = fetch(self.clients[depth], missing)
             hits += [(i, depth) for i, ok in zip(missing, got) if ok]
             missing = [i for i, ok in zip(missing, got) if not ok]
         return hits
+
+    def _walk_batch(self, batch: PageBatch, idx: List[int], first: int) -> List[Tuple[int, int]]:
+        n = len(batch.keys)
+        return self._walk(idx, lambda client, missing: self._get(client, batch if len(missing) == n
+                                                                  else batch.subset(missing)), first)
 
     def _promote(self, pages: PageBatch) -> None:
         """Queue copies of pages into the top tier (they are below already: the top tier holds them clean)."""
@@ -201,7 +193,10 @@ class TierRouter:
             found, frames = client.get_frames([keys[i] for i in idx], nbytes)
             return _fill(found, frames, lambda: [pages[i] for i in idx])
 
-        return self._fall_through(len(keys), fetch)
+        found = [False] * len(keys)
+        for i, _depth in self._walk(list(range(len(keys))), fetch):
+            found[i] = True
+        return found
 
     def close(self) -> None:
         self.promoter.close()

@@ -44,9 +44,9 @@ def register(sub) -> None:
         description="Measure, in one run: this machine's limits (memcpy, raw disk write and O_DIRECT read, the raw "
                     "Mooncake Transfer Engine, a ZeroMQ round trip), the peers (SGLang's file and mooncake backends "
                     "through SGLang's own page functions) and this project through the real backend and a real "
-                    "host pool (each tier, each write policy, prefix lookups, 1/2/4 rank processes). Figures are "
-                    "medians of --repeat repetitions with their spread; ratios are within the run. Exits 1 when a "
-                    "run failed (never because a figure is low).")
+                    "host pool (each tier, each write policy, prefix lookups, 1 to 16 rank processes, an NVMe "
+                    "restart). Figures are medians of --repeat repetitions with their spread; ratios are within "
+                    "the run. Exits 1 when a run failed (never because a figure is low).")
     p.add_argument("--only", type=_list(str, PARTS), default=list(PARTS), metavar="PARTS",
                    help=f"comma-separated parts: {','.join(PARTS)} (default all)")
     p.add_argument("--page-sizes", type=_sizes, default="64KiB,256KiB,1MiB,4MiB,8MiB", metavar="SIZES",

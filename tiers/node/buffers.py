@@ -51,26 +51,27 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     return copy_runs(*scatter_runs(pairs_d, pairs_s))
 
 
-def scatter_pages(dst: Sequence[Sequence[Tuple[int, int]]], src: Sequence[Sequence[Tuple[int, int]]],
-                  src_base: int = 0) -> Tuple[List[int], List[int], List[int]]:
-    """scatter_runs for many pages at once: page i's src runs (offsets from src_base) into its dst runs.
+def scatter_pages(a: Sequence[Sequence[Tuple[int, int]]], b: Sequence[Sequence[Tuple[int, int]]],
+                  b_base: int = 0) -> Tuple[List[int], List[int], List[int]]:
+    """line_up_runs for many pages at once: page i's runs in a against its runs in b (offsets from b_base):
+    (addresses in a, addresses in b, lengths), as scatter_runs(a, b) page by page would give.
 
     Cut in numpy for the whole batch: as every page has the same total on
     both sides (ValueError otherwise), page boundaries are boundaries of both
     concatenated run lists, so one global cut is every page's cut.  Cutting
     page by page in Python cost ~8 us a page, a third of a 64 KiB page's copy.
     """
-    if len(dst) != len(src):
+    if len(a) != len(b):
         raise ValueError("page count mismatch")
-    if not dst:
+    if not a:
         return [], [], []
-    if all(len(p) == 1 for p in dst) and all(len(p) == 1 for p in src):  # one run a side: nothing to cut
-        lengths = [p[0][1] for p in dst]
-        if lengths != [p[0][1] for p in src]:
+    if all(len(p) == 1 for p in a) and all(len(p) == 1 for p in b):  # one run a side: nothing to cut
+        lengths = [p[0][1] for p in a]
+        if lengths != [p[0][1] for p in b]:
             raise ValueError("page size mismatch")
-        return [p[0][0] for p in dst], [src_base + p[0][0] for p in src], lengths
-    d_addr, d_len, d_pages = _flatten(dst, 0)
-    s_addr, s_len, s_pages = _flatten(src, src_base)
+        return [p[0][0] for p in a], [b_base + p[0][0] for p in b], lengths
+    d_addr, d_len, d_pages = _flatten(a, 0)
+    s_addr, s_len, s_pages = _flatten(b, b_base)
     if not np.array_equal(_page_totals(d_len, d_pages), _page_totals(s_len, s_pages)):
         raise ValueError("page size mismatch")
     d_end, s_end = np.cumsum(d_len), np.cumsum(s_len)

@@ -130,6 +130,7 @@ class PageTransfers:
         pool went away under it or it ended after the deadline."""
         if _late(deadline):
             return ("deadline", "deadline passed during the batch")
+        # From the host pool (absolute addresses) into the arena (offsets from its base).
         runs_s, runs_d, runs_n = scatter_pages([sources.runs[i] for i, _alloc in group],
                                                [alloc.extents for _i, alloc in group], self.arena_base)
         try:

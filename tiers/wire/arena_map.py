@@ -80,11 +80,9 @@ class ArenaMap:
         if not self.use():
             return out
         try:
-            chosen = [i for i, ok in enumerate(found) if ok]
-            sources = list(extents)
-            if len(sources) != len(chosen):
-                raise ValueError("the reply's extents do not match its found pages")
-            runs_d, runs_s, runs_n = scatter_pages([dst[i] for i in chosen], sources, self.base)
+            # ValueError when the reply's extents are not one per found page, or a page's size differs.
+            runs_d, runs_s, runs_n = scatter_pages([dst[i] for i, ok in enumerate(found) if ok], list(extents),
+                                                   self.base)
             if time.monotonic() < expiry:
                 copy_runs(runs_d, runs_s, runs_n)
                 if time.monotonic() <= expiry:

@@ -22,7 +22,7 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
         sent = client.start_lookup(keys)
         if sent is not None:
             waiting[i] = sent
-    covered, full = 0, int.from_bytes(b"\x01" * len(keys), "little")  # 0/1 bytes as one integer: OR in C
+    full = b"\x01" * len(keys)
     while waiting:
         now = time.monotonic()
         give_up = min(p[2] for p in waiting.values())
@@ -38,12 +38,10 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
                     continue  # a stale reply to an earlier call was skipped
                 del waiting[i]
                 results[i] = clients[i].lookup_reply(reply, keys)
-                if results[i] is not None:
-                    covered |= int.from_bytes(results[i], "little")
             elif time.monotonic() >= end:
                 del waiting[i]
                 clients[i].give_up(sock, "lookup")
-        if covered == full:
+        if merge_held(results, len(keys)) == full:  # the tiers that replied cover every key
             break
     return results
 

@@ -39,7 +39,6 @@ class _Build:
     fresh: List[int] = field(default_factory=list)  # digests committed meanwhile, in order
     gone: Set[int] = field(default_factory=set)  # digests deleted, evicted or dropped meanwhile
     cleared: Set[Optional[int]] = field(default_factory=set)  # namespace hashes cleared (None: all)
-    scanned: int = 0
 
 
 @dataclass
@@ -77,10 +76,6 @@ class Ledger:
         with self.lock:
             self._build = _Build()
 
-    @property
-    def building(self) -> bool:
-        return self._build is not None
-
     def add_scanned(self, chunks: Iterable[Tuple[int, int, int, int, str]]) -> List[Tuple[int, str]]:
         """Index chunks the scan found, unless the serving store decided about them meanwhile: a digest
         written since wins; one deleted, evicted or of a cleared namespace is stale ((digest, path) returned,
@@ -89,7 +84,6 @@ class Ledger:
         with self.lock:
             build = self._build
             for _mtime, digest, ns_hash, size, path in chunks:
-                build.scanned += 1
                 if digest in self._index:
                     continue
                 if digest in build.gone or ns_hash in build.cleared or None in build.cleared:
@@ -133,10 +127,6 @@ class Ledger:
         with self.lock:
             if self._build is not None:
                 self._build.cleared.add(ns_hash)
-
-    def build_progress(self) -> int:
-        with self.lock:
-            return self._build.scanned if self._build is not None else -1
 
     def _tenant_locked(self, ns_hash: int, name: Optional[str] = None) -> _Tenant:
         tenant = self._tenants.get(ns_hash)
