@@ -39,6 +39,9 @@ class _Build:
     fresh: List[int] = field(default_factory=list)  # digests committed meanwhile, in order
     gone: Set[int] = field(default_factory=set)  # digests deleted, evicted or dropped meanwhile
     cleared: Set[Optional[int]] = field(default_factory=set)  # namespace hashes cleared (None: all)
+    # Once the new eviction order is being built outside the lock: what the serving store did since,
+    # in order, replayed onto it under the lock at the end ("fresh" | "gone" | "touch", digest, ns hash).
+    journal: Optional[List[Tuple[str, int, int]]] = None
 
 
 @dataclass
@@ -96,24 +99,34 @@ class Ledger:
                 self.used += size
         return stale
 
-    def finish_build(self, order: Iterable[Tuple[int, int, int, int, str]]) -> List[Victim]:
-        """The scan ended: rebuild each namespace's policy oldest first (the scanned chunks by mtime, then
-        the pages written meanwhile, in order), end the build, evict down to capacity."""
+    def begin_reorder(self) -> List[int]:
+        """The scan ended: from now on what the store does is journaled for finish_build to replay.
+        Returns the digests committed during the scan, in order (they go after every scanned chunk)."""
+        with self.lock:
+            self._build.journal = []
+            return list(self._build.fresh)
+
+    def new_policy(self) -> EvictionPolicy:
+        return make_policy(self._policy_name)
+
+    def finish_build(self, policies: Dict[int, EvictionPolicy]) -> List[Victim]:
+        """Install the eviction orders built outside the lock (one a namespace hash, from begin_reorder
+        on), after replaying onto them what the store did meanwhile; end the build; evict down to
+        capacity.  The lock is held for the journal's length, not the index's."""
         with self.lock:
             build, self._build = self._build, None
-            fresh = set(build.fresh)
-            for tenant in self._tenants.values():
-                tenant.policy = make_policy(self._policy_name)
-            for _mtime, digest, _ns, _size, _path in order:
-                entry = self._index.get(digest)
-                if entry is not None and digest not in fresh:
-                    self._tenants[entry.ns_hash].policy.insert(digest)
-            seen = set()
-            for digest in build.fresh:
-                entry = self._index.get(digest)
-                if entry is not None and digest not in seen:
-                    seen.add(digest)
-                    self._tenants[entry.ns_hash].policy.insert(digest)
+            for op, digest, ns_hash in build.journal or ():
+                policy = policies.get(ns_hash)
+                if policy is None:
+                    policy = policies[ns_hash] = make_policy(self._policy_name)
+                if op == "touch":
+                    policy.touch(digest)
+                    continue
+                policy.remove(digest)
+                if op == "fresh" and self._index.get(digest) is not None:
+                    policy.insert(digest)
+            for ns_hash, tenant in self._tenants.items():
+                tenant.policy = policies.get(ns_hash) or make_policy(self._policy_name)
             victims = []
             while self.used > self.capacity:  # capacity lowered since the last run, or written meanwhile
                 victim = self._pop_victim_locked(None)
@@ -121,6 +134,10 @@ class Ledger:
                     break
                 victims.append(victim)
             return victims
+
+    def _journal_locked(self, op: str, digest: int, ns_hash: int) -> None:
+        if self._build is not None and self._build.journal is not None:
+            self._build.journal.append((op, digest, ns_hash))
 
     def cleared(self, ns_hash: Optional[int]) -> None:
         """A namespace (None: all) was cleared: chunks of it the scan has not reached yet are stale."""
@@ -155,6 +172,7 @@ class Ledger:
         entry = self._index.pop(digest)
         if self._build is not None:
             self._build.gone.add(digest)
+            self._journal_locked("gone", digest, entry.ns_hash)
         self.used -= entry.disk_size
         tenant.bytes -= entry.disk_size
         tenant.evictions += 1
@@ -218,6 +236,7 @@ class Ledger:
             self._index[digest] = entry
             if self._build is not None:
                 self._build.fresh.append(digest)
+                self._journal_locked("fresh", digest, entry.ns_hash)
             self.used += entry.disk_size
             tenant = self._tenant_locked(entry.ns_hash, entry.page_key[0] if entry.page_key else None)
             tenant.bytes += entry.disk_size
@@ -227,6 +246,7 @@ class Ledger:
         """Bytes and policy of an entry already out of the index."""
         if self._build is not None:
             self._build.gone.add(digest)
+            self._journal_locked("gone", digest, entry.ns_hash)
         self.used -= entry.disk_size
         tenant = self._tenants.get(entry.ns_hash)
         if tenant is not None:
@@ -277,6 +297,7 @@ class Ledger:
                 entry.page_key, entry.raw_size = key, raw_size
                 tenant = self._tenant_locked(entry.ns_hash, key[0])
                 tenant.policy.touch(digest)
+                self._journal_locked("touch", digest, entry.ns_hash)
                 tenant.hits += 1
             self.stats.hits += 1
             self.stats.bytes_read += raw_size

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from tiers.stores.nvme import index
 from tiers.stores.nvme.index import ScanResult
+from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.ledger import Ledger, Victim
 
 log = logging.getLogger("hicache.nvme")
@@ -68,7 +69,7 @@ class IndexBuild:
             if self._stop.is_set():
                 return
             order.sort()  # oldest first; ties broken by digest, so the rebuilt order is deterministic
-            victims: List[Victim] = self._ledger.finish_build(order)
+            victims: List[Victim] = self._ledger.finish_build(self._eviction_order(order))
             for victim in victims:
                 self._discard(*victim)
             seconds = time.perf_counter() - started
@@ -80,9 +81,36 @@ class IndexBuild:
                      totals.torn_removed, stale)
         except Exception:  # a scan that fails leaves a partial index: misses, never wrong pages
             log.exception("%s: the index rebuild failed; chunks not indexed read as misses", self.name)
-            self._ledger.finish_build(order)
+            self._ledger.finish_build(self._eviction_order(order))
         finally:
             self.done.set()
+
+    def _eviction_order(self, order: List[tuple]) -> Dict[int, EvictionPolicy]:
+        """Each namespace's policy rebuilt oldest first, outside the ledger lock (1,000,000 chunks take
+        seconds; under the lock they stalled every write and stats call): the scanned chunks still
+        indexed by mtime, then the pages committed during the scan in order.  The ledger replays
+        what happens from begin_reorder on."""
+        fresh = self._ledger.begin_reorder()
+        skip = set(fresh)
+        policies: Dict[int, EvictionPolicy] = {}
+        ledger = self._ledger
+        for n, (_mtime, digest, _ns, _size, _path) in enumerate(order):
+            entry = ledger.get(digest)  # one dict lookup, no lock: what changes from now on is journaled
+            if entry is not None and digest not in skip:
+                self._policy(policies, entry.ns_hash).insert(digest)
+            if n % 65536 == 65535:
+                time.sleep(0)  # let the serving threads have the GIL
+        for digest in dict.fromkeys(fresh):
+            entry = ledger.get(digest)
+            if entry is not None:
+                self._policy(policies, entry.ns_hash).insert(digest)
+        return policies
+
+    def _policy(self, policies: Dict[int, EvictionPolicy], ns_hash: int) -> EvictionPolicy:
+        policy = policies.get(ns_hash)
+        if policy is None:
+            policy = policies[ns_hash] = self._ledger.new_policy()
+        return policy
 
     def stop(self) -> None:
         self._stop.set()
