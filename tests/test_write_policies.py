@@ -163,3 +163,26 @@ def test_the_dirty_set_is_bounded_and_visible(make_node):
         assert settle(lambda: nvme_held(runner, engine, keys) == [True] * 8 + [False] * 4)  # oldest first
     finally:
         engine.close()
+
+
+def test_dirty_pages_go_down_through_shared_memory_aligned_for_o_direct(make_node):
+    """A dirty page flushed while DRAM still holds it is not copied into frames: NVMe's daemon copies it
+    out of DRAM's arena (mapped read-only) into aligned staging, so NVMe writes it with O_DIRECT."""
+    runner = make_node(dram_pages=64, max_dirty=4)
+    engine = Engine(runner, write_policy="write_back", model="by-region")
+    try:
+        keys = make_keys(12, salt=9, page_size=16)
+        written, sums = engine.write(keys, 0, seed=9)
+        assert written == 12
+        assert settle(lambda: tier_stats(engine)["dram"]["demotions"] == 8)
+        dram = tier_stats(engine)["dram"]
+        assert dram["demotions_by_region"] == 8 and dram["demotion_failures"] == 0
+        nvme = tier_stats(engine)["nvme"]
+        assert nvme["unaligned_writes"] == 0
+        assert runner.stop("dram") == {"dram": 0}  # the last 4 dirty pages go down the same way
+        assert nvme_held(runner, engine, keys) == [True] * 12
+        done, got = engine.read(keys, 12)  # from NVMe alone, bit-exact
+        assert done == 12 and got == sums
+        assert tier_stats(engine)["nvme"]["unaligned_writes"] == 0
+    finally:
+        engine.close()

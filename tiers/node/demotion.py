@@ -7,16 +7,29 @@ evicts them, when the dirty set grows past its bound (oldest first, in the
 background) and on graceful shutdown, always through the DemotionQueue's own
 thread (a slow party is reached through a bounded queue, never from inside a
 lock).
+
+When the upper store keeps its pages in an arena (DRAM), a dirty page that
+goes down while still stored (over the dirty bound, or at a graceful stop)
+goes through shared memory: its blocks are pinned by a lease (no copy), the
+lower daemon maps the arena read-only as it maps an engine's host pool and
+copies the page by (offset, length) into its own 4 KiB-aligned staging
+blocks, so the NVMe tier writes it with O_DIRECT; the lease ends when the
+call returns.  A dirty page evicted before that is copied at eviction (its
+blocks go to the writer at once: pinning them made a writer of a full arena
+evict more pages) and sent as ZeroMQ frames, as are all pages to tcp://
+tiers: a copy more, and unaligned (buffered I/O below).
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import scatter_copy
+from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import EvictionListener, PageKey, PageStore
@@ -26,6 +39,7 @@ log = logging.getLogger("hicache.demotion")
 _warn = RateLimitedLog(log)
 
 MODES = ("through", "back", "selective")
+DEMOTION_OWNER = -1  # owner of the leases pinning pages on their way down (engine sessions are positive)
 
 
 class DirtySet:
@@ -84,8 +98,18 @@ class DemotionLink:
         self.deadlines = deadlines or Deadlines()
         self._clients: Dict[str, TierClient] = {}
         self._lock = threading.Lock()
+        self._arena_fd: Optional[int] = None
+        self._arena_size = 0
         self.demoted = 0
         self.failed = 0
+        self.by_region = 0  # pages the lower tier copied out of our arena (the rest went as frames)
+
+    def attach_arena(self, fd: int, size: int) -> None:
+        """Offer the upper store's arena (a read-only memfd we own from now on) to the lower daemon."""
+        with self._lock:
+            self._arena_fd, self._arena_size = fd, size
+            for client in self._clients.values():
+                client.attach_region(fd, size)
 
     def _client(self, namespace: str) -> TierClient:
         with self._lock:
@@ -93,20 +117,33 @@ class DemotionLink:
             if client is None:
                 client = TierClient(self.name, self.endpoint, namespace, "demotion", self.deadlines,
                                     curve=self.curve)
+                if self._arena_fd is not None:
+                    client.attach_region(self._arena_fd, self._arena_size)
                 self._clients[namespace] = client
             return client
 
     def is_down(self, namespace: str) -> bool:
         return self._client(namespace).is_down()
 
-    def push_many(self, namespace: str, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
-        """Store pages of one namespace below in one call; each True once the lower tier acknowledged it."""
+    def push_many(self, namespace: str, keys: List[str], pages: Sequence[Sequence[memoryview]],
+                  extents: Optional[Sequence[list]] = None) -> List[bool]:
+        """Store pages of one namespace below in one call; each True once the lower tier acknowledged it.
+
+        extents: each page's (offset, length) runs in the attached arena; the lower daemon then copies
+        them itself (its call's deadline guards the copy as for an engine's host pool)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
         client = self._client(namespace)
-        stored = client.put_frames(keys, [list(p) for p in pages], nbytes)
+        stored, by_region = [], 0
+        if extents is not None and client.connect() and client.region_id is not None:
+            desc, counts = P.encode_descriptors(extents)
+            stored = client.put_region(keys, desc, counts, nbytes)
+            by_region = sum(stored)
+        if not stored or (not by_region and client.region_id is None):  # not attached, or lost it meanwhile
+            stored = client.put_frames(keys, [list(p) for p in pages], nbytes)
         unreachable = not any(stored) and client.is_down()  # the queue tries these again later
         with self._lock:
             self.demoted += sum(stored)
+            self.by_region += by_region
             if not unreachable:
                 self.failed += len(stored) - sum(stored)
         return stored
@@ -119,6 +156,9 @@ class DemotionLink:
             for client in self._clients.values():
                 client.close()
             self._clients.clear()
+            if self._arena_fd is not None:
+                os.close(self._arena_fd)
+                self._arena_fd = None
 
 
 @dataclass
@@ -126,6 +166,8 @@ class _Pending:
     key: PageKey
     views: List[memoryview]
     nbytes: int
+    extents: Optional[list] = None  # runs in the upper arena, pinned by lease until pushed
+    lease: Optional[int] = None
 
 
 class DemotionQueue:
@@ -152,30 +194,47 @@ class DemotionQueue:
         self._cond = threading.Condition()
         self._closed = False
         self.dropped = 0
+        self.arena = None  # the upper store's BlockArena, when pages are pinned in it (offer_pinned)
         self._thread = threading.Thread(target=self._run, name=f"demote-{link.name}", daemon=True)
         self._thread.start()
 
-    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False) -> bool:
-        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full."""
-        nbytes = sum(v.nbytes for v in views)
+    def _admit(self, key: PageKey, nbytes: int) -> bool:
         with self._cond:
             accepted = not self._closed and self._bytes + nbytes <= self.max_bytes
             if accepted:
-                self._bytes += nbytes  # reserved before the copy, so the bound holds under races
+                self._bytes += nbytes  # reserved before the copy or pin, so the bound holds under races
                 self._pages += 1
             else:
                 self.dropped += 1
         if not accepted:
             _warn.warning("dropped", "demotion queue to %s full (%d bytes): a dirty page of %s left this tier "
                                      "without reaching the one below", self.link.name, self.max_bytes, key[0])
+        return accepted
+
+    def _append(self, item: _Pending) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def offer_pinned(self, key: PageKey, extents: list, nbytes: int, pin) -> bool:
+        """Queue a page of self.arena by its runs; pin() -> lease id pins its blocks once admitted (the
+        lease bounds pinned memory by the queue's bound).  Never waits; False, counted, when full."""
+        if not self._admit(key, nbytes):
+            return False
+        lease = pin()
+        self._append(_Pending(key, [self.arena.view[o:o + n] for o, n in extents], nbytes, extents, lease))
+        return True
+
+    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False) -> bool:
+        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full."""
+        nbytes = sum(v.nbytes for v in views)
+        if not self._admit(key, nbytes):
             return False
         if copy:
             data = bytearray(nbytes)
             scatter_copy([memoryview(data)], views)
             views = [memoryview(data)]
-        with self._cond:
-            self._items.append(_Pending(key, list(views), nbytes))
-            self._cond.notify()
+        self._append(_Pending(key, list(views), nbytes))
         return True
 
     def queued(self) -> Tuple[int, int]:
@@ -212,14 +271,20 @@ class DemotionQueue:
                         break  # stopping and the tier is down: these count as failures below
                     self._cond.wait(self.RETRY)
                 continue
+            extents = [i.extents for i in items] if all(i.extents is not None for i in items) else None
             try:
-                stored = self.link.push_many(namespace, [i.key[1] for i in items], [i.views for i in items])
+                stored = self.link.push_many(namespace, [i.key[1] for i in items], [i.views for i in items],
+                                             extents)
             except Exception:  # a bug here must not stop demotion for good
                 log.exception("demotion to %s failed", self.link.name)
                 break
             if any(stored) or not self.link.is_down(namespace):
                 break  # the tier answered (refused pages are counted by the link)
             # The call found the tier down: the pages wait for it to come back.
+        for item in items:
+            if item.lease is not None:  # the call returned: the lower daemon copies no more (its deadline)
+                item.views = []
+                self.arena.release(item.lease, DEMOTION_OWNER)
         with self._cond:
             self._bytes -= sum(i.nbytes for i in items)
             self._pages -= len(items)
@@ -245,6 +310,11 @@ class Demoter(EvictionListener):
         self.queue = DemotionQueue(link, queue_bytes)
         self._flushing = False
 
+    def share_arena(self, arena) -> None:
+        """The store keeps its pages in arena (a BlockArena): pages go down by (offset, length) in it."""
+        self.queue.arena = arena
+        self.link.attach_arena(arena.export_fd(), arena.size)
+
     def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
         """Inside the store's lock, before an evicted page's memory is reused: only queues a copy."""
         pending = self.dirty.pop(key)
@@ -261,15 +331,45 @@ class Demoter(EvictionListener):
         """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
         try:
             for key in self.dirty.oldest_over_limit():
-                data = store.peek(key)
-                if data is None:
+                if self.queue.arena is not None:
+                    queued = self._offer_stored(store, key)
+                else:
+                    data = store.peek(key)
+                    queued = None if data is None else self.queue.offer(key, [memoryview(data)])
+                if queued is None:
                     self.dirty.pop(key)
-                elif self.queue.offer(key, [memoryview(data)]):
+                elif queued:
                     self.dirty.pop(key)
                 else:
                     break  # the queue is full: the lower tier is slow or down; try again next tick
         finally:
             self._flushing = False
+
+    def _offer_stored(self, store: PageStore, key: PageKey) -> Optional[bool]:
+        """Queue a page still stored, pinned in the arena: None when gone, else whether it was queued."""
+        pinned = store.pin_page(key, DEMOTION_OWNER)
+        if pinned is None:
+            return None
+        lease, extents = pinned
+        if self.queue.offer_pinned(key, extents, sum(n for _o, n in extents), lambda: lease):
+            return True
+        self.queue.arena.release(lease, DEMOTION_OWNER)
+        return False
+
+    def _push_stored(self, store: PageStore, key: PageKey) -> bool:
+        """Write a stored page below now (graceful stop): from the shared arena where it can be pinned."""
+        arena = self.queue.arena
+        pinned = store.pin_page(key, DEMOTION_OWNER) if arena is not None else None
+        if pinned is None:
+            data = store.peek(key)
+            return data is not None and self.link.push(key, [memoryview(data)])
+        lease, extents = pinned
+        try:
+            views = [arena.view[o:o + n] for o, n in extents]
+            return self.link.push_many(key[0], [key[1]], [views], [extents])[0]
+        finally:
+            views = []
+            arena.release(lease, DEMOTION_OWNER)
 
     def close(self, store: PageStore) -> None:
         """Graceful stop: push what is queued, then every eligible dirty page of store straight down."""
@@ -278,9 +378,8 @@ class Demoter(EvictionListener):
         for key, mode, min_reads in self.dirty.snapshot():
             if not should_demote(mode, min_reads, store.read_count(key)):
                 continue
-            data = store.peek(key)
             total += 1
-            if data is not None and self.link.push(key, [memoryview(data)]):
+            if self._push_stored(store, key):
                 self.dirty.pop(key)
                 done += 1
         if total:
@@ -294,12 +393,13 @@ class Demoter(EvictionListener):
 
     def stats(self) -> dict:
         pages, nbytes = self.queue.queued()
-        return {"demotions": self.link.demoted, "demotion_failures": self.link.failed,
+        return {"demotions": self.link.demoted, "demotions_by_region": self.link.by_region,
+                "demotion_failures": self.link.failed,
                 "demotion_queued_pages": pages, "demotion_queued_bytes": nbytes,
                 "demotion_dropped": self.queue.dropped, "lower_tier": self.link.name}
 
     @staticmethod
     def idle_stats() -> dict:
         """The same figures for a daemon with no tier below."""
-        return {"demotions": 0, "demotion_failures": 0, "demotion_queued_pages": 0, "demotion_queued_bytes": 0,
+        return {"demotions": 0, "demotions_by_region": 0, "demotion_failures": 0, "demotion_queued_pages": 0, "demotion_queued_bytes": 0,
                 "demotion_dropped": 0, "lower_tier": ""}

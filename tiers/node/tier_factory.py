@@ -40,6 +40,9 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
         if demoter is not None:
             demoter.discard()
         raise
+    arena = store.export_arena()
+    if demoter is not None and arena is not None and below.endpoint.startswith("ipc://"):
+        demoter.share_arena(arena)  # pages go down through shared memory, aligned (tiers/node/demotion.py)
     fd_socket = tier.fd_socket(node.runtime_dir) if tier.endpoint.startswith("ipc://") else None
     io_threads = int(tier.options.get("io_threads", 1)) if store.parallel_io else 1
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,

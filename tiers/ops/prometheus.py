@@ -41,6 +41,8 @@ COUNTERS = {
     "lookup_prefix_hits": ("lookup_prefix_hit_keys", "Keys in the leading runs held (prefix hits) of lookups."),
     "promotions": ("promotions", "Pages put here because a lower tier served them."),
     "demotions": ("demotions", "Pages written down to the tier below."),
+    "demotions_by_region": ("demotions_by_region", "Demoted pages the tier below copied out of this tier's arena "
+                                                   "(shared memory, aligned for O_DIRECT) instead of receiving frames."),
     "demotion_failures": ("demotion_failures", "Pages the tier below refused or could not take."),
     "demotion_dropped": ("demotion_dropped", "Dirty pages evicted while the demotion queue was full (lost to the tiers below)."),
     "source_gone": ("source_gone", "Writes refused because the engine's host pool shrank under the copy."),

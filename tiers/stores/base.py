@@ -125,6 +125,12 @@ class PageStore(ABC):
         """The page's bytes without counting a read (demotion, flushing)."""
         return self.get_bytes(key)
 
+    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, list]]:
+        """Stores with an arena (``export_arena``): pin key's blocks without counting a read, for a copy
+        out of the arena by (offset, length); (lease id, extents), or None when absent or not supported.
+        The caller ends the lease with ``export_arena().release(lease, owner)``."""
+        return None
+
     def read_count(self, key: PageKey) -> int:
         """Reads since the page was stored (stores that track it override this)."""
         return 0

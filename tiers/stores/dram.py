@@ -102,7 +102,8 @@ class DramStore(PageStore):
         entry = self._index[victim]
         if self._evictions is not None:
             # Runs inside the lock: the listener copies the page into the demotion queue (bounded memory,
-            # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once.
+            # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once
+            # (pinning them instead made a writer of a full arena evict more pages, or fail).
             self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads)
         self._release_locked(victim)
         tenant.evictions += 1
@@ -229,6 +230,13 @@ class DramStore(PageStore):
         with self._lock:
             entry = self._index.get(key)
             return None if entry is None else b"".join(self.arena.views(entry.alloc))
+
+    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, Extents]]:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            return self.arena.lease(owner, [entry.alloc], float("inf")), entry.alloc.extents
 
     def read_count(self, key: PageKey) -> int:
         """How many times key was read since it was stored (0 when absent)."""

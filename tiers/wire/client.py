@@ -226,6 +226,10 @@ class TierClient:
                 return None
             return self._session
 
+    def connect(self) -> bool:
+        """Open the session now (hello, and the region's registration); False when the tier cannot answer."""
+        return self._ensure_session() is not None
+
     def call(self, op: str, timeout: float, frames: Sequence = (), **fields) -> Optional[Reply]:
         """A request in this client's session; None when the tier cannot answer."""
         for _attempt in range(2):

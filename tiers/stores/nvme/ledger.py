@@ -72,7 +72,7 @@ class Ledger:
         self.stats = StoreStats(capacity_bytes=capacity)
         self._build: Optional[_Build] = None  # set while the index is rebuilt behind the serving store
         self.extra: Dict[str, float] = {"corrupt_removed": 0, "read_errors": 0, "enospc_retries": 0,
-                                        "raw_bytes_in": 0, "stored_bytes_in": 0}
+                                        "raw_bytes_in": 0, "stored_bytes_in": 0, "unaligned_writes": 0}
 
     # ------------------------------------------------- background rebuild
     def start_build(self) -> None:
@@ -252,6 +252,11 @@ class Ledger:
         if tenant is not None:
             tenant.bytes -= entry.disk_size
             tenant.policy.remove(digest)
+
+    def count(self, name: str) -> None:
+        """One more of an event counted in extra."""
+        with self.lock:
+            self.extra[name] += 1
 
     def wrote(self, raw: int, stored: int) -> None:
         with self.lock:

@@ -206,6 +206,7 @@ class NvmeStore(PageStore):
         """Write views to a fresh temp file next to path; one eviction-and-retry on a full disk."""
         direct = self._direct and raw and cf.is_aligned(views)
         if self._direct and raw and not direct:
+            self._ledger.count("unaligned_writes")  # e.g. pages that came as ZeroMQ frames
             self._warn_once.warning("unaligned", "%s: page buffers not %d-byte aligned; buffered I/O for such pages",
                             self.name, cf.ALIGN)
         for attempt in (0, 1):
