@@ -53,7 +53,7 @@ def installed(tmp_path_factory):
 
 def tmpfs_chain(path: str, policy: str = "mru") -> str:
     return node_toml(dram_tier("8MiB"), {"name": "shm", "kind": "tmpfs", "capacity": "32MiB", "policy": policy,
-                                         "path": path})
+                                         "path": path}, write_policy="write_through")
 
 
 def test_names_are_known_without_importing_and_unknown_names_list_what_is_installed(installed):

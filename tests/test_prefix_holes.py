@@ -8,7 +8,7 @@ from tests.backend_env import Engine
 from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.wire.client import TierClient
 
-CHAIN = node_toml(dram_tier("16MiB"), nvme_tier())
+CHAIN = node_toml(dram_tier("16MiB"), nvme_tier(), write_policy="write_through")
 N = 16
 
 
