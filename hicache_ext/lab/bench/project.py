@@ -21,7 +21,7 @@ WRITE_POLICIES = ("write_through", "write_back", "selective")
 
 def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progress, salt: int,
             before: Optional[Dict[str, Callable[[], None]]] = None, cold_dir: Optional[str] = None,
-            warm: bool = False) -> None:
+            warm: bool = False, read: bool = True) -> None:
     """Write then read the rank's batch reps times; figures prefix.write / .read (/ .read_warm)."""
     before = before or {}
     for rep in range(reps):
@@ -37,7 +37,7 @@ def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progres
             rank.clear()
             continue
         figs.add(f"{prefix}.write", gbps(rank.nbytes, seconds))
-        reads = [("read", cold_dir)] + ([("read_warm", None)] if warm else [])
+        reads = ([("read", cold_dir)] if read else []) + ([("read_warm", None)] if warm else [])
         for name, cold in reads:
             rank.zero()
             if cold:
@@ -88,6 +88,10 @@ def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:
     try:
         _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size)]),
                       size, f"nvme.{label}", 2000, cold_tier="nvme", before=before, warm=True)
+        # Without fsync, as SGLang's file backend writes (its files stay in the page cache): writes only.
+        _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size,
+                                                                         fsync=False)]),
+                      size, f"nvme_nofsync.{label}", 2500, read=False)
     finally:
         disk.clean(args.pages)
 
