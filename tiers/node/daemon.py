@@ -24,7 +24,8 @@ import zmq
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.node.arena import BlockArena
-from tiers.node.demotion import Demoter, DirtySet, MODES
+from tiers.node.demotion import Demoter
+from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog

@@ -24,11 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import scatter_copy
+from tiers.node.dirty import DirtySet, should_demote
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.logs import RateLimitedLog
@@ -38,53 +39,7 @@ from tiers.wire.security import CurveSettings
 log = logging.getLogger("hicache.demotion")
 _warn = RateLimitedLog(log)
 
-MODES = ("through", "back", "selective")
 DEMOTION_OWNER = -1  # owner of the leases pinning pages on their way down (engine sessions are positive)
-
-
-class DirtySet:
-    """Pages not yet written below, oldest first: key -> (mode, min_reads)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._pages: "OrderedDict[PageKey, Tuple[str, int]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, key: PageKey, mode: str, min_reads: int) -> None:
-        with self._lock:
-            self._pages.pop(key, None)
-            if mode != "through":
-                self._pages[key] = (mode, min_reads)
-
-    def pop(self, key: PageKey) -> Optional[Tuple[str, int]]:
-        with self._lock:
-            return self._pages.pop(key, None)
-
-    def discard_namespace(self, namespace: Optional[str]) -> None:
-        with self._lock:
-            for key in [k for k in self._pages if namespace is None or k[0] == namespace]:
-                del self._pages[key]
-
-    def write_back_count(self) -> int:
-        with self._lock:
-            return sum(1 for mode, _ in self._pages.values() if mode == "back")
-
-    def oldest_over_limit(self) -> List[PageKey]:
-        """Write-back pages beyond the bound, oldest first (selective pages wait for eviction)."""
-        with self._lock:
-            back = [k for k, (mode, _) in self._pages.items() if mode == "back"]
-        return back[:max(0, len(back) - self.limit)]
-
-    def snapshot(self) -> List[Tuple[PageKey, str, int]]:
-        with self._lock:
-            return [(k, mode, n) for k, (mode, n) in self._pages.items()]
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-
-def should_demote(mode: str, min_reads: int, reads: int) -> bool:
-    return mode == "back" or (mode == "selective" and reads >= min_reads)
 
 
 class DemotionLink:

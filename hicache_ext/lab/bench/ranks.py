@@ -80,9 +80,16 @@ def _worker(spec: dict) -> int:
     import time
     from types import SimpleNamespace
 
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
     from hicache_ext.lab.bench.rig import Rank
     node = SimpleNamespace(runner=SimpleNamespace(runtime_dir=spec["runtime_dir"], config_path=spec["config"]))
-    rank = Rank.tiered(node, PAGE_BYTES, spec["pages"], tp_rank=spec["tp_rank"], tp_size=spec["tp_size"])
+    # SGLang refuses a host pool unless 10 GiB of host RAM stay free beyond it, sampled when the pool is
+    # built; 16 of these processes (torch and sglang loaded in each) leave less than that on a 24 GiB
+    # machine although each pool is 128 MiB.  SGLang's launcher books pools against one budget with this
+    # scope; each rank is given its own pool's size (the parent sized the node for all of them).
+    with host_memory_budget_scope(2 * spec["pages"] * PAGE_BYTES):
+        rank = Rank.tiered(node, PAGE_BYTES, spec["pages"], tp_rank=spec["tp_rank"], tp_size=spec["tp_size"])
     rank.write(rank.keys(99))
     rank.clear()
     print("ready", flush=True)
@@ -109,6 +116,9 @@ def _worker(spec: dict) -> int:
         if ok and step == "read":
             ok = rank.wrong_pages(rank.pages) == 0
         print(json.dumps({"ok": ok, "seconds": seconds}), flush=True)
+    # The node is sized for one round's ranks: pages left by this round's namespaces (tp{rank}-{size})
+    # would crowd out the next round's, whose ranks then evict each other's batches.
+    rank.clear()
     rank.close()
     return 0
 
