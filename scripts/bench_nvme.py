@@ -90,6 +90,7 @@ def run(args) -> dict:
     os.makedirs(raw_dir)
     batch = size * args.pages
     store = NvmeStore(store_dir, batch + (64 << 20), policy="lru", fsync=args.fsync, direct_io=args.direct_io,
+                      direct_writes=args.direct_io,
                       compression=args.compression, compression_level=args.level, io_threads=args.io_threads)
     results = {k: [] for k in ("raw_write", "store_write", "raw_cold", "store_cold", "raw_warm", "store_warm")}
     read_flags = os.O_RDONLY | (O_DIRECT if args.direct_io else 0)

@@ -176,6 +176,8 @@ def write_file(path: str, views: Sequence[memoryview], fsync: bool, direct: bool
         pwritev_all(fd, views)
         if fsync:
             os.fdatasync(fd)  # data and the size that finds it; the name is synced with the directory
+            if not direct:  # now clean: leave the page cache to others (what O_DIRECT would have done)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except BaseException:
         os.close(fd)
         unlink_quietly(path)
