@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import zmq
 
@@ -23,7 +24,7 @@ class NodeRunner:
     """The daemons of one node configuration, each in its own process."""
 
     def __init__(self, config_text: str, runtime_dir: str, data_dir: str, config_path: Optional[str] = None,
-                 log_path: Optional[str] = None, log_level: str = "warning"):
+                 log_path: Optional[str] = None, log_level: str = "warning", launcher: Sequence[str] = ()):
         self.runtime_dir = runtime_dir
         self.data_dir = data_dir
         self.config_path = config_path or os.path.join(runtime_dir, "node.toml")
@@ -35,9 +36,14 @@ class NodeRunner:
         self.log_level = log_level
         self.procs: Dict[str, subprocess.Popen] = {}
         self.limit_fds: Optional[tuple] = None  # RLIMIT_NOFILE (soft, hard) of daemons started from now on
+        # A prefix that runs each daemon elsewhere (``ip netns exec NS``: a node of a cluster rehearsal). Its
+        # tcp:// endpoints may not be reachable from here, so readiness then comes by systemd's notify
+        # protocol over a unix socket in runtime_dir (a path: it crosses network namespaces).
+        self.launcher = list(launcher)
+        self._notify: Dict[str, socket.socket] = {}
 
     def command(self, tier: str) -> list:
-        return [sys.executable, "-m", "tiers.cli", "serve", "--config", self.config_path, "--runtime-dir",
+        return [*self.launcher, sys.executable, "-m", "tiers.cli", "serve", "--config", self.config_path, "--runtime-dir",
                 self.runtime_dir, "--data-dir", self.data_dir, "--tier", tier, "--log-level", self.log_level]
 
     def start(self, tier: Optional[str] = None, timeout: float = 30.0) -> None:
@@ -47,8 +53,10 @@ class NodeRunner:
         for name in names:
             if name in self.procs and self.procs[name].poll() is None:
                 continue
-            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if self.launcher:
+                env["NOTIFY_SOCKET"] = self._notify_socket(name)
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log, env=env,
                                                 preexec_fn=self._limits if self.limit_fds else None)
         log.close()
         try:
@@ -62,6 +70,26 @@ class NodeRunner:
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, self.limit_fds)
 
+    def _notify_socket(self, tier: str) -> str:
+        old = self._notify.pop(tier, None)
+        if old is not None:
+            old.close()
+        path = os.path.join(self.runtime_dir, f".notify-{tier}")
+        if os.path.exists(path):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.bind(path)
+        self._notify[tier] = sock
+        return path
+
+    def _notified_ready(self, tier: str, wait: float) -> bool:
+        sock = self._notify[tier]
+        sock.settimeout(wait)
+        try:
+            return b"READY=1" in sock.recv(4096).split(b"\n")
+        except socket.timeout:
+            return False
+
     def wait_ready(self, tier: str, timeout: float = 30.0) -> None:
         endpoint, curve = self.config.tier(tier).endpoint, self.config.tier(tier).curve
         end = time.monotonic() + timeout
@@ -69,6 +97,10 @@ class NodeRunner:
             proc = self.procs.get(tier)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"tier {tier} exited with {proc.returncode}; see {self.log_path}")
+            if tier in self._notify:
+                if self._notified_ready(tier, 0.1):
+                    return
+                continue
             if ping(endpoint, 0.5, curve):
                 return
             time.sleep(0.05)
@@ -93,6 +125,9 @@ class NodeRunner:
             proc = self.procs.pop(name, None)
             if proc is not None:
                 codes[name] = wait_or_kill(proc, timeout)
+            notify = self._notify.pop(name, None)
+            if notify is not None:
+                notify.close()
         return codes
 
     def pid(self, tier: str) -> int:

@@ -9,7 +9,7 @@ twice the size can take twice the keys.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Sequence
+from typing import AbstractSet, Dict, Iterable, List, Sequence
 
 import xxhash
 
@@ -37,15 +37,22 @@ class Rendezvous:
         u = (h + 0.5) / _SCALE  # in (0, 1)
         return -self._weights[pool_index] / math.log(u)
 
-    def pick(self, key: str) -> str:
-        """The pool that holds key."""
+    def pick(self, key: str, skip: AbstractSet[str] = frozenset()) -> str:
+        """The pool that holds key: the highest score among the pools not in skip (pools down).
+
+        Skipping a pool moves only its own keys, each to its next-highest pool, so
+        every node that sees the same pools down agrees on where they went; when
+        every pool is skipped the first choice is returned (it will be refused).
+        """
         if len(self.pools) == 1:
             return self.pools[0]
         data = key.encode()
         if self._uniform:  # the score is monotonic in the hash: compare hashes
-            hashes = [xxhash.xxh64_intdigest(data, seed=s) for s in self._seeds]
-            return self.pools[hashes.index(max(hashes))]
-        scores = [self.score(i, key) for i in range(len(self.pools))]
+            scores = [xxhash.xxh64_intdigest(data, seed=s) for s in self._seeds]
+        else:
+            scores = [self.score(i, key) for i in range(len(self.pools))]
+        if skip and len(skip.intersection(self.pools)) < len(self.pools):
+            return max((p for p in zip(scores, self.pools) if p[1] not in skip))[1]
         return self.pools[scores.index(max(scores))]
 
     def group(self, keys: Iterable[str]) -> Dict[str, List[int]]:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from tiers.node.buffers import as_bytes_view, scatter_copy
 from tiers.stores.remote.engine import Engine, EngineConfig, pair_extents
@@ -95,6 +95,12 @@ class RemoteStore(PageStore):
                     self._clients[key] = client
         return client
 
+    def _down(self, namespace: str) -> Set[str]:
+        """Pools this node's client of namespace counts as down: their keys go to each key's next pool."""
+        if len(self.placement.pools) == 1:
+            return set()
+        return {pool for pool in self.placement.pools if self._client(pool, namespace).is_down()}
+
     def _timeout(self, nbytes: int) -> float:
         return self.transfer_timeout + nbytes / self.min_bandwidth
 
@@ -102,7 +108,7 @@ class RemoteStore(PageStore):
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
         namespace, name = key
         src, size = page_views(buffers, self.max_page_bytes)
-        pool = self.placement.pick(name)
+        pool = self.placement.pick(name, self._down(namespace))
         client = self._client(pool, namespace)
         if client.is_down():
             raise StoreIOError(f"pool {pool} is down")
@@ -136,7 +142,7 @@ class RemoteStore(PageStore):
     def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
         """Read a page into dst (returns b"") or, with dst None, as bytes; None on a miss."""
         namespace, name = key
-        pool = self.placement.pick(name)
+        pool = self.placement.pick(name, self._down(namespace))
         client = self._client(pool, namespace)
         ttl = self._timeout(self.max_page_bytes) + self.lease_margin
         grant = None if client.is_down() else client.locate([name], ttl=ttl)
@@ -201,8 +207,12 @@ class RemoteStore(PageStore):
         Returns one result a key, in key order; None for keys of a pool that is down.
         """
         groups: Dict[Tuple[str, str], List[int]] = {}
+        down: Dict[str, Set[str]] = {}
         for i, (namespace, name) in enumerate(keys):
-            groups.setdefault((self.placement.pick(name), namespace), []).append(i)
+            skip = down.get(namespace)
+            if skip is None:
+                skip = down[namespace] = self._down(namespace)
+            groups.setdefault((self.placement.pick(name, skip), namespace), []).append(i)
         futures = {}
         for (pool, namespace), positions in groups.items():
             client = self._client(pool, namespace)

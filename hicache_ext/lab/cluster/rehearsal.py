@@ -1,0 +1,198 @@
+"""A cluster on one machine: pool nodes and inference nodes, each in its own network namespace.
+
+Every node runs what a real node runs, as real processes: a pool node its
+pool daemon (``kind = "pool"``, tcp:// on the node's own address, the Transfer
+Engine over TCP), an inference node its remote tier daemon (ipc://, pools
+reached over the fabric) and an engine process (hicache_ext/lab/cluster/engine.py:
+the real backend on a real SGLang host pool).  The fabric
+(hicache_ext/lab/cluster/fabric.py) joins them on a private bridge; links can
+be slowed, made lossy, or cut.  ``scripts/cluster`` and tests/test_cluster.py
+drive it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from hicache_ext.lab.cluster.fabric import Fabric
+from tiers.ops.node_runner import NodeRunner, stop_process
+
+POOL_PORT = 7400  # every pool node has its own address, so one port number serves all
+
+
+@dataclass
+class Layout:
+    """What runs where: pools first, then inference nodes, one namespace each."""
+
+    pools: int = 2
+    engines: int = 2
+    page_bytes: int = 256 << 10
+    pages: int = 32  # pages an engine writes or reads a call
+    pool_capacity: str = "256MiB"
+    pool_block: str = "256KiB"
+    remote: Dict[str, object] = field(default_factory=dict)  # extra options of each remote tier
+    backend: Dict[str, object] = field(default_factory=dict)  # extra config of each engine's backend
+    curve_dir: Optional[str] = None  # CurveZMQ keys (hicache-tiers keys generate) for every tcp:// link
+
+
+class EngineProc:
+    """The parent's handle on an engine process: one JSON request, one JSON answer."""
+
+    def __init__(self, cmd: List[str], log_path: str, timeout: float = 120.0):
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     stderr=open(log_path, "wb"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        first = self._line(timeout)
+        if not first.get("ready"):
+            self.close()
+            raise RuntimeError(f"engine did not start: {first}; see {log_path}")
+        self.namespace = first["namespace"]
+
+    def _line(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            tail = open(self.log_path, errors="replace").read().strip().splitlines()[-3:]
+            return {"error": f"no answer within {timeout:.0f} s (exit {self.proc.poll()}): {tail}"}
+        return json.loads(line)
+
+    def call(self, timeout: float = 120.0, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+        stop_process(self.proc, 30.0)
+
+
+class Cluster:
+    """A Layout started on a fresh Fabric under work_dir; close() (or the with block) removes everything."""
+
+    def __init__(self, work_dir: str, layout: Layout):
+        self.work_dir = work_dir
+        self.layout = layout
+        self.fabric = Fabric(layout.pools + layout.engines)
+        self.pools: List[NodeRunner] = []
+        self.tiers: List[NodeRunner] = []
+        self.engines: List[EngineProc] = []
+
+    # ------------------------------------------------------------ layout
+    def pool_node(self, i: int) -> int:
+        return i
+
+    def engine_node(self, i: int) -> int:
+        return self.layout.pools + i
+
+    def pool_endpoint(self, i: int) -> str:
+        return f"tcp://{self.fabric.addresses[self.pool_node(i)]}:{POOL_PORT}"
+
+    def _curve_node_keys(self, server: bool) -> str:
+        d = self.layout.curve_dir
+        if d is None:
+            return "allow_insecure_tcp = true\n"
+        keys = [f'curve_client_key = "{d}/client.key_secret"', f'curve_server_key = "{d}/server.key"']
+        if server:
+            keys = [f'curve_server_key = "{d}/server.key_secret"', f'curve_authorized_keys = "{d}/authorized"']
+        return "\n".join(keys) + "\n"
+
+    def _pool_config(self, i: int) -> str:
+        lay = self.layout
+        return (f"[node]\n{self._curve_node_keys(True)}\n[[tiers]]\nname = \"pool\"\nkind = \"pool\"\n"
+                f"capacity = \"{lay.pool_capacity}\"\nblock_size = \"{lay.pool_block}\"\n"
+                f"max_page_bytes = \"{max(1, lay.page_bytes >> 20)}MiB\"\nendpoint = \"{self.pool_endpoint(i)}\"\n"
+                f"te_hostname = \"{self.fabric.addresses[self.pool_node(i)]}\"\n")
+
+    def _remote_config(self, i: int) -> str:
+        lay = self.layout
+        pools = ", ".join(f'"{self.pool_endpoint(p)}"' for p in range(lay.pools))
+        extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in lay.remote.items())
+        return (f"[node]\n{self._curve_node_keys(False)}\n[[tiers]]\nname = \"remote\"\nkind = \"remote\"\n"
+                f"pools = [{pools}]\nmax_page_bytes = \"{max(1, lay.page_bytes >> 20)}MiB\"\n"
+                f"te_hostname = \"{self.fabric.addresses[self.engine_node(i)]}\"\n{extra}")
+
+    # --------------------------------------------------------- lifecycle
+    def start(self) -> "Cluster":
+        try:
+            self.fabric.create()
+            for i in range(self.layout.pools):
+                self.pools.append(self._runner(f"pool{i}", self._pool_config(i), self.pool_node(i)))
+            for i in range(self.layout.engines):
+                runner = self._runner(f"node{i}", self._remote_config(i), self.engine_node(i))
+                self.tiers.append(runner)
+                self.engines.append(self._engine(i, runner))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _runner(self, name: str, config: str, node: int) -> NodeRunner:
+        root = os.path.join(self.work_dir, name)
+        runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"),
+                            launcher=self.fabric.prefix_of(node), log_level="info")
+        runner.start(timeout=60.0)
+        return runner
+
+    def _engine(self, i: int, runner: NodeRunner) -> EngineProc:
+        spec = {"runtime_dir": runner.runtime_dir, "config": runner.config_path, "page_bytes": self.layout.page_bytes,
+                "pages": self.layout.pages, "extra": self.layout.backend}
+        cmd = [*self.fabric.prefix_of(self.engine_node(i)), sys.executable, "-m", "hicache_ext.lab.cluster.engine",
+               json.dumps(spec)]
+        return EngineProc(cmd, os.path.join(self.work_dir, f"engine{i}.log"))
+
+    def close(self) -> None:
+        """Engines, daemons, then the fabric: whatever failed before, nothing is left behind."""
+        for engine in self.engines:
+            try:
+                engine.close()
+            except Exception:  # keep tearing down
+                pass
+        for runner in [*self.tiers, *self.pools]:
+            try:
+                runner.kill()
+            except Exception:
+                pass
+        self.fabric.remove()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- failures
+    def kill_pool(self, i: int) -> None:
+        self.pools[i].kill()
+
+    def restart_pool(self, i: int) -> None:
+        self.pools[i].start(timeout=60.0)
+
+    def partition_pool(self, i: int) -> None:
+        self.fabric.partition(self.pool_node(i))
+
+    def heal_pool(self, i: int) -> None:
+        self.fabric.heal(self.pool_node(i))
+
+    def describe(self) -> List[str]:
+        lines = [f"fabric {self.fabric.tag}: bridge in namespace {self.fabric.switch}, {self.fabric.prefix}.0/24, "
+                 "no uplink, no default route"]
+        for i in range(self.layout.pools):
+            node = self.pool_node(i)
+            lines.append(f"  {self.fabric.nodes[node]}  {self.fabric.addresses[node]}  pool daemon "
+                         f"{self.pool_endpoint(i)} (pid {self.pools[i].pid('pool')})")
+        for i in range(self.layout.engines):
+            node = self.engine_node(i)
+            lines.append(f"  {self.fabric.nodes[node]}  {self.fabric.addresses[node]}  remote tier "
+                         f"{self.tiers[i].config.tier('remote').endpoint} (pid {self.tiers[i].pid('remote')}), "
+                         f"engine pid {self.engines[i].proc.pid}, namespace {self.engines[i].namespace}")
+        return lines

@@ -1,0 +1,124 @@
+"""The rehearsal's scenarios, each returning the figures its issue asks for (tests and scripts/cluster).
+
+Every scenario checks bytes: what an engine reads is compared page by page
+(xxh3 of every byte) with what was written, and a page that differs is a
+wrong page.  A read may stop early (a prefix of the pages), never return a
+wrong one.  Call times are the backend calls' own, measured in the engine.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List
+
+from hicache_ext.lab.cluster.fabric import Link
+from hicache_ext.lab.cluster.rehearsal import Cluster
+
+
+def _check(wrote: dict, read: dict) -> Dict[str, float]:
+    n = read.get("read", 0)
+    wrong = sum(1 for a, b in zip(read.get("sums", []), wrote["sums"][:n]) if a != b)
+    return {"pages_read": n, "wrong_pages": wrong}
+
+
+def share(cluster: Cluster, salt: int = 1, seed: int = 11) -> Dict[str, float]:
+    """Engine 0 writes a prefix; engine 1, on another node, finds it and reads it bit-exact through the pools."""
+    a, b = cluster.engines[0], cluster.engines[1]
+    wrote = a.call(op="write", salt=salt, seed=seed)
+    found = b.call(op="lookup", salt=salt)
+    read = b.call(op="read", salt=salt)
+    nbytes = cluster.layout.pages * cluster.layout.page_bytes
+    return {"pages": cluster.layout.pages, "written": wrote.get("written", 0), "found": found.get("hits", 0),
+            **_check(wrote, read), "bytes_checked": read.get("read", 0) * cluster.layout.page_bytes,
+            "write_gbps": nbytes / wrote["seconds"] / 1e9 if wrote.get("written") else 0.0,
+            "read_gbps": nbytes / read["seconds"] / 1e9 if read.get("read") else 0.0,
+            "lookup_s": found.get("seconds", 0.0)}
+
+
+def pool_stats(cluster: Cluster, i: int) -> dict:
+    """The pool daemon's own stats, asked from inside its node (its tcp:// address is not reachable from here)."""
+    runner = cluster.pools[i]
+    cmd = [*cluster.fabric.prefix_of(cluster.pool_node(i)), sys.executable, "-m", "tiers.cli", "stats", "--config",
+           runner.config_path, "--runtime-dir", runner.runtime_dir, "--data-dir", runner.data_dir, "--json",
+           "--timeout", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return (json.loads(out.stdout or "{}").get("pool") or {}) if out.returncode == 0 else {}
+
+
+def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_within: float = 30.0) -> Dict[str, float]:
+    """Pool 0 dies (``kill``: SIGKILL) or is cut off (``partition``: its link down) while engine 0 writes a
+    batch; engine 1 reads what was acknowledged.  Then writes go on with pool 0 gone (its keys rehashed to
+    the others), pool 0 comes back (restarted empty, or its link healed), and the time until a write
+    lands on it again is measured."""
+    a, b = cluster.engines[0], cluster.engines[1]
+    deadline = float(cluster.layout.backend.get("deadline_base_s", 1.0))
+    worst, wrong, checked = 0.0, 0, 0
+    results: List[dict] = []
+
+    def write(salt: int) -> None:
+        results.append(a.call(op="write", salt=salt, seed=salt))
+
+    writer = threading.Thread(target=write, args=(100,))
+    writer.start()
+    time.sleep(0.02)  # into the batch
+    failed_at = time.monotonic()
+    cluster.kill_pool(0) if how == "kill" else cluster.partition_pool(0)
+    writer.join()
+    for r in range(rounds):  # with pool 0 gone: every acknowledged page readable elsewhere, bit-exact
+        salt = 100 if r == 0 else 100 + r
+        wrote = results[-1] if r == 0 else a.call(op="write", salt=salt, seed=salt)
+        worst = max(worst, wrote.get("seconds", 0.0))
+        read = b.call(op="read", salt=salt)
+        worst = max(worst, read.get("seconds", 0.0))
+        got = _check(wrote, read)
+        wrong += got["wrong_pages"]
+        checked += got["pages_read"] * cluster.layout.page_bytes
+    written_while_down = wrote.get("written", 0)
+    back_at = time.monotonic()
+    cluster.restart_pool(0) if how == "kill" else cluster.heal_pool(0)
+    before = pool_stats(cluster, 0).get("pages", 0)
+    recovered, salt = None, 1000
+    while time.monotonic() - back_at < recover_within:
+        salt += 1
+        wrote = a.call(op="write", salt=salt, seed=salt)
+        worst = max(worst, wrote.get("seconds", 0.0))
+        if pool_stats(cluster, 0).get("pages", 0) > before:
+            recovered = time.monotonic() - back_at
+            break
+    return {"pages_a_batch": cluster.layout.pages, "bytes_checked": checked, "wrong_pages": wrong,
+            "written_while_down": written_while_down, "worst_call_s": worst, "deadline_s": deadline,
+            "recovered_s": recovered if recovered is not None else float("nan"),
+            "seconds_down": back_at - failed_at}
+
+
+def netem(cluster: Cluster, link: Link, rounds: int = 3) -> Dict[str, float]:
+    """Throughput and lookup time with every node's link shaped, against the same cluster unshaped."""
+    def measure(tag: str) -> Dict[str, float]:
+        writes, reads, lookups = [], [], []
+        for r in range(rounds):
+            salt = (1 if tag == "plain" else 2) * 10000 + r
+            wrote = cluster.engines[0].call(op="write", salt=salt, seed=r)
+            found = cluster.engines[1].call(op="lookup", salt=salt)
+            read = cluster.engines[1].call(op="read", salt=salt)
+            nbytes = cluster.layout.pages * cluster.layout.page_bytes
+            if _check(wrote, read)["wrong_pages"] or read.get("read") != cluster.layout.pages:
+                raise AssertionError(f"{tag}: read {read.get('read')} pages, some wrong")
+            writes.append(nbytes / wrote["seconds"] / 1e9)
+            reads.append(nbytes / read["seconds"] / 1e9)
+            lookups.append(found["seconds"])
+        mid = rounds // 2
+        return {f"{tag}_write_gbps": sorted(writes)[mid], f"{tag}_read_gbps": sorted(reads)[mid],
+                f"{tag}_lookup_ms": sorted(lookups)[mid] * 1e3}
+
+    out = measure("plain")
+    for node in range(len(cluster.fabric.nodes)):
+        cluster.fabric.shape(node, link)
+    try:
+        out.update(measure("shaped"))
+    finally:
+        for node in range(len(cluster.fabric.nodes)):
+            cluster.fabric.shape(node, Link())
+    return out
