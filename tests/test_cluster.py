@@ -74,7 +74,8 @@ def test_an_engine_on_another_node_reads_bit_exact_what_one_wrote(cluster):
 def test_a_pool_lost_mid_batch_costs_no_wrong_page_and_no_late_call(cluster, how):
     got = scenarios.pool_failure(cluster, how, rounds=2, recover_within=20.0)
     assert got["wrong_pages"] == 0 and got["bytes_checked"] > 0
-    assert got["written_while_down"] == PAGES  # pool 0's keys went to the pool that answers
+    assert got["written_while_down"] == PAGES  # pool 0's keys went to the pool that answers...
+    assert got["whole_batches_again_s"] < 5.0, got  # ...within a few calls of the failure
     assert got["worst_call_s"] <= DEADLINE_S + SCHEDULING_SLACK_S, got
     assert math.isfinite(got["recovered_s"]) and got["recovered_s"] < 20.0, got
 
@@ -89,3 +90,15 @@ def test_a_rate_limited_link_moves_the_same_bytes_more_slowly(cluster):
 def test_a_slow_lossy_link_moves_the_same_bytes(cluster):
     got = scenarios.netem(cluster, Link(delay_ms=1.0, loss_pct=0.1), rounds=1)  # raises on a wrong page
     assert got["shaped_lookup_ms"] >= 1.0  # a lookup crosses a shaped link at least once
+
+
+def test_pools_behind_curvezmq_serve_keyed_nodes_and_refuse_others(tmp_path):
+    from tiers.wire.security import generate
+    keys = tmp_path / "keys"
+    generate(str(keys), ("server", "client"))
+    layout = Layout(pools=1, engines=2, page_bytes=PAGE, pages=8, pool_capacity="32MiB", curve_dir=str(keys))
+    with Cluster(str(tmp_path / "c"), layout) as c:
+        got = scenarios.curve(c)
+    assert got["written"] == 8 and got["pages_read"] == 8 and got["wrong_pages"] == 0
+    assert got["keyed_hello_answered"] is True
+    assert got["keyless_hello_answered"] is False  # a node of the fabric without the keys is refused

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -12,7 +13,7 @@ import time
 
 from hicache_ext.lab.cluster.fabric import FabricError, Link, namespaces_permitted, remove_stale
 
-SCENARIOS = ("share", "pool-kill", "pool-partition", "netem")
+SCENARIOS = ("share", "pool-kill", "pool-partition", "netem", "curve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,12 @@ def _layout(args):
                   pool_block=f"{min(args.page_kib, 1024)}KiB")
 
 
+def _show(name: str, figures: dict, as_json: bool) -> None:
+    if not as_json:
+        print(f"{name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in figures.items()), flush=True)
+
+
 def _terminate(signum, _frame):
     raise KeyboardInterrupt  # the with blocks below tear everything down
 
@@ -78,32 +85,43 @@ def main(argv=None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="hicache-cluster-")
     link = Link(args.delay_ms, args.loss_pct, args.rate)
     layout = _layout(args)
+    which = list(args.which or SCENARIOS) if args.cmd == "scenario" else []
+    figures: dict = {}
+    out = sys.stderr if args.cmd == "scenario" and args.json else sys.stdout
     try:
-        with Cluster(work, layout) as cluster:
-            print("\n".join(cluster.describe()), file=sys.stderr if args.cmd == "scenario" and args.json else sys.stdout)
-            if args.cmd == "up":
-                if link.qdisc():
-                    for node in range(len(cluster.fabric.nodes)):
-                        cluster.fabric.shape(node, link)
-                print(f"holding; Ctrl-C to tear down (work dir {work})", flush=True)
-                time.sleep(args.hold) if math.isfinite(args.hold) else signal.pause()
-                return 0
-            figures = {}
-            for name in args.which or SCENARIOS:
-                print(f"scenario {name} ...", file=sys.stderr, flush=True)
-                if name == "share":
-                    figures[name] = scenarios.share(cluster)
-                elif name in ("pool-kill", "pool-partition"):
-                    figures[name] = scenarios.pool_failure(cluster, "kill" if name == "pool-kill" else "partition")
-                else:
-                    figures[name] = scenarios.netem(cluster, link if link.qdisc() else Link(1.0, 0.1, "1gbit"))
-                if not args.json:
-                    print(f"{name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                                  for k, v in figures[name].items()), flush=True)
-            if args.json:
-                print(json.dumps(figures))
-            bad = [n for n, f in figures.items() if f.get("wrong_pages")]
-            return 1 if bad else 0
+        if args.cmd == "up" or [w for w in which if w != "curve"]:
+            with Cluster(work, layout) as cluster:
+                print("\n".join(cluster.describe()), file=out, flush=True)
+                if args.cmd == "up":
+                    if link.qdisc():
+                        for node in range(len(cluster.fabric.nodes)):
+                            cluster.fabric.shape(node, link)
+                    print(f"holding; Ctrl-C to tear down (work dir {work})", flush=True)
+                    time.sleep(args.hold) if math.isfinite(args.hold) else signal.pause()
+                    return 0
+                for name in [w for w in which if w != "curve"]:
+                    print(f"scenario {name} ...", file=sys.stderr, flush=True)
+                    if name == "share":
+                        figures[name] = scenarios.share(cluster)
+                    elif name in ("pool-kill", "pool-partition"):
+                        figures[name] = scenarios.pool_failure(cluster, "kill" if name == "pool-kill" else "partition")
+                    else:
+                        figures[name] = scenarios.netem(cluster, link if link.qdisc() else Link(rate="1gbit"))
+                    _show(name, figures[name], args.json)
+        if "curve" in which:  # a cluster of its own: every tcp:// link with CurveZMQ keys
+            from tiers.wire.security import generate
+            keys = os.path.join(work, "keys")
+            generate(keys, ("server", "client"))
+            layout.curve_dir = keys
+            print("scenario curve ...", file=sys.stderr, flush=True)
+            with Cluster(os.path.join(work, "curve"), layout) as cluster:
+                print("\n".join(cluster.describe()), file=out, flush=True)
+                figures["curve"] = scenarios.curve(cluster)
+                _show("curve", figures["curve"], args.json)
+        if args.json:
+            print(json.dumps(figures))
+        failed = [n for n, f in figures.items() if f.get("wrong_pages") or f.get("keyless_hello_answered")]
+        return 1 if failed else 0
     except KeyboardInterrupt:
         return 0
     except (FabricError, RuntimeError, TimeoutError, AssertionError) as exc:

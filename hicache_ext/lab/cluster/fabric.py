@@ -7,7 +7,7 @@ on the fabric's own /24 (10.233.X.0/24, X chosen per fabric) and no default
 route, so traffic can only reach addresses this fabric assigned.  Removing
 the namespaces removes everything else (veths, bridge, qdiscs).
 
-Names carry the creating process's pid (``hct<pid>-n0``, ``hct<pid>-sw``), so
+Names carry the creating process's pid (``hct<pid>x<n>-n0``, ``hct<pid>x<n>-sw``), so
 ``remove_stale()`` can clean up after a run that was SIGKILLed.
 
 Links are shaped on the node's side of its veth (what leaves the node) and
@@ -18,6 +18,7 @@ stay up).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 PREFIX = "hct"
-_NAME = re.compile(rf"{PREFIX}(\d+)-(?:sw|n\d+)$")
+_NAME = re.compile(rf"{PREFIX}(\d+)x\d+-(?:sw|n\d+)$")
+_fabrics = itertools.count()
 
 
 class FabricError(RuntimeError):
@@ -101,7 +103,7 @@ class Fabric:
     def __init__(self, nodes: int, subnet_octet: Optional[int] = None):
         if not 1 <= nodes <= 200:
             raise ValueError("a fabric has 1 to 200 nodes")
-        self.tag = f"{PREFIX}{os.getpid()}"
+        self.tag = f"{PREFIX}{os.getpid()}x{next(_fabrics)}"  # several fabrics of one process may coexist
         self.switch = f"{self.tag}-sw"
         self.nodes = [f"{self.tag}-n{i}" for i in range(nodes)]
         octet = subnet_octet if subnet_octet is not None else 16 + os.getpid() % 224

@@ -102,8 +102,8 @@ class Cluster:
         if d is None:
             return "allow_insecure_tcp = true\n"
         keys = [f'curve_client_key = "{d}/client.key_secret"', f'curve_server_key = "{d}/server.key"']
-        if server:
-            keys = [f'curve_server_key = "{d}/server.key_secret"', f'curve_authorized_keys = "{d}/authorized"']
+        if server:  # admits the *.key files of d (the client's); its own key admits nobody
+            keys = [f'curve_server_key = "{d}/server.key_secret"', f'curve_authorized_keys = "{d}"']
         return "\n".join(keys) + "\n"
 
     def _pool_config(self, i: int) -> str:

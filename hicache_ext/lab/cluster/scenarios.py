@@ -67,8 +67,11 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
     failed_at = time.monotonic()
     cluster.kill_pool(0) if how == "kill" else cluster.partition_pool(0)
     writer.join()
-    for r in range(rounds):  # with pool 0 gone: every acknowledged page readable elsewhere, bit-exact
-        salt = 100 if r == 0 else 100 + r
+    # With pool 0 gone: every acknowledged page reads back elsewhere bit-exact, and once the engine's node
+    # counts the pool down (the call that finds it so loses its pages there) whole batches land again.
+    rehashed, written_while_down, r = None, 0, 0
+    while r < rounds or (rehashed is None and time.monotonic() - failed_at < recover_within):
+        salt = 100 + r
         wrote = results[-1] if r == 0 else a.call(op="write", salt=salt, seed=salt)
         worst = max(worst, wrote.get("seconds", 0.0))
         read = b.call(op="read", salt=salt)
@@ -76,7 +79,9 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
         got = _check(wrote, read)
         wrong += got["wrong_pages"]
         checked += got["pages_read"] * cluster.layout.page_bytes
-    written_while_down = wrote.get("written", 0)
+        if rehashed is None and r > 0 and wrote.get("written") == cluster.layout.pages:
+            rehashed, written_while_down = time.monotonic() - failed_at, wrote["written"]
+        r += 1
     back_at = time.monotonic()
     cluster.restart_pool(0) if how == "kill" else cluster.heal_pool(0)
     before = pool_stats(cluster, 0).get("pages", 0)
@@ -89,7 +94,9 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
             recovered = time.monotonic() - back_at
             break
     return {"pages_a_batch": cluster.layout.pages, "bytes_checked": checked, "wrong_pages": wrong,
-            "written_while_down": written_while_down, "worst_call_s": worst, "deadline_s": deadline,
+            "written_while_down": written_while_down,
+            "whole_batches_again_s": rehashed if rehashed is not None else float("nan"),
+            "worst_call_s": worst, "deadline_s": deadline,
             "recovered_s": recovered if recovered is not None else float("nan"),
             "seconds_down": back_at - failed_at}
 
@@ -122,3 +129,25 @@ def netem(cluster: Cluster, link: Link, rounds: int = 3) -> Dict[str, float]:
         for node in range(len(cluster.fabric.nodes)):
             cluster.fabric.shape(node, Link())
     return out
+
+
+def _hello_from(cluster: Cluster, node: int, endpoint: str, key_dir: str) -> bool:
+    """Whether a client in node's namespace gets a hello answered at endpoint (with key_dir's client keys,
+    or with none when key_dir is "")."""
+    code = ("import sys; from tiers.ops.node_runner import ping; from tiers.wire.security import CurveSettings; "
+            "d = sys.argv[2]; curve = CurveSettings(server_key=d + '/server.key', "
+            "client_key=d + '/client.key_secret') if d else None; "
+            "sys.exit(0 if ping(sys.argv[1], 3.0, curve) else 1)")
+    out = subprocess.run([*cluster.fabric.prefix_of(node), sys.executable, "-c", code, endpoint, key_dir],
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode == 0
+
+
+def curve(cluster: Cluster) -> Dict[str, float]:
+    """With CurveZMQ on every pool: pages still cross nodes bit-exact; a client without the keys, on a
+    node of the fabric, is refused by a pool."""
+    got = share(cluster, salt=77, seed=77)
+    endpoint, node = cluster.pool_endpoint(0), cluster.engine_node(0)
+    got["keyed_hello_answered"] = _hello_from(cluster, node, endpoint, cluster.layout.curve_dir or "")
+    got["keyless_hello_answered"] = _hello_from(cluster, node, endpoint, "")
+    return got
