@@ -27,6 +27,8 @@ def _check(wrote: dict, read: dict) -> Dict[str, float]:
 def share(cluster: Cluster, salt: int = 1, seed: int = 11) -> Dict[str, float]:
     """Engine 0 writes a prefix; engine 1, on another node, finds it and reads it bit-exact through the pools."""
     a, b = cluster.engines[0], cluster.engines[1]
+    a.call(op="write", salt=salt + 50000, seed=seed)  # untimed: first handshakes and Transfer Engine segments
+    b.call(op="read", salt=salt + 50000)
     wrote = a.call(op="write", salt=salt, seed=seed)
     found = b.call(op="lookup", salt=salt)
     read = b.call(op="read", salt=salt)
