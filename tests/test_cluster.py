@@ -7,6 +7,7 @@ SGLang host pools.  Skipped, saying why, where network namespaces cannot be
 made (not root, or a container without CAP_NET_ADMIN).
 """
 import math
+import shutil
 
 import pytest
 
@@ -102,3 +103,18 @@ def test_pools_behind_curvezmq_serve_keyed_nodes_and_refuse_others(tmp_path):
     assert got["written"] == 8 and got["pages_read"] == 8 and got["wrong_pages"] == 0
     assert got["keyed_hello_answered"] is True
     assert got["keyless_hello_answered"] is False  # a node of the fabric without the keys is refused
+
+
+@pytest.mark.skipif(shutil.which("mooncake_master") is None, reason="mooncake_master is not installed")
+def test_the_mooncake_store_kind_shares_across_nodes_and_survives_a_lost_node(tmp_path):
+    """kind = "mooncake_store": a mooncake_master on one node, each inference node a store client giving
+    memory to the cluster.  Pages cross nodes bit-exact; a killed store node costs misses, not wrong pages
+    or late calls, and the cluster serves whole batches again once the master drops its memory."""
+    layout = Layout(pools=1, engines=2, page_bytes=PAGE, pages=PAGES, kind="mooncake_store",
+                    backend={"deadline_base_s": 1.0})
+    with Cluster(str(tmp_path / "c"), layout) as c:
+        shared = scenarios.share(c, salt=3, seed=3)
+        lost = scenarios.store_node_failure(c, "kill", rounds=2, recover_within=40.0)
+    assert shared["found"] == PAGES and shared["pages_read"] == PAGES and shared["wrong_pages"] == 0
+    assert lost["wrong_pages"] == 0 and lost["worst_call_s"] <= DEADLINE_S + SCHEDULING_SLACK_S, lost
+    assert math.isfinite(lost["whole_batches_again_s"]) and math.isfinite(lost["recovered_s"]), lost

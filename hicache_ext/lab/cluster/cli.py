@@ -13,7 +13,9 @@ import time
 
 from hicache_ext.lab.cluster.fabric import FabricError, Link, namespaces_permitted, remove_stale
 
-SCENARIOS = ("share", "pool-kill", "pool-partition", "netem", "curve")
+SCENARIOS = ("share", "pool-kill", "pool-partition", "netem", "curve", "store-share", "store-kill",
+             "store-partition")
+POOLS_KIND = ("share", "pool-kill", "pool-partition", "netem")  # on a cluster of pool daemons
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     figures: dict = {}
     out = sys.stderr if args.cmd == "scenario" and args.json else sys.stdout
     try:
-        if args.cmd == "up" or [w for w in which if w != "curve"]:
+        if args.cmd == "up" or [w for w in which if w in POOLS_KIND]:
             with Cluster(work, layout) as cluster:
                 print("\n".join(cluster.describe()), file=out, flush=True)
                 if args.cmd == "up":
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
                     print(f"holding; Ctrl-C to tear down (work dir {work})", flush=True)
                     time.sleep(args.hold) if math.isfinite(args.hold) else signal.pause()
                     return 0
-                for name in [w for w in which if w != "curve"]:
+                for name in [w for w in which if w in POOLS_KIND]:
                     print(f"scenario {name} ...", file=sys.stderr, flush=True)
                     if name == "share":
                         figures[name] = scenarios.share(cluster)
@@ -118,6 +120,18 @@ def main(argv=None) -> int:
                 print("\n".join(cluster.describe()), file=out, flush=True)
                 figures["curve"] = scenarios.curve(cluster)
                 _show("curve", figures["curve"], args.json)
+        store = [w for w in which if w.startswith("store-")]
+        if store:  # kind mooncake_store: a mooncake_master on node 0, each inference node a store client
+            layout.curve_dir, layout.kind = None, "mooncake_store"
+            with Cluster(os.path.join(work, "store"), layout) as cluster:
+                print("\n".join(cluster.describe()), file=out, flush=True)
+                for name in store:
+                    print(f"scenario {name} ...", file=sys.stderr, flush=True)
+                    if name == "store-share":
+                        figures[name] = scenarios.share(cluster, salt=500 + len(figures))
+                    else:
+                        figures[name] = scenarios.store_node_failure(cluster, name.split("-")[1])
+                    _show(name, figures[name], args.json)
         if args.json:
             print(json.dumps(figures))
         failed = [n for n, f in figures.items() if f.get("wrong_pages") or f.get("keyless_hello_answered")]

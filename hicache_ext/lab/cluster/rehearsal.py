@@ -23,6 +23,7 @@ from hicache_ext.lab.cluster.fabric import Fabric
 from tiers.ops.node_runner import NodeRunner, stop_process
 
 POOL_PORT = 7400  # every pool node has its own address, so one port number serves all
+MASTER_PORT = 50051  # the mooncake_master's RPC port on pool node 0 (kind mooncake_store)
 
 
 @dataclass
@@ -38,6 +39,10 @@ class Layout:
     remote: Dict[str, object] = field(default_factory=dict)  # extra options of each remote tier
     backend: Dict[str, object] = field(default_factory=dict)  # extra config of each engine's backend
     curve_dir: Optional[str] = None  # CurveZMQ keys (hicache-tiers keys generate) for every tcp:// link
+    # "remote": pool daemons on the pool nodes; "mooncake_store": a mooncake_master on pool node 0 and each
+    # inference node's tier a Mooncake Store client contributing store_segment of memory
+    kind: str = "remote"
+    store_segment: str = "64MiB"
 
 
 class EngineProc:
@@ -81,11 +86,13 @@ class Cluster:
 
     def __init__(self, work_dir: str, layout: Layout):
         self.work_dir = work_dir
+        os.makedirs(work_dir, exist_ok=True)
         self.layout = layout
         self.fabric = Fabric(layout.pools + layout.engines)
         self.pools: List[NodeRunner] = []
         self.tiers: List[NodeRunner] = []
         self.engines: List[EngineProc] = []
+        self.master: Optional[subprocess.Popen] = None
 
     # ------------------------------------------------------------ layout
     def pool_node(self, i: int) -> int:
@@ -113,8 +120,35 @@ class Cluster:
                 f"max_page_bytes = \"{max(1, lay.page_bytes >> 20)}MiB\"\nendpoint = \"{self.pool_endpoint(i)}\"\n"
                 f"te_hostname = \"{self.fabric.addresses[self.pool_node(i)]}\"\n")
 
+    def _store_config(self, i: int) -> str:
+        lay = self.layout
+        return (f"[[tiers]]\nname = \"remote\"\nkind = \"mooncake_store\"\n"
+                f"master_server_address = \"{self.fabric.addresses[self.pool_node(0)]}:{MASTER_PORT}\"\n"
+                f"te_hostname = \"{self.fabric.addresses[self.engine_node(i)]}\"\n"
+                f"global_segment_size = \"{lay.store_segment}\"\nlocal_buffer_size = \"32MiB\"\n"
+                f"max_page_bytes = \"{max(1, lay.page_bytes >> 20)}MiB\"\n")
+
+    def _start_master(self) -> None:
+        import shutil
+        import time
+        master = shutil.which("mooncake_master")
+        if master is None:
+            raise RuntimeError("mooncake_master is not installed (pip install mooncake-transfer-engine)")
+        address = self.fabric.addresses[self.pool_node(0)]
+        log = open(os.path.join(self.work_dir, "master.log"), "wb")
+        self.master = subprocess.Popen([*self.fabric.prefix_of(self.pool_node(0)), master, f"--rpc_address={address}",
+                                        f"--rpc_port={MASTER_PORT}", "--enable_metric_reporting=false",
+                                        f"--metrics_host={address}"],
+                                       stdout=log, stderr=log, env={**os.environ, "MC_FORCE_TCP": "1"})
+        log.close()
+        time.sleep(1.5)  # the master answers no hello; the tiers' start fails loudly if it is not up
+        if self.master.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {self.master.returncode}; see {self.work_dir}/master.log")
+
     def _remote_config(self, i: int) -> str:
         lay = self.layout
+        if lay.kind == "mooncake_store":
+            return self._store_config(i)
         pools = ", ".join(f'"{self.pool_endpoint(p)}"' for p in range(lay.pools))
         extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in lay.remote.items())
         return (f"[node]\n{self._curve_node_keys(False)}\n[[tiers]]\nname = \"remote\"\nkind = \"remote\"\n"
@@ -125,8 +159,11 @@ class Cluster:
     def start(self) -> "Cluster":
         try:
             self.fabric.create()
-            for i in range(self.layout.pools):
-                self.pools.append(self._runner(f"pool{i}", self._pool_config(i), self.pool_node(i)))
+            if self.layout.kind == "mooncake_store":
+                self._start_master()
+            else:
+                for i in range(self.layout.pools):
+                    self.pools.append(self._runner(f"pool{i}", self._pool_config(i), self.pool_node(i)))
             for i in range(self.layout.engines):
                 runner = self._runner(f"node{i}", self._remote_config(i), self.engine_node(i))
                 self.tiers.append(runner)
@@ -162,6 +199,8 @@ class Cluster:
                 runner.kill()
             except Exception:
                 pass
+        if self.master is not None:
+            stop_process(self.master, 10.0)
         self.fabric.remove()
 
     def __enter__(self) -> "Cluster":
@@ -171,6 +210,10 @@ class Cluster:
         self.close()
 
     # ---------------------------------------------------------- failures
+    def kill_store_node(self, i: int) -> None:
+        """Kill inference node i's tier daemon (kind mooncake_store: the memory it contributed goes with it)."""
+        self.tiers[i].kill()
+
     def kill_pool(self, i: int) -> None:
         self.pools[i].kill()
 
@@ -186,7 +229,10 @@ class Cluster:
     def describe(self) -> List[str]:
         lines = [f"fabric {self.fabric.tag}: bridge in namespace {self.fabric.switch}, {self.fabric.prefix}.0/24, "
                  "no uplink, no default route"]
-        for i in range(self.layout.pools):
+        if self.master is not None:
+            lines.append(f"  {self.fabric.nodes[0]}  {self.fabric.addresses[0]}  mooncake_master "
+                         f"{self.fabric.addresses[0]}:{MASTER_PORT} (pid {self.master.pid})")
+        for i in range(len(self.pools)):
             node = self.pool_node(i)
             lines.append(f"  {self.fabric.nodes[node]}  {self.fabric.addresses[node]}  pool daemon "
                          f"{self.pool_endpoint(i)} (pid {self.pools[i].pid('pool')})")

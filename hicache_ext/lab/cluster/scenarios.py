@@ -153,3 +153,60 @@ def curve(cluster: Cluster) -> Dict[str, float]:
     got["keyed_hello_answered"] = _hello_from(cluster, node, endpoint, cluster.layout.curve_dir or "")
     got["keyless_hello_answered"] = _hello_from(cluster, node, endpoint, "")
     return got
+
+
+def store_node_failure(cluster: Cluster, how: str = "kill", rounds: int = 3,
+                       recover_within: float = 60.0) -> Dict[str, float]:
+    """kind mooncake_store: inference node 1's store client (and the memory it gave the cluster) is killed,
+    or its link cut, while engine 0 writes a batch.  Engine 0 reads back what it wrote, round after
+    round: no wrong page, no call past its deadline; then node 1 comes back and the time until engine 1
+    reads engine 0's pages again is measured."""
+    a, b = cluster.engines[0], cluster.engines[1]
+    deadline = float(cluster.layout.backend.get("deadline_base_s", 1.0))
+    worst, wrong, checked, whole = 0.0, 0, 0, 0
+    results: List[dict] = []
+    writer = threading.Thread(target=lambda: results.append(a.call(op="write", salt=300, seed=300)))
+    writer.start()
+    time.sleep(0.02)
+    failed_at = time.monotonic()
+    if how == "kill":
+        cluster.kill_store_node(1)
+    else:
+        cluster.fabric.partition(cluster.engine_node(1))
+    writer.join()
+    # Until the master stops placing pages in the lost memory, writes and reads of them fail; round after
+    # round until whole batches land again (or recover_within).
+    whole_at, r = None, 0
+    while r < rounds or (whole_at is None and time.monotonic() - failed_at < recover_within):
+        salt = 300 + r
+        wrote = results[-1] if r == 0 else a.call(op="write", salt=salt, seed=salt)
+        read = a.call(op="read", salt=salt)
+        worst = max(worst, wrote.get("seconds", 0.0), read.get("seconds", 0.0))
+        got = _check(wrote, read)
+        wrong += got["wrong_pages"]
+        checked += got["pages_read"] * cluster.layout.page_bytes
+        if wrote.get("written") == cluster.layout.pages and got["pages_read"] == cluster.layout.pages:
+            whole += 1
+            whole_at = whole_at or time.monotonic() - failed_at
+        r += 1
+    back_at = time.monotonic()
+    if how == "kill":
+        cluster.tiers[1].start(timeout=60.0)
+    else:
+        cluster.fabric.heal(cluster.engine_node(1))
+    recovered, salt = None, 2000
+    while time.monotonic() - back_at < recover_within:
+        salt += 1
+        wrote = a.call(op="write", salt=salt, seed=salt)
+        read = b.call(op="read", salt=salt)
+        got = _check(wrote, read)
+        wrong += got["wrong_pages"]
+        if wrote.get("written") == cluster.layout.pages and got["pages_read"] == cluster.layout.pages:
+            recovered = time.monotonic() - back_at
+            break
+        time.sleep(0.2)
+    return {"pages_a_batch": cluster.layout.pages, "bytes_checked": checked, "wrong_pages": wrong,
+            "whole_rounds_while_down": whole, "rounds_while_down": r,
+            "whole_batches_again_s": whole_at if whole_at is not None else float("nan"), "worst_call_s": worst,
+            "deadline_s": deadline, "seconds_down": back_at - failed_at,
+            "recovered_s": recovered if recovered is not None else float("nan")}
