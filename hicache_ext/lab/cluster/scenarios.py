@@ -18,6 +18,13 @@ from hicache_ext.lab.cluster.fabric import Link
 from hicache_ext.lab.cluster.rehearsal import Cluster
 
 
+def call_deadline(cluster: Cluster) -> float:
+    """The backend's deadline for one batch: deadline_base_s plus its bytes at deadline_min_gbps."""
+    backend = cluster.layout.backend
+    nbytes = cluster.layout.pages * cluster.layout.page_bytes
+    return float(backend.get("deadline_base_s", 1.0)) + nbytes / (float(backend.get("deadline_min_gbps", 0.1)) * 1e9)
+
+
 def _check(wrote: dict, read: dict) -> Dict[str, float]:
     n = read.get("read", 0)
     wrong = sum(1 for a, b in zip(read.get("sums", []), wrote["sums"][:n]) if a != b)
@@ -56,7 +63,7 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
     the others), pool 0 comes back (restarted empty, or its link healed), and the time until a write
     lands on it again is measured."""
     a, b = cluster.engines[0], cluster.engines[1]
-    deadline = float(cluster.layout.backend.get("deadline_base_s", 1.0))
+    deadline = call_deadline(cluster)
     worst, wrong, checked = 0.0, 0, 0
     results: List[dict] = []
 
@@ -162,7 +169,7 @@ def store_node_failure(cluster: Cluster, how: str = "kill", rounds: int = 3,
     round: no wrong page, no call past its deadline; then node 1 comes back and the time until engine 1
     reads engine 0's pages again is measured."""
     a, b = cluster.engines[0], cluster.engines[1]
-    deadline = float(cluster.layout.backend.get("deadline_base_s", 1.0))
+    deadline = call_deadline(cluster)
     worst, wrong, checked, whole = 0.0, 0, 0, 0
     results: List[dict] = []
     writer = threading.Thread(target=lambda: results.append(a.call(op="write", salt=300, seed=300)))
