@@ -8,15 +8,15 @@ waits on a tier that was down.  A ``no_session`` reply (the daemon
 restarted) re-opens the session and retries once.
 
 Engine clients attach (``attach=True``): they map the daemon's arena
-read-only and copy leased pages out of it themselves (tiers/node/arena.py).
+read-only and copy leased pages out of it themselves (tiers/node/arena.py);
+the registration of host pools and the arena's mapping live in
+tiers/wire/attachment.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ import zmq
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
+from tiers.wire.attachment import Attachment
 from tiers.node.buffers import MemoryFault
 from tiers.ops.logs import RateLimitedLog
 
@@ -81,17 +82,22 @@ class TierClient:
         self._down = False
         self._probing = False
         self._backoff = self.deadlines.backoff_min
-        self._region_fd: Optional[int] = None
-        self._region_size = 0
-        self._region_conn: Optional[socket.socket] = None
-        self.region_id: Optional[int] = None
-        self._attach_wanted = attach
         self._done_leases: List[int] = []  # read leases copied out: released with the next get
-        self.arena: Optional[ArenaMap] = None  # the daemon's arena, mapped read-only
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
         self._warn = RateLimitedLog(log)
+        self._attachment = Attachment(name, attach, self._warn)  # host pool handed over, daemon arena mapped
         self._closed = False
+
+    @property
+    def region_id(self) -> Optional[int]:
+        """The registered host pool's id in the current session (None: pages travel as frames)."""
+        return self._attachment.region_id
+
+    @property
+    def arena(self) -> Optional[ArenaMap]:
+        """The daemon's arena, mapped read-only (engines copy leased reads out of it)."""
+        return self._attachment.arena
 
     # ------------------------------------------------------------- plumbing
     def _socket(self) -> zmq.Socket:
@@ -119,7 +125,7 @@ class TierClient:
     def _mark_down(self, why: str) -> None:
         with self._lock:
             self._session = None
-            self.region_id = None
+            self._attachment.forget_region()
             self._down = True
             start = not self._probing and not self._closed
             self._probing = self._probing or start
@@ -214,8 +220,8 @@ class TierClient:
         self.fd_socket = reply.header.get("fd_socket", "")
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
-        if self._region_fd is not None or self._attach_wanted:
-            self._register_region_locked()
+        if self._attachment.wanted:
+            self._attachment.register(self.fd_socket, self._session, self.deadlines.lookup)
         return True
 
     def _ensure_session(self) -> Optional[int]:
@@ -257,62 +263,9 @@ class TierClient:
     def attach_region(self, fd: int, size: int) -> None:
         """Remember a host-pool memfd; it is (re-)registered after every hello."""
         with self._lock:
-            self._region_fd, self._region_size = fd, size
+            self._attachment.remember(fd, size)
             if self._session is not None:
-                self._register_region_locked()
-
-    def _register_region_locked(self) -> None:
-        """Attach: hand over the host pool (when there is one), map the daemon's arena read-only."""
-        self.region_id = None
-        if self._region_conn is not None:
-            self._region_conn.close()
-            self._region_conn = None
-        if not self.fd_socket:
-            return
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(self.deadlines.lookup)
-        arena_fd = None
-        try:
-            conn.connect(self.fd_socket)
-            header = {"v": P.PROTOCOL_VERSION, "s": self._session, "size": self._region_size}
-            if self._region_fd is not None:
-                P.send_register(conn, self._region_fd, header)
-            else:
-                P.send_framed(conn, header)
-            reply, arena_fd = P.recv_framed_fd(conn)
-            if reply.get("ok") and arena_fd is not None and self._attach_wanted:
-                self._map_arena_locked(arena_fd, reply)
-        except (OSError, ValueError, P.ProtocolError) as exc:
-            conn.close()
-            self._warn.warning(f"region:{self.name}", "tier %s: attach failed (%s); pages travel as frames",
-                               self.name, exc)
-            return
-        finally:
-            if arena_fd is not None:
-                os.close(arena_fd)
-        if not reply.get("ok"):
-            conn.close()
-            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
-            return
-        self._region_conn = conn  # kept open: closing it tells the daemon to unmap
-        self.region_id = reply.get("region") or None
-
-    def _map_arena_locked(self, fd: int, reply: dict) -> None:
-        arena_id, size = reply.get("arena"), reply.get("arena_size")
-        if type(arena_id) is not int or type(size) is not int or size <= 0:
-            return
-        if self.arena is not None and self.arena.arena_id == arena_id:
-            return  # the same daemon: the mapping we have is the right one
-        if os.fstat(fd).st_size < size:
-            raise ValueError("the daemon's arena is smaller than it says")
-        # Read-only and sealed by the daemon against shrinking: copying from it can never fault.
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
-        # populating it would allocate all of it.
-        resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
-        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident)
-        if old is not None:
-            old.close()
+                self._attachment.register(self.fd_socket, self._session, self.deadlines.lookup)
 
     # ------------------------------------------------------- operations
     def lookup(self, keys: List[str]) -> Optional[bytes]:
@@ -476,12 +429,7 @@ class TierClient:
             for sock in self._sockets:
                 sock.close(linger=0)
             self._sockets.clear()
-            if self._region_conn is not None:
-                self._region_conn.close()
-                self._region_conn = None
-            if self.arena is not None:
-                self.arena.close()
-                self.arena = None
+            self._attachment.close()
 
 
 def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:

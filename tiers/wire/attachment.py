@@ -1,0 +1,105 @@
+"""A client's shared memory with its daemon: the host pool it hands over, the daemon's arena it maps.
+
+Owned by TierClient (tiers/wire/client.py), which calls ``register`` after
+every hello (a daemon that restarted forgets regions) under its own lock.
+Pages then move by (offset, length) in those mappings instead of as frames:
+the daemon copies a put out of the host pool; an engine copies a leased read
+out of the arena, mapped read-only (tiers/wire/arena_map.py).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+from typing import Optional
+
+from tiers.ops.logs import RateLimitedLog
+from tiers.wire import protocol as P
+from tiers.wire.arena_map import ArenaMap
+
+
+class Attachment:
+    """The host-pool memfd this client registers (if any) and the daemon arena it maps (when wanted)."""
+
+    def __init__(self, name: str, map_arena: bool, warn: RateLimitedLog):
+        self.name = name
+        self.map_arena = map_arena  # engines copy leased reads out of the arena; daemons' clients need not
+        self._warn = warn
+        self._fd: Optional[int] = None
+        self._size = 0
+        self._conn: Optional[socket.socket] = None  # kept open: closing it tells the daemon to unmap
+        self.region_id: Optional[int] = None
+        self.arena: Optional[ArenaMap] = None
+
+    @property
+    def wanted(self) -> bool:
+        """Whether a hello must be followed by a registration."""
+        return self._fd is not None or self.map_arena
+
+    def remember(self, fd: int, size: int) -> None:
+        self._fd, self._size = fd, size
+
+    def forget_region(self) -> None:
+        """The session ended: its region id means nothing to the next one."""
+        self.region_id = None
+
+    def register(self, fd_socket: str, session: int, timeout: float) -> None:
+        """Hand over the host pool (when there is one) and map the daemon's arena, through fd_socket."""
+        self.region_id = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if not fd_socket:
+            return
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(timeout)
+        arena_fd = None
+        try:
+            conn.connect(fd_socket)
+            header = {"v": P.PROTOCOL_VERSION, "s": session, "size": self._size}
+            if self._fd is not None:
+                P.send_register(conn, self._fd, header)
+            else:
+                P.send_framed(conn, header)
+            reply, arena_fd = P.recv_framed_fd(conn)
+            if reply.get("ok") and arena_fd is not None and self.map_arena:
+                self._map_arena(arena_fd, reply)
+        except (OSError, ValueError, P.ProtocolError) as exc:
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s: attach failed (%s); pages travel as frames",
+                               self.name, exc)
+            return
+        finally:
+            if arena_fd is not None:
+                os.close(arena_fd)
+        if not reply.get("ok"):
+            conn.close()
+            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
+            return
+        self._conn = conn
+        self.region_id = reply.get("region") or None
+
+    def _map_arena(self, fd: int, reply: dict) -> None:
+        arena_id, size = reply.get("arena"), reply.get("arena_size")
+        if type(arena_id) is not int or type(size) is not int or size <= 0:
+            return
+        if self.arena is not None and self.arena.arena_id == arena_id:
+            return  # the same daemon: the mapping we have is the right one
+        if os.fstat(fd).st_size < size:
+            raise ValueError("the daemon's arena is smaller than it says")
+        # Read-only and sealed by the daemon against shrinking: copying from it can never fault.
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
+        # populating it would allocate all of it.
+        resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
+        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
