@@ -188,7 +188,9 @@ def test_a_lost_pool_costs_only_its_keys_and_rejoins(cluster, fault):
             os.kill(pid, signal.SIGCONT)
     if fault == "kill":
         pools.start(name)
-    # Back (restarted: empty; thawed: with its pages): each node uses it again after its back-off.
+    # Back (restarted: empty; thawed: with its pages): each node uses it again after its back-off
+    # (pool_retry_max_ms, 1 s here); once every back-off has lapsed, the next call of each node probes it.
+    time.sleep(1.3)
     # Written again with the bytes they had: a key names its content (SGLang's page hashes); while a pool
     # is down its keys go to their next pool, so a thawed pool's copy must be the same page (REMOTE.md).
     back = [k for k, x in zip(keys, lost) if x]
