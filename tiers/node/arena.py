@@ -153,7 +153,11 @@ class BlockArena:
             return len(self._free)
 
     def views(self, alloc: Alloc) -> List[memoryview]:
-        return [self.view[off:off + n] for off, n in alloc.extents]
+        return self.extent_views(alloc.extents)
+
+    def extent_views(self, extents: Extents) -> List[memoryview]:
+        """Views of (offset, length) runs of the arena (an allocation's, or a pinned page's)."""
+        return [self.view[off:off + n] for off, n in extents]
 
     # ---------------------------------------------------------------- leases
     def lease(self, owner: int, allocs: Sequence[Alloc], expiry: float) -> int:

@@ -171,13 +171,13 @@ class DemotionQueue:
             self._items.append(item)
             self._cond.notify()
 
-    def offer_pinned(self, key: PageKey, extents: list, nbytes: int, pin) -> bool:
-        """Queue a page of self.arena by its runs; pin() -> lease id pins its blocks once admitted (the
-        lease bounds pinned memory by the queue's bound).  Never waits; False, counted, when full."""
+    def offer_pinned(self, key: PageKey, extents: list, lease: int) -> bool:
+        """Queue a page of self.arena by its runs, pinned by lease (released once pushed; the queue's bound
+        bounds pinned memory).  Never waits; False, counted, when full: the caller keeps the lease."""
+        nbytes = sum(n for _o, n in extents)
         if not self._admit(key, nbytes):
             return False
-        lease = pin()
-        self._append(_Pending(key, [self.arena.view[o:o + n] for o, n in extents], nbytes, extents, lease))
+        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease))
         return True
 
     def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False) -> bool:
@@ -306,7 +306,7 @@ class Demoter(EvictionListener):
         if pinned is None:
             return None
         lease, extents = pinned
-        if self.queue.offer_pinned(key, extents, sum(n for _o, n in extents), lambda: lease):
+        if self.queue.offer_pinned(key, extents, lease):
             return True
         self.queue.arena.release(lease, DEMOTION_OWNER)
         return False
@@ -320,10 +320,8 @@ class Demoter(EvictionListener):
             return data is not None and self.link.push(key, [memoryview(data)])
         lease, extents = pinned
         try:
-            views = [arena.view[o:o + n] for o, n in extents]
-            return self.link.push_many(key[0], [key[1]], [views], [extents])[0]
+            return self.link.push_many(key[0], [key[1]], [arena.extent_views(extents)], [extents])[0]
         finally:
-            views = []
             arena.release(lease, DEMOTION_OWNER)
 
     def close(self, store: PageStore) -> None:

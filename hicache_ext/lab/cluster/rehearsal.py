@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -129,8 +131,6 @@ class Cluster:
                 f"max_page_bytes = \"{max(1, lay.page_bytes >> 20)}MiB\"\n")
 
     def _start_master(self) -> None:
-        import shutil
-        import time
         master = shutil.which("mooncake_master")
         if master is None:
             raise RuntimeError("mooncake_master is not installed (pip install mooncake-transfer-engine)")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from hicache_ext.lab.cluster.fabric import Link
 from hicache_ext.lab.cluster.rehearsal import Cluster
@@ -57,6 +57,18 @@ def pool_stats(cluster: Cluster, i: int) -> dict:
     return (json.loads(out.stdout or "{}").get("pool") or {}) if out.returncode == 0 else {}
 
 
+def _fail_mid_batch(engine, salt: int, fail: Callable[[], None]) -> Tuple[dict, float]:
+    """engine writes a batch under salt while fail() strikes 20 ms into it: (the write's answer, when)."""
+    results: List[dict] = []
+    writer = threading.Thread(target=lambda: results.append(engine.call(op="write", salt=salt, seed=salt)))
+    writer.start()
+    time.sleep(0.02)  # into the batch
+    failed_at = time.monotonic()
+    fail()
+    writer.join()
+    return results[0], failed_at
+
+
 def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_within: float = 30.0) -> Dict[str, float]:
     """Pool 0 dies (``kill``: SIGKILL) or is cut off (``partition``: its link down) while engine 0 writes a
     batch; engine 1 reads what was acknowledged.  Then writes go on with pool 0 gone (its keys rehashed to
@@ -65,23 +77,14 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
     a, b = cluster.engines[0], cluster.engines[1]
     deadline = call_deadline(cluster)
     worst, wrong, checked = 0.0, 0, 0
-    results: List[dict] = []
-
-    def write(salt: int) -> None:
-        results.append(a.call(op="write", salt=salt, seed=salt))
-
-    writer = threading.Thread(target=write, args=(100,))
-    writer.start()
-    time.sleep(0.02)  # into the batch
-    failed_at = time.monotonic()
-    cluster.kill_pool(0) if how == "kill" else cluster.partition_pool(0)
-    writer.join()
+    first, failed_at = _fail_mid_batch(a, 100, lambda: cluster.kill_pool(0) if how == "kill"
+                                       else cluster.partition_pool(0))
     # With pool 0 gone: every acknowledged page reads back elsewhere bit-exact, and once the engine's node
     # counts the pool down (the call that finds it so loses its pages there) whole batches land again.
     rehashed, written_while_down, r = None, 0, 0
     while r < rounds or (rehashed is None and time.monotonic() - failed_at < recover_within):
         salt = 100 + r
-        wrote = results[-1] if r == 0 else a.call(op="write", salt=salt, seed=salt)
+        wrote = first if r == 0 else a.call(op="write", salt=salt, seed=salt)
         worst = max(worst, wrote.get("seconds", 0.0))
         read = b.call(op="read", salt=salt)
         worst = max(worst, read.get("seconds", 0.0))
@@ -171,22 +174,14 @@ def store_node_failure(cluster: Cluster, how: str = "kill", rounds: int = 3,
     a, b = cluster.engines[0], cluster.engines[1]
     deadline = call_deadline(cluster)
     worst, wrong, checked, whole = 0.0, 0, 0, 0
-    results: List[dict] = []
-    writer = threading.Thread(target=lambda: results.append(a.call(op="write", salt=300, seed=300)))
-    writer.start()
-    time.sleep(0.02)
-    failed_at = time.monotonic()
-    if how == "kill":
-        cluster.kill_store_node(1)
-    else:
-        cluster.fabric.partition(cluster.engine_node(1))
-    writer.join()
+    first, failed_at = _fail_mid_batch(a, 300, lambda: cluster.kill_store_node(1) if how == "kill"
+                                       else cluster.fabric.partition(cluster.engine_node(1)))
     # Until the master stops placing pages in the lost memory, writes and reads of them fail; round after
     # round until whole batches land again (or recover_within).
     whole_at, r = None, 0
     while r < rounds or (whole_at is None and time.monotonic() - failed_at < recover_within):
         salt = 300 + r
-        wrote = results[-1] if r == 0 else a.call(op="write", salt=salt, seed=salt)
+        wrote = first if r == 0 else a.call(op="write", salt=salt, seed=salt)
         read = a.call(op="read", salt=salt)
         worst = max(worst, wrote.get("seconds", 0.0), read.get("seconds", 0.0))
         got = _check(wrote, read)
