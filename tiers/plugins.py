@@ -17,7 +17,12 @@ tests a plug-in runs against itself.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import re
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import distributions
@@ -130,13 +135,39 @@ def store_kind(name: str) -> StoreKind:
     return kind
 
 
+# A policy in a user's own file, no package needed: "/path/to/my_policy.py:MyPolicy".
+POLICY_FILE = re.compile(r"^(?P<path>.+\.py):(?P<attribute>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def _load_file(path: str, attribute: str, what: str) -> Any:
+    """attribute of the Python file at path, imported under a name of its own (PluginError when it does not load)."""
+    if not os.path.isfile(path):
+        raise PluginError(f"{what}: no file {path}")
+    module_name = "hicache_tiers_user_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+        spec.loader.exec_module(module)
+        return getattr(module, attribute)
+    except Exception as exc:  # the user's code is named, not a traceback from deep inside it
+        sys.modules.pop(module_name, None)
+        raise PluginError(f"{what} does not load: {type(exc).__name__}: {exc}") from None
+
+
 @lru_cache(maxsize=None)
 def policy_class(name: str) -> type:
-    """The EvictionPolicy class registered as name (PluginError listing the installed policies)."""
+    """The EvictionPolicy class registered as name, or in FILE.py:Class (PluginError listing the installed ones)."""
     from tiers.policies.base import EvictionPolicy
-    cls = _named(policy_targets(), name, "eviction policy")
+    in_file = POLICY_FILE.match(name)
+    if in_file:
+        cls = _load_file(in_file["path"], in_file["attribute"], f"policy {name}")
+        target = name
+    else:
+        cls = _named(policy_targets(), name, "eviction policy", also=", or FILE.py:Class")
+        target = policy_targets()[name]
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-        raise PluginError(f"policy {name}: {policy_targets()[name]} is not an EvictionPolicy subclass")
+        raise PluginError(f"policy {name}: {target} is not an EvictionPolicy subclass")
     return cls
 
 

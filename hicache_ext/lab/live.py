@@ -55,9 +55,14 @@ def page_bytes(shape: Optional[dict] = None) -> int:
     return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * s["page_size"] * DTYPE_BYTES
 
 
+def page_key(block: int) -> str:
+    """The 64-hex page key of a dense block id (the ids already namespace each trace file)."""
+    return hashlib.sha256(f"hicache-tiers-replay:{block}".encode()).hexdigest()
+
+
 def page_keys(trace: Trace) -> List[str]:
-    """A 64-hex page key per dense block id (the ids already namespace each trace file)."""
-    return [hashlib.sha256(f"hicache-tiers-replay:{k}".encode()).hexdigest() for k in range(trace.n_keys)]
+    """page_key of every block id of trace."""
+    return [page_key(k) for k in range(trace.n_keys)]
 
 
 def dram_node_config(blocks: int, policy: str, page_size_bytes: int) -> str:

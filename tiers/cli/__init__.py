@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "tiers.cli.sglang",
     "tiers.cli.ops",
     "tiers.cli.experiments",
+    "tiers.cli.plan",
     "tiers.cli.keys",
 ]
 

@@ -5,6 +5,7 @@ naming where it is and what is allowed.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Callable, List, Optional
 
@@ -113,5 +114,15 @@ def _weight(value: Any, where: str) -> float:
 
 
 def _policy(value: Any, where: str) -> str:
+    """An installed policy's name, or an absolute "/path/file.py:Class" that loads."""
+    from tiers.plugins import POLICY_FILE, PluginError, policy_class
     from tiers.policies import policy_names
+    if isinstance(value, str) and POLICY_FILE.match(value):
+        if not os.path.isabs(value):
+            raise ConfigError(f"{where}: a policy file must be an absolute path, got {value!r}")
+        try:
+            policy_class(value)
+        except PluginError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return value
     return _choice(*policy_names())(value, where)

@@ -57,3 +57,13 @@ def write_csv(path: str, rows: Sequence[Row]) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow(row.as_dict())
+
+
+def write_dict_csv(path: str, rows: Sequence[dict]) -> None:
+    """One CSV line per dict (the first row's keys as the header)."""
+    if not rows:
+        raise ValueError("no rows to write")
+    with open(path, "w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
