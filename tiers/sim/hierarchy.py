@@ -198,6 +198,9 @@ class _Run:
         if engine.storage and rest:
             available = sum(rest_toks[:self.tiers.lookup(rest)])
             fetched, fetched_tok, admitted = self._prefetch(last, rest, rest_toks, available, arrival, poll)
+        pinned = fetched if fetched is not None else last
+        if fetched is not None:
+            tree.lock(fetched)  # write_back's backups during the load must not evict what was just fetched
         loads = host_nodes + ([fetched] if fetched is not None else [])
         if loads and not tree.load_back(loads):
             self.lost["load_back_failed"] += fetched_tok
@@ -209,6 +212,8 @@ class _Run:
             parent = fetched if fetched is not None else last
             tree.insert(parent, rest[computed_from:], rest_toks[computed_from:])
         tree.unlock(last)
+        if pinned is not last:
+            tree.unlock(pinned)
         computed = length - device_tok - host_tok - fetched_tok
         t = self.time
         service = max((host_tok + fetched_tok) * t.h2d_s, computed * t.write_s, computed * t.compute_s)

@@ -6,6 +6,7 @@ and ``mem_cache/radix_cache.py``), with a block of the trace as the unit of a ke
   splits it (``_split_node``), and a node's blocks are freed together;
 - every node a match or insert walks gets a fresh access counter
   (``_touch_node``: ``get_and_increase_time_counter``), so deeper is newer;
+  a split stamps the lower fragment too, just before the path (``_split_node``);
 - device eviction pops device leaves by least recent access
   (``evict_device_leaf``): a node with a host copy is demoted (its device copy
   freed), an unbacked one is deleted, or under write_back first backed up to
@@ -129,6 +130,7 @@ class BlockRadixTree:
         upper.children[child.blocks[0]] = child
         upper.device_children = 1 if child.device else 0
         parent.children[upper.blocks[0]] = upper
+        self._touch(child)  # SGLang stamps the lower fragment at a split (before the path above it)
         return upper
 
     # ------------------------------------------------------------------ locks
