@@ -50,10 +50,10 @@ def policy_names() -> list:
 
 
 def policy_class(name: str) -> Type[EvictionPolicy]:
-    """The class installed as name (ValueError naming the choices)."""
-    from tiers.plugins import PluginError, policy_class as load
+    """The class installed as name, or in FILE.py:Class (ValueError naming the choices)."""
+    from tiers.plugins import POLICY_FILE, PluginError, policy_class as load
     try:
-        return load(name.lower())
+        return load(name if POLICY_FILE.match(name) else name.lower())
     except PluginError as exc:
         if "no eviction policy" in str(exc):
             raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}") from None
