@@ -175,3 +175,21 @@ def test_scripting_api_sweep_and_settings():
                                   values={"prefetch_policy": ("best_effort",)})
     assert [r["setting"] for r in settings] == ["base", "prefetch_policy"]
     assert settings[1]["storage_hit_rate"] == 0 and settings[1]["delta_hit_rate"] < 0
+
+
+def test_example_script_of_experiments_md(tmp_path, capsys):
+    import importlib.util
+    trace = shared_prefix_trace()
+    path = tmp_path / "trace.jsonl"
+    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
+    path.write_text("".join(json.dumps({"timestamp": int(trace.timestamps[r]), "input_length": int(trace.input_lengths[r]),
+                                        "hash_ids": keys[offsets[r]:offsets[r + 1]]}) + "\n"
+                            for r in range(trace.n_requests)))
+    spec = importlib.util.spec_from_file_location("plan_api", "scripts/examples/plan_api.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    block_gb = 16 * 131072 / 1e9
+    assert example.main([str(path), "--block-tokens", "16", "--device-gb", str(20 * block_gb),
+                         "--dram-gb", f"{50 * block_gb},{400 * block_gb}", "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "slru (user file)" in out and "storage_hit_rate" in out and (tmp_path / "p.png").exists()

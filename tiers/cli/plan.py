@@ -97,6 +97,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b", help="model preset (default: %(default)s)")
     p.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="h100-sxm",
                    help="GPU preset: dense BF16 TFLOPs and host-to-GPU GB/s with sources (default: %(default)s)")
+    p.add_argument("--gpus", type=positive_int, default=1,
+                   help="GPUs of the engine (tensor parallel): T and host-to-GPU time divide by it (default: %(default)s)")
     p.add_argument("--mfu", type=float, default=0.5, help="fraction of the GPU peak prefill reaches (default: %(default)s)")
     p.add_argument("--compute-us-per-token", type=float, default=None, metavar="US",
                    help="a measured prefill time per token T, instead of the GPU preset's")
@@ -139,7 +141,7 @@ def register(subparsers) -> None:
 
 def _setup(args, bench):
     from tiers.sim.plan import Setup
-    return Setup(bench=bench, model=args.model, gpu=args.gpu, mfu=args.mfu,
+    return Setup(bench=bench, model=args.model, gpu=args.gpu, gpus=args.gpus, mfu=args.mfu,
                  compute_s=args.compute_us_per_token * 1e-6 if args.compute_us_per_token else None,
                  device_gb=args.device_gb, hicache_ratio=args.hicache_ratio, host_gb=args.hicache_size,
                  write_policy=args.write_policy, page_size=args.page_size, prefetch_threshold=args.prefetch_threshold,
@@ -170,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     points = plan.grid(args.dram_gb, args.nvme_gb, args.remote_gb)
     parallel = args.parallel or plan.default_parallel()
     print(f"{trace.n_requests:,} requests, {int(trace.input_lengths.sum()):,} tokens; {len(points)} points; "
-          f"{args.model} ({setup.shape.kv_bytes_per_token / 1024:.0f} KiB of KV a token) on {args.gpu}; "
+          f"{args.model} ({setup.shape.kv_bytes_per_token / 1024:.0f} KiB of KV a token) on {args.gpus} x {args.gpu}; "
           f"tier speeds from {args.bench} ({bench.meta.get('date', 'undated')})")
     with tqdm(total=len(points), unit="point", disable=args.quiet or None, file=sys.stderr) as bar:
         rows = plan.sweep(trace, setup, points, parallel=parallel, progress=bar.update)
@@ -193,7 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return status
     meta = {"command": " ".join(sys.argv), "traces": args.traces, "bench": args.bench,
             "bench_date": bench.meta.get("date"), "setup": {k: v for k, v in vars(replace(setup, bench=None)).items()},
-            "time_model": setup.time(setup.node(chosen, trace.block_tokens)).source}
+            "time_model": _time_figures(setup.time(setup.node(chosen, trace.block_tokens)))}
     if args.json:
         plan_report.write_json(args.json, meta, rows, settings, extra)
         print(f"wrote {args.json}")
@@ -206,6 +208,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_report.plot(args.plot, rows, f"{names}: {args.model} on {args.gpu}, tiers from {args.bench}")
         print(f"wrote {args.plot}")
     return EXIT_FAILED if extra.get("live", {}).get("matches") is False else EXIT_OK
+
+
+def _time_figures(time) -> dict:
+    """The per-token figures the simulation used (microseconds), and where T comes from."""
+    return {"compute_us_per_token": time.compute_s * 1e6, "host_to_gpu_us_per_token": time.h2d_s * 1e6,
+            "tier_read_us_per_token": [t * 1e6 for t in time.tier_read_s], "write_us_per_token": time.write_s * 1e6,
+            "lookup_128_us": time.lookup_s(128) * 1e6, "source": time.source}
 
 
 def _point_outputs(args, trace, setup, point, extra: dict) -> int:

@@ -52,6 +52,7 @@ class Setup:
     bench: Optional[BenchFigures] = None
     model: str = "llama-3-8b"
     gpu: str = "h100-sxm"
+    gpus: int = 1  # tensor parallel: T and the host-to-GPU time divide by it
     mfu: float = 0.5
     compute_s: Optional[float] = None  # a measured T overrides the GPU preset's
     device_gb: float = 40.0  # the GPU's KV pool
@@ -97,7 +98,8 @@ class Setup:
 
     def time(self, node: NodeSettings) -> TimeModel:
         return time_model(self.bench, [s.kind for s in node.tiers], self.tier_write_policy, model=self.model,
-                          gpu=self.gpu, mfu=self.mfu, page_tokens=self.page_size, compute_s=self.compute_s)
+                          gpu=self.gpu, mfu=self.mfu, page_tokens=self.page_size, compute_s=self.compute_s,
+                          gpus=self.gpus)
 
     def cost(self, point: "Point") -> float:
         return sum(gb * self.costs.get(kind, 0.0) for kind, gb in point.tiers())

@@ -34,13 +34,14 @@ def grid_table(rows: Sequence[dict]) -> str:
 
 def settings_table(rows: Sequence[dict]) -> str:
     """One SGLang setting changed at a time at one point, with where L3 hits were lost."""
-    header = ["setting", "value", "hit", "d hit", "L3", "TTFT mean s", "d mean", "p90 s", "lost to (M tokens)"]
+    header = ["setting", "value", "hit", "d hit", "L3", "L3 held", "TTFT mean s", "d mean", "p90 s",
+              "lost to (M tokens)"]
     lines = []
     for r in rows:
         lost = {k[5:]: r[k] for k in r if k.startswith("lost_") and r[k]}
         top = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(lost.items(), key=lambda kv: -kv[1])[:2])
         lines.append([r["setting"], str(r["value"]), f"{r['hit_rate']:.3f}", f"{r['delta_hit_rate']:+.3f}",
-                      f"{r['storage_hit_rate']:.3f}", f"{r['ttft_mean_s']:.3f}", f"{r['delta_ttft_mean_s']:+.3f}",
+                      f"{r['storage_hit_rate']:.3f}", f"{r['storage_available_rate']:.3f}", f"{r['ttft_mean_s']:.3f}", f"{r['delta_ttft_mean_s']:+.3f}",
                       f"{r['ttft_p90_s']:.3f}", top or "-"])
     return _table(header, lines)
 

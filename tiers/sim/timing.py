@@ -112,11 +112,14 @@ class TimeModel:
 
 def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write_policy: str,
                model: str = "llama-3-8b", gpu: str = "h100-sxm", mfu: float = 0.5, page_tokens: int = 64,
-               shape: Optional[ModelShape] = None, compute_s: Optional[float] = None) -> TimeModel:
-    """The TimeModel of a model preset on a GPU preset in front of tiers of kinds (fastest first).
+               shape: Optional[ModelShape] = None, compute_s: Optional[float] = None, gpus: int = 1) -> TimeModel:
+    """The TimeModel of a model preset on gpus GPUs of a preset in front of tiers of kinds (fastest first).
 
-    compute_s overrides T (a measured figure); without a bench file every tier costs nothing.
+    compute_s overrides T (a measured figure); without a bench file every tier costs nothing. With
+    gpus > 1 (tensor parallel) compute and the host-to-GPU links divide by gpus (no collective cost).
     """
+    if gpus < 1:
+        raise ValueError("gpus must be at least 1")
     if shape is None:
         if model not in PRESETS:
             raise ValueError(f"unknown model {model!r}; choose one of {', '.join(PRESETS)}")
@@ -128,7 +131,7 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
     preset = GPU_PRESETS[gpu]
     per_token = shape.kv_bytes_per_token
     page_bytes = per_token * page_tokens
-    t = compute_s if compute_s is not None else 2 * shape.params / (preset.tflops * 1e12 * mfu)
+    t = compute_s if compute_s is not None else 2 * shape.params / (preset.tflops * 1e12 * mfu * gpus)
     reads: List[float] = []
     writes: List[float] = []
     for kind in kinds:
@@ -140,6 +143,7 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
         writes.append(per_token / (bench.gbps(kind, "write", page_bytes) * GB))
     # write_through stores into every tier at once (the slowest sets the pace); the others write the top tier
     write_s = (max(writes) if router_write_policy == "write_through" else writes[0]) if writes else 0.0
-    source = f"T: {model} on {gpu} x MFU {mfu} ({preset.source})" if compute_s is None else "T: given"
-    return TimeModel(compute_s=t, h2d_s=per_token / (preset.h2d_gbps * GB), tier_read_s=tuple(reads),
+    source = (f"T: {model} on {gpus} x {gpu} x MFU {mfu} ({preset.source})" if compute_s is None
+              else f"T: given, {compute_s * 1e6:.1f} us a token")
+    return TimeModel(compute_s=t, h2d_s=per_token / (preset.h2d_gbps * GB * gpus), tier_read_s=tuple(reads),
                      write_s=write_s, page_tokens=page_tokens, bench=bench, source=source)
