@@ -8,7 +8,7 @@ import pytest
 
 from test_sim_live import shared_prefix_trace
 from tiers.sim import plan
-from tiers.sim.hierarchy import LOST_REASONS, EngineSettings, node_settings, simulate
+from tiers.sim.hierarchy import LOST_REASONS, EngineSettings, SGLangFlags, node_settings, simulate
 from tiers.sim.node_tiers import NodeTiers, TierSpec
 from tiers.sim.timing import BenchError, BenchFigures, TimeModel, time_model
 from tiers.sim.trace import from_requests
@@ -19,7 +19,8 @@ FREE = TimeModel(compute_s=1e-4, h2d_s=0.0, tier_read_s=(0.0, 0.0), write_s=0.0,
 def engine(device_blocks, host_blocks, **kw):
     """EngineSettings in 16-token blocks with 16-token pages (a block is a page)."""
     kw.setdefault("prefetch_threshold", 16)
-    return EngineSettings(device_tokens=device_blocks * 16, host_tokens=host_blocks * 16, page_size=16, **kw)
+    return EngineSettings(device_tokens=device_blocks * 16, host_tokens=host_blocks * 16,
+                          flags=SGLangFlags(page_size=16, **kw))
 
 
 def dram(blocks, policy="lru", write_policy="write_through"):
@@ -163,7 +164,7 @@ def test_pareto_fronts():
 def test_scripting_api_sweep_and_settings():
     trace = shared_prefix_trace()
     setup = plan.Setup(bench=plan.load_bench("docs/bench.json"), device_gb=30 * 16 * 131072 / 1e9,
-                       page_size=16, prefetch_threshold=16)
+                       flags=SGLangFlags(page_size=16, prefetch_threshold=16))
     block_gb = 16 * 131072 / 1e9
     rows = plan.sweep(trace, setup, plan.grid(dram_gb=[0, 200 * block_gb], nvme_gb=[0, 2000 * block_gb]))
     assert len(rows) == 4 and all(r["front_hit"] or r["front_mean"] or r["front_p90"] or r["cost"] > 0 for r in rows)
@@ -193,3 +194,26 @@ def test_example_script_of_experiments_md(tmp_path, capsys):
                          "--dram-gb", f"{50 * block_gb},{400 * block_gb}", "--plot", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
     assert "slru (user file)" in out and "storage_hit_rate" in out and (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--bench", "no-such.json"], "no-such.json: No such file"),
+    (["--bench", "pyproject.toml"], "not JSON"),
+    (["--bench", "docs/bench.json", "--cost", "tape=1"], "the kind must be one of dram, nvme, remote"),
+    (["--bench", "docs/bench.json", "--dram-gb", "-5"], "expected numbers >= 0"),
+    (["--bench", "docs/bench.json", "--policy", "nowhere.py:X"], "no file"),
+    (["--bench", "docs/bench.json", "--policy", "mystery"], "no eviction policy 'mystery'"),
+    (["--bench", "docs/bench.json", "--settings-at", "1,2"], "expected DRAM_GB,NVME_GB,REMOTE_GB"),
+    (["--bench", "docs/bench.json", "--dram-gb", "1", "--nvme-gb", "1", "--settings-at", "1,1,0", "--live",
+      "--no-settings"], "--live needs the settings point to be one DRAM tier"),
+])
+def test_plan_usage_errors_are_one_line(tmp_path, capsys, extra, message):
+    from tiers.cli import main
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n')
+    try:
+        code = main(["plan", str(trace), "--quiet", *extra])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from test_sim_live import shared_prefix_trace
-from tiers.sim.hierarchy import EngineSettings, node_settings, simulate
+from tiers.sim.hierarchy import EngineSettings, SGLangFlags, node_settings, simulate
 from tiers.sim.node_tiers import TierSpec
 from tiers.sim.timing import TimeModel
 
@@ -23,8 +23,8 @@ L3_BLOCKS = 120  # the trace has 895 distinct blocks: the tier evicts all along
 
 
 def recorded_ops(policy, write_policy="write_through"):
-    engine = EngineSettings(device_tokens=30 * 16, host_tokens=45 * 16, page_size=16, prefetch_threshold=16,
-                            write_policy=write_policy)
+    engine = EngineSettings(device_tokens=30 * 16, host_tokens=45 * 16,
+                            flags=SGLangFlags(page_size=16, prefetch_threshold=16, write_policy=write_policy))
     result = simulate(shared_prefix_trace(), engine, node_settings([TierSpec("dram", L3_BLOCKS, policy)]), FREE,
                       record_ops=True)
     return result

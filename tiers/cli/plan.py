@@ -140,14 +140,17 @@ def register(subparsers) -> None:
 
 
 def _setup(args, bench):
+    from tiers.sim.hierarchy import SGLangFlags
     from tiers.sim.plan import Setup
+    flags = SGLangFlags(write_policy=args.write_policy, page_size=args.page_size,
+                        prefetch_threshold=args.prefetch_threshold, prefetch_policy=args.prefetch_policy,
+                        prefetch_timeout_base=args.prefetch_timeout_base,
+                        prefetch_timeout_per_ki_token=args.prefetch_timeout_per_ki_token,
+                        scheduler_step_s=args.scheduler_step_ms / 1000.0)
     return Setup(bench=bench, model=args.model, gpu=args.gpu, gpus=args.gpus, mfu=args.mfu,
                  compute_s=args.compute_us_per_token * 1e-6 if args.compute_us_per_token else None,
                  device_gb=args.device_gb, hicache_ratio=args.hicache_ratio, host_gb=args.hicache_size,
-                 write_policy=args.write_policy, page_size=args.page_size, prefetch_threshold=args.prefetch_threshold,
-                 prefetch_policy=args.prefetch_policy, prefetch_timeout_base=args.prefetch_timeout_base,
-                 prefetch_timeout_per_ki_token=args.prefetch_timeout_per_ki_token,
-                 scheduler_step_s=args.scheduler_step_ms / 1000.0, tier_policy=args.policy,
+                 flags=flags, tier_policy=args.policy,
                  tier_write_policy=args.tier_write_policy, promote=not args.no_promote, queue=args.queue,
                  time_scale=args.time_scale, costs=args.cost)
 
@@ -194,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if status != EXIT_OK:
             return status
     meta = {"command": " ".join(sys.argv), "traces": args.traces, "bench": args.bench,
-            "bench_date": bench.meta.get("date"), "setup": {k: v for k, v in vars(replace(setup, bench=None)).items()},
+            "bench_date": bench.meta.get("date"), "setup": _setup_fields(setup),
             "time_model": _time_figures(setup.time(setup.node(chosen, trace.block_tokens)))}
     if args.json:
         plan_report.write_json(args.json, meta, rows, settings, extra)
@@ -208,6 +211,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_report.plot(args.plot, rows, f"{names}: {args.model} on {args.gpu}, tiers from {args.bench}")
         print(f"wrote {args.plot}")
     return EXIT_FAILED if extra.get("live", {}).get("matches") is False else EXIT_OK
+
+
+def _setup_fields(setup) -> dict:
+    """The setup as plain values (flags flattened beside the rest; no bench object)."""
+    fields = {k: v for k, v in vars(replace(setup, bench=None)).items() if k not in ("bench", "flags")}
+    return {**fields, **vars(setup.flags)}
 
 
 def _time_figures(time) -> dict:

@@ -44,19 +44,16 @@ LOST_REASONS = ("anchor_not_backed", "below_threshold", "rate_limited", "hit_bel
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """One SGLang engine's HiCache settings (capacities in tokens)."""
+class SGLangFlags:
+    """SGLang's HiCache flags besides the pool sizes, with SGLang 0.5.23's defaults."""
 
-    device_tokens: int
-    host_tokens: int
-    write_policy: str = "write_through"
-    page_size: int = 64
-    prefetch_threshold: int = 256
-    prefetch_policy: str = "timeout"
-    prefetch_timeout_base: float = 1.0
-    prefetch_timeout_per_ki_token: float = 0.25
-    scheduler_step_s: float = 0.0
-    storage: bool = True
+    write_policy: str = "write_through"  # --hicache-write-policy
+    page_size: int = 64  # --page-size, tokens
+    prefetch_threshold: int = 256  # extra config prefetch_threshold, tokens
+    prefetch_policy: str = "timeout"  # --hicache-storage-prefetch-policy
+    prefetch_timeout_base: float = 1.0  # extra config, seconds
+    prefetch_timeout_per_ki_token: float = 0.25  # extra config, seconds
+    scheduler_step_s: float = 0.0  # arrival to the scheduler's first admission poll (not a flag)
 
     def __post_init__(self):
         if self.prefetch_policy not in PREFETCH_POLICIES:
@@ -64,6 +61,16 @@ class EngineSettings:
                              f"choose one of {', '.join(PREFETCH_POLICIES)}")
         if self.page_size <= 0:
             raise ValueError("page_size must be positive")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One SGLang engine: its GPU and host pools in tokens, and its flags."""
+
+    device_tokens: int
+    host_tokens: int
+    flags: SGLangFlags = SGLangFlags()
+    storage: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,12 @@ class _Run:
         self.trace, self.engine, self.time = trace, engine, time
         self.queue, self.time_scale = queue, time_scale
         self.tiers = NodeTiers(node.tiers, node.write_policy, node.promote, node.min_reads)
-        self.tree = BlockRadixTree(engine.device_tokens, engine.host_tokens, engine.write_policy,
+        self.tree = BlockRadixTree(engine.device_tokens, engine.host_tokens, engine.flags.write_policy,
                                    on_backup=self._backed_up)
         self.ops: Optional[list] = [] if record_ops else None
         self.in_flight: List[Tuple[float, int]] = []  # (admission time, tokens) of prefetches holding host room
         self.capacity_limit = int(0.5 * engine.host_tokens)  # SGLang's prefetch_capacity_limit
-        self.threshold = max(engine.prefetch_threshold, engine.page_size)
+        self.threshold = max(engine.flags.prefetch_threshold, engine.flags.page_size)
         self.lost = dict.fromkeys(LOST_REASONS, 0)
         self.gpu_free = 0.0
 
@@ -150,7 +157,7 @@ class _Run:
             self.ops.append(("set", list(blocks), parent))
 
     def run(self, progress) -> Result:
-        trace, page = self.trace, self.engine.page_size
+        trace, page = self.trace, self.engine.flags.page_size
         block_tokens = trace.block_tokens_per_access()
         aligned = (block_tokens // page) * page
         n = trace.n_requests
@@ -190,7 +197,7 @@ class _Run:
         last = path[-1] if path else tree.root
         tree.lock(last)
         rest, rest_toks = blocks[matched:], toks[matched:]
-        poll = arrival + engine.scheduler_step_s
+        poll = arrival + engine.flags.scheduler_step_s
         if self.queue:
             poll = max(poll, self.gpu_free)
         self.in_flight = [(t, k) for t, k in self.in_flight if t > arrival]
@@ -274,14 +281,14 @@ class _Run:
 
     def _query_s(self, rest_toks: Sequence[int], hit_tok: int) -> float:
         """The storage hit query: one lookup per 128-page batch until a batch comes back short."""
-        pages = sum(rest_toks) // self.engine.page_size
-        hit_pages = hit_tok // self.engine.page_size
+        pages = sum(rest_toks) // self.engine.flags.page_size
+        hit_pages = hit_tok // self.engine.flags.page_size
         batches = min(-(-pages // STORAGE_BATCH_PAGES), hit_pages // STORAGE_BATCH_PAGES + 1)
         return batches * self.time.lookup_s(min(pages, STORAGE_BATCH_PAGES))
 
     def _batch_ends(self, blocks: Sequence[int], toks: Sequence[int], start: float) -> List[float]:
         """Per block, when the 128-page batch that completes it ends (tiers read at once, slowest sets it)."""
-        page, t = self.engine.page_size, self.time
+        page, t = self.engine.flags.page_size, self.time
         ends: List[float] = []
         batch_tokens = STORAGE_BATCH_PAGES * page
         clock, filled, per_depth = start, 0, {}
@@ -302,14 +309,14 @@ class _Run:
 
     def _admission(self, poll: float, done: float, requested_tok: int) -> float:
         """When the scheduler admits the request under the prefetch policy (timeout: on the requested span)."""
-        policy = self.engine.prefetch_policy
+        policy = self.engine.flags.prefetch_policy
         if policy == "best_effort" or done <= poll:
             return poll
         if policy == "wait_complete":
             return done
-        pages = requested_tok // self.engine.page_size
-        budget = (self.engine.prefetch_timeout_base
-                  + pages * self.engine.page_size / 1024 * self.engine.prefetch_timeout_per_ki_token)
+        pages = requested_tok // self.engine.flags.page_size
+        budget = (self.engine.flags.prefetch_timeout_base
+                  + pages * self.engine.flags.page_size / 1024 * self.engine.flags.prefetch_timeout_per_ki_token)
         return min(done, poll + budget)
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from tiers.sim.hierarchy import EngineSettings, NodeSettings, Result, simulate
+from tiers.sim.hierarchy import EngineSettings, NodeSettings, Result, SGLangFlags, simulate
 from tiers.sim.node_tiers import TierSpec
 from tiers.sim.prefill import PRESETS, ModelShape
 from tiers.sim.timing import BenchFigures, TimeModel, time_model
@@ -58,13 +58,7 @@ class Setup:
     device_gb: float = 40.0  # the GPU's KV pool
     hicache_ratio: float = 2.0  # host pool = ratio x device pool (SGLang's --hicache-ratio)
     host_gb: Optional[float] = None  # SGLang's --hicache-size; overrides the ratio
-    write_policy: str = "write_through"
-    page_size: int = 64
-    prefetch_threshold: int = 256
-    prefetch_policy: str = "timeout"
-    prefetch_timeout_base: float = 1.0
-    prefetch_timeout_per_ki_token: float = 0.25
-    scheduler_step_s: float = 0.0
+    flags: SGLangFlags = SGLangFlags()
     tier_policy: str = "lru"
     tier_write_policy: str = "write_back"
     promote: bool = True
@@ -83,11 +77,7 @@ class Setup:
         per_token = self.shape.kv_bytes_per_token
         device = int(self.device_gb * 1e9 / per_token)
         host = int(self.host_gb * 1e9 / per_token) if self.host_gb is not None else int(device * self.hicache_ratio)
-        return EngineSettings(device_tokens=device, host_tokens=host, write_policy=self.write_policy,
-                              page_size=self.page_size, prefetch_threshold=self.prefetch_threshold,
-                              prefetch_policy=self.prefetch_policy, prefetch_timeout_base=self.prefetch_timeout_base,
-                              prefetch_timeout_per_ki_token=self.prefetch_timeout_per_ki_token,
-                              scheduler_step_s=self.scheduler_step_s)
+        return EngineSettings(device_tokens=device, host_tokens=host, flags=self.flags)
 
     def node(self, point: "Point", block_tokens: int) -> NodeSettings:
         """The node's chain at point: tiers of zero capacity left out."""
@@ -98,7 +88,7 @@ class Setup:
 
     def time(self, node: NodeSettings) -> TimeModel:
         return time_model(self.bench, [s.kind for s in node.tiers], self.tier_write_policy, model=self.model,
-                          gpu=self.gpu, mfu=self.mfu, page_tokens=self.page_size, compute_s=self.compute_s,
+                          gpu=self.gpu, mfu=self.mfu, page_tokens=self.flags.page_size, compute_s=self.compute_s,
                           gpus=self.gpus)
 
     def cost(self, point: "Point") -> float:
@@ -199,8 +189,9 @@ def settings_rows(trace: Trace, setup: Setup, point: Point, values: Optional[Dic
     variants: List[Tuple[str, object, Setup]] = [("base", "", setup)]
     for name, choices in values.items():
         for choice in choices:
-            if getattr(setup, name) != choice:
-                variants.append((name, choice, replace(setup, **{name: choice})))
+            variant = with_setting(setup, name, choice)
+            if variant != setup:
+                variants.append((name, choice, variant))
     rows = _rows([(trace, s, point) for _, _, s in variants], parallel, progress)
     base = rows[0]
     out = []
@@ -210,6 +201,15 @@ def settings_rows(trace: Trace, setup: Setup, point: Point, values: Optional[Dic
             row[f"delta_{key}"] = row[key] - base[key]
         out.append(row)
     return out
+
+
+def with_setting(setup: Setup, name: str, value) -> Setup:
+    """setup with one SGLang flag (SGLangFlags) or one of its own fields (hicache_ratio, ...) changed."""
+    if name in SGLangFlags.__dataclass_fields__:
+        return replace(setup, flags=replace(setup.flags, **{name: value}))
+    if name not in Setup.__dataclass_fields__:
+        raise ValueError(f"unknown setting {name!r}")
+    return replace(setup, **{name: value})
 
 
 def dataframe(rows: Sequence[dict]):
