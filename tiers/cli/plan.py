@@ -18,7 +18,7 @@ computed x T), with the tiers' read and write speeds and lookup latency taken
 from a `hicache-tiers bench --json` file of the target machine and T from the
 model and GPU presets. The table marks three Pareto fronts: cost against mean
 TTFT (m), p90 TTFT (p) and hit rate (h); the settings table changes one SGLang setting at
-a time at one point (default: the front's lowest mean TTFT) and says where L3
+a time at one point (default: the fastest point with tiers) and says where L3
 hits were lost (below_threshold, cut_short, host_full, anchor_not_backed,
 rate_limited, ...). See docs/EXPERIMENTS.md.
 """
@@ -123,7 +123,7 @@ def register(subparsers) -> None:
                    help="multiply the trace's arrival times (with --queue: >1 lowers the load; default: %(default)s)")
     p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash block (default: %(default)s)")
     p.add_argument("--settings-at", type=_point, default=None, metavar="DRAM,NVME,REMOTE",
-                   help="where the settings table is run (default: the front's lowest mean TTFT)")
+                   help="where the settings table is run (default: the lowest mean TTFT of a point with tiers)")
     p.add_argument("--no-settings", action="store_true", help="skip the table of SGLang settings")
     p.add_argument("--live", action="store_true",
                    help="make the settings point's L3 calls against a fresh one-tier DRAM daemon and compare "
@@ -182,7 +182,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan_report.grid_table(rows))
     chosen = args.settings_at
     if chosen is None:
-        best = min(rows, key=lambda r: (r["ttft_mean_s"], r["cost"]))  # the mean front's fastest point
+        # the fastest point that has tiers (a table of SGLang's L3 settings without an L3 says nothing)
+        best = min([r for r in rows if r["cost"] > 0] or rows, key=lambda r: (r["ttft_mean_s"], r["cost"]))
         chosen = plan.Point(best["dram_gb"], best["nvme_gb"], best["remote_gb"])
     settings, extra = [], {}
     if not args.no_settings:
