@@ -242,7 +242,7 @@ def register(subparsers) -> None:
     replay.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake JSONL trace file(s)")
     replay.add_argument("--policy", default="lru,fifo,lfu,s3fifo,radix-lru",
                         help=f"comma-separated policies, or 'all' (registered: {', '.join(policy_names())}; "
-                             "default: %(default)s)")
+                             "a user's own as FILE.py:Class; default: %(default)s)")
     replay.add_argument("--capacity", default=DEFAULT_CAPACITIES,
                         help=f"comma-separated capacities, {SYNTAX} (default: %(default)s)")
     replay.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash block (default: %(default)s)")

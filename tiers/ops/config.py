@@ -84,7 +84,7 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
     "kind": (_kind, None, "dram, nvme, remote (client of pool daemons), pool (a remote memory pool daemon), "
                           "mooncake_store, or a plug-in's kind (tiers/plugins.py)"),
     "capacity": (parse_size, "1GiB", "bytes the tier may hold"),
-    "policy": (_policy, "lru", "eviction policy"),
+    "policy": (_policy, "lru", "eviction policy: an installed name or an absolute /path/file.py:Class"),
     "max_page_bytes": (parse_size, "64MiB", "largest page accepted"),
     "endpoint": (_str, "", "ZeroMQ endpoint; default ipc://RUNTIME_DIR/NAME.sock"),
     "metrics_port": (_tier_port, -1, "Prometheus port of this daemon; 0 off; default node.metrics_port + tier index"),
