@@ -205,11 +205,10 @@ class _Run:
         if engine.storage and rest:
             available = sum(rest_toks[:self.tiers.lookup(rest)])
             fetched, fetched_tok, admitted = self._prefetch(last, rest, rest_toks, available, arrival, poll)
-        pinned = fetched if fetched is not None else last
         if fetched is not None:
-            tree.lock(fetched)  # write_back's backups during the load must not evict what was just fetched
+            tree.lock(fetched)
         loads = host_nodes + ([fetched] if fetched is not None else [])
-        if loads and not tree.load_back(loads):
+        if loads and not self._load_back(loads):
             self.lost["load_back_failed"] += fetched_tok
             host_tok, fetched_tok = 0, 0
             computed_from = len(rest)  # the prefix stays on host; nothing below it is cached this time
@@ -219,14 +218,23 @@ class _Run:
             parent = fetched if fetched is not None else last
             tree.insert(parent, rest[computed_from:], rest_toks[computed_from:])
         tree.unlock(last)
-        if pinned is not last:
-            tree.unlock(pinned)
+        if fetched is not None:
+            tree.unlock(fetched)
         computed = length - device_tok - host_tok - fetched_tok
         t = self.time
         service = max((host_tok + fetched_tok) * t.h2d_s, computed * t.write_s, computed * t.compute_s)
         if self.queue:
             self.gpu_free = admitted + service
         return (device_tok, host_tok, fetched_tok, available), admitted, service
+
+    def _load_back(self, nodes) -> bool:
+        """SGLang's load_back: the anchor (deepest node) keeps its host copy while the device makes room
+        (under write_back that room comes from backups, which may evict host memory)."""
+        self.tree.pin_host(nodes[-1])
+        try:
+            return self.tree.load_back(nodes)
+        finally:
+            self.tree.unpin_host(nodes[-1])
 
     def _prefetch(self, anchor, rest, rest_toks, available, arrival, poll):
         """SGLang's prefetch of rest from the node's tiers: (host node, tokens, admission time)."""
@@ -241,6 +249,15 @@ class _Run:
         if sum(k for _, k in self.in_flight) >= self.capacity_limit:
             self.lost["rate_limited"] += available
             return none
+        tree.pin_host(anchor)  # prefetch_from_storage's inc_host_lock_ref, until the result is taken
+        try:
+            return self._issue(anchor, rest, rest_toks, available, arrival, poll)
+        finally:
+            tree.unpin_host(anchor)
+
+    def _issue(self, anchor, rest, rest_toks, available, arrival, poll):
+        """An issued prefetch: hit query, host room, batches cut by the policy, the host node."""
+        tree, none = self.tree, (None, 0, poll)
         prefix = anchor.blocks[-1] if anchor.blocks else None
         hit_blocks = self.tiers.lookup(rest)
         if self.ops is not None:

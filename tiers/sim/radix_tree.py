@@ -31,7 +31,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 class Node:
     """A run of blocks with its state in each pool."""
 
-    __slots__ = ("blocks", "tokens", "children", "parent", "device", "host", "lock", "last_access",
+    __slots__ = ("blocks", "tokens", "children", "parent", "device", "host", "lock", "host_lock", "last_access",
                  "hit_count", "id", "device_children")
 
     def __init__(self, blocks: List[int], tokens: List[int], parent: Optional["Node"], node_id: int):
@@ -41,7 +41,8 @@ class Node:
         self.parent = parent
         self.device = True
         self.host = False
-        self.lock = 0
+        self.lock = 0  # running requests on this path: no device eviction (inc_lock_ref)
+        self.host_lock = 0  # a prefetch or load anchored here: no host eviction (inc_host_lock_ref)
         self.last_access = 0
         self.hit_count = 0
         self.id = node_id
@@ -74,6 +75,9 @@ class BlockRadixTree:
         self.host_used = 0
         self._device_heap: List[Tuple[int, int, Node]] = []
         self._host_heap: List[Tuple[int, int, Node]] = []
+        # Nodes on both device and host, in the order SGLang registers them (full_host_duplicates):
+        # under write_back, host pressure frees these host copies before any host-only leaf.
+        self._duplicates: dict = {}
         self.backup_failures = 0  # host backups refused: no host leaf to evict
 
     def _new(self, blocks, tokens, parent) -> Node:
@@ -124,12 +128,14 @@ class BlockRadixTree:
         parent = child.parent
         upper = self._new(child.blocks[:n], child.tokens[:n], parent)
         upper.device, upper.host, upper.lock = child.device, child.host, child.lock
+        upper.host_lock = child.host_lock
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
         child.blocks, child.tokens = child.blocks[n:], child.tokens[n:]
         child.parent = upper
         upper.children[child.blocks[0]] = child
         upper.device_children = 1 if child.device else 0
         parent.children[upper.blocks[0]] = upper
+        self._note_duplicate(upper)
         self._touch(child)  # SGLang stamps the lower fragment at a split (before the path above it)
         return upper
 
@@ -146,6 +152,15 @@ class BlockRadixTree:
             node.lock -= 1
             self._offer(node)
             node = node.parent
+
+    def pin_host(self, node: Node) -> None:
+        """Keep node's host copy (SGLang's inc_host_lock_ref: a prefetch or load anchored there)."""
+        node.host_lock += 1
+
+    def unpin_host(self, node: Node) -> None:
+        """Undo pin_host; the node may be a host eviction candidate again."""
+        node.host_lock -= 1
+        self._offer(node)
 
     # --------------------------------------------------------------- eviction
     def evict_device(self, tokens: int) -> int:
@@ -172,12 +187,17 @@ class BlockRadixTree:
         return freed
 
     def evict_host(self, tokens: int) -> int:
-        """Free at least tokens of host memory from host-only leaves, least recent first; tokens freed."""
-        freed = 0
+        """Free at least tokens of host memory, least recent host-only leaves first; tokens freed.
+
+        Under write_back SGLang first drops host copies of nodes also on the
+        device (``_reclaim_full_host_duplicates``: first sparing device
+        leaves, whose eviction would keep the copy, then not).
+        """
+        freed = self._reclaim_duplicates(tokens) if self.write_policy == "write_back" else 0
         heap = self._host_heap
         while freed < tokens and heap:
             stamp, _, node = heapq.heappop(heap)
-            if (node.device or not node.host or node.children or node.lock or stamp != node.last_access
+            if (node.device or not node.host or node.children or node.host_lock or stamp != node.last_access
                     or node.parent is None):
                 continue
             freed += node.size
@@ -186,6 +206,31 @@ class BlockRadixTree:
             parent = node.parent
             self._delete(node)
             self._offer(parent)
+        return freed
+
+    def _note_duplicate(self, node: Node) -> None:
+        """Track node while it is on both device and host (SGLang's _update_duplicate_tracking)."""
+        if node is not self.root and node.device and node.host:
+            self._duplicates.setdefault(node.id, node)
+        else:
+            self._duplicates.pop(node.id, None)
+
+    def _reclaim_duplicates(self, tokens: int) -> int:
+        """Drop host copies of device-resident nodes, registration order, until tokens are freed."""
+        freed = 0
+        for spare_device_leaves in (True, False):
+            for node_id, node in list(self._duplicates.items()):
+                if freed >= tokens:
+                    return freed
+                if not (node.device and node.host) or node.parent is None:
+                    del self._duplicates[node_id]  # stale
+                    continue
+                if node.host_lock or (spare_device_leaves and node.device_children == 0 and not node.lock):
+                    continue
+                node.host = False
+                self.host_used -= node.size
+                freed += node.size
+                del self._duplicates[node_id]
         return freed
 
     def _drop_subtree(self, node: Node) -> None:
@@ -258,6 +303,10 @@ class BlockRadixTree:
                 node.parent.device_children += 1
                 self.device_used += node.size
                 self._offer(node)  # a device leaf candidate now (nodes off the locked chain too)
+        node = nodes[-1]  # finish_load_back: the anchor's root path, device and host copies both
+        while node is not None and node is not self.root:
+            self._note_duplicate(node)
+            node = node.parent
         return True
 
     def insert_host(self, anchor: Node, blocks: List[int], tokens: List[int]) -> Optional[Node]:
@@ -265,12 +314,12 @@ class BlockRadixTree:
         if not blocks:
             return None
         size = sum(tokens)
-        anchor.lock += 1  # SGLang pins the prefetch anchor (inc_host_lock_ref)
+        self.pin_host(anchor)  # SGLang pins the prefetch anchor
         try:
             if not self.host_room(size):
                 return None
         finally:
-            anchor.lock -= 1
+            self.unpin_host(anchor)
         node = self._new(list(blocks), list(tokens), anchor)
         node.device, node.host = False, True
         node.hit_count = 1  # it came from storage: do not write it back there
