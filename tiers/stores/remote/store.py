@@ -26,8 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from tiers.node.buffers import as_bytes_view, scatter_copy
+from tiers.node.buffers import as_bytes_view
 from tiers.stores.remote.engine import Engine, EngineConfig, pair_extents
+from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.placement import Rendezvous
 from tiers.stores.remote.pool_client import PoolClient
 from tiers.stores.remote.staging import Abandoned, Counters, Landing, Registrations, Staging, page_views
@@ -163,7 +164,7 @@ class RemoteStore(PageStore):
                     self._abandoned.add([batch for _page, batch in abandoned])
                 out: Optional[bytes] = b"" if ok else None
             else:
-                out = self._read_landed(grant.segment, remote, size, dst, self._timeout(size))
+                out = read_landed(self._landing, self.engine, grant.segment, remote, size, dst, self._timeout(size))
         finally:
             client.release_later(grant.lease)  # rides on the next locate: one round trip a read
         if out is None:
@@ -171,28 +172,6 @@ class RemoteStore(PageStore):
             return None
         self._counters.add(hits=1, bytes_read=size)
         return out
-
-    def _read_landed(self, segment: str, remote, size: int, dst: Optional[Sequence[memoryview]],
-                     timeout: float) -> Optional[bytes]:
-        """One page through the landing chunks: its bytes (b"" once copied into dst), None on a miss."""
-        chunks = self._landing.take(size, timeout)
-        if chunks is None:
-            return None
-        abandoned: List[Tuple[int, int]] = []
-        try:
-            if not self.engine.transfer(segment, False, pair_extents(self._landing.extents(chunks, size), remote),
-                                        timeout, abandoned):
-                return None
-            landed = self._landing.views(chunks, size)
-            if dst is None:
-                return b"".join(landed)
-            scatter_copy(dst, landed)
-            return b""
-        finally:
-            if abandoned:
-                self._landing.hold(chunks, [batch for _page, batch in abandoned])
-            else:
-                self._landing.give(chunks)
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
         dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
@@ -348,55 +327,12 @@ class RemoteStore(PageStore):
             for k, ok in zip(moving, oks):
                 out[k] = ok
         elif moving and timeout > 0:
-            self._land_pages(grant, moving, views, out, timeout, deadline)
+            land_pages(self._landing, self.engine, grant, moving, views, out, timeout, deadline)
         client.release_later(grant.lease)
         hits = sum(out)
         self._counters.add(hits=hits, misses=len(names) - hits,
                            bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
         return out
-
-    def _land_pages(self, grant, moving: List[int], views: List[List[memoryview]], out: List[bool],
-                    timeout: float, deadline: Optional[float]) -> None:
-        """Read pages into landing chunks, in waves of as many as fit, and copy each one that arrived in time.
-
-        A page is copied into the host pool only when its transfer completed
-        and the request's deadline has not passed (the engine-side client
-        waits deadlines.margin longer: the copy fits in it).  Chunks of a
-        transfer given up stay held until the engine reports it ended.
-        """
-        end = time.monotonic() + timeout
-        todo = list(moving)
-        while todo and time.monotonic() < end:
-            wave: List[Tuple[int, List[int]]] = []
-            while todo:
-                k = todo[0]
-                chunks = (self._landing.take(grant.sizes[k], 0.0) if wave else
-                          self._landing.take(grant.sizes[k], end - time.monotonic()))
-                if chunks is None:
-                    break
-                wave.append((k, chunks))
-                todo.pop(0)
-            if not wave:
-                return  # no room before the deadline (held chunks, or a page larger than the landing): misses
-            abandoned: List[Tuple[int, int]] = []
-
-            def arrived(i: int, wave=wave) -> None:  # copied while the rest of the wave is still moving
-                k, chunks = wave[i]
-                if deadline is None or time.time() < deadline:
-                    scatter_copy(views[k], self._landing.views(chunks, grant.sizes[k]))
-                    out[k] = True
-            self.engine.transfer_pages(
-                grant.segment, False,
-                [pair_extents(self._landing.extents(chunks, grant.sizes[k]), grant.extents[k]) for k, chunks in wave],
-                end - time.monotonic(), abandoned, arrived)
-            live: Dict[int, List[int]] = {}
-            for i, batch in abandoned:
-                live.setdefault(i, []).append(batch)
-            for i, (k, chunks) in enumerate(wave):
-                if i in live:
-                    self._landing.hold(chunks, live[i])
-                else:
-                    self._landing.give(chunks)
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         keys = list(keys)
