@@ -33,7 +33,8 @@ NODE_KEY_HELP = {
     "curve_authorized_keys": "directory of public keys allowed to connect over tcp://",
     "allow_insecure_tcp": "serve tcp:// endpoints without CurveZMQ (default false: refuse to start)",
     "demotion_queue_bytes": "write-back pages on their way to the tier below, per daemon (default 256MiB); "
-                            "when the queue is full an evicted dirty page is dropped and counted (demotion_dropped)",
+                            "when the queue is full an evicted dirty page is dropped and counted (demotion_dropped); "
+                            "pages pinned in a DRAM arena for it are held to a quarter of that arena besides",
 }
 ENVIRONMENT = {
     "HICACHE_TIERS_CONFIG": "node configuration file when --config is not given",

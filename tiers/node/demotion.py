@@ -40,6 +40,9 @@ log = logging.getLogger("hicache.demotion")
 _warn = RateLimitedLog(log)
 
 DEMOTION_OWNER = -1  # owner of the leases pinning pages on their way down (engine sessions are positive)
+# At most this share of the upper arena stays pinned for the tier below, whatever the queue's bound: with
+# that tier frozen, writers of the upper tier still find the rest of its arena to evict into.
+PINNED_SHARE = 0.25
 
 
 class DemotionLink:
@@ -150,6 +153,8 @@ class DemotionQueue:
         self._closed = False
         self.dropped = 0
         self.arena = None  # the upper store's BlockArena, when pages are pinned in it (offer_pinned)
+        self.max_pinned: Optional[int] = None  # bytes of that arena pinned at once (set with the arena)
+        self.pinned_bytes = 0
         self._thread = threading.Thread(target=self._run, name=f"demote-{link.name}", daemon=True)
         self._thread.start()
 
@@ -172,10 +177,17 @@ class DemotionQueue:
             self._cond.notify()
 
     def offer_pinned(self, key: PageKey, extents: list, lease: int) -> bool:
-        """Queue a page of self.arena by its runs, pinned by lease (released once pushed; the queue's bound
-        bounds pinned memory).  Never waits; False, counted, when full: the caller keeps the lease."""
+        """Queue a page of self.arena by its runs, pinned by lease (released once pushed).  Pinned memory is
+        bounded by the queue's bytes and by PINNED_SHARE of the arena.  Never waits; False when full (counted
+        when the queue is): the caller keeps the lease."""
         nbytes = sum(n for _o, n in extents)
+        with self._cond:  # the arena's share: refused quietly, the page stays in this tier (dirty) for later
+            if self.max_pinned is not None and self.pinned_bytes + nbytes > self.max_pinned:
+                return False
+            self.pinned_bytes += nbytes
         if not self._admit(key, nbytes):
+            with self._cond:
+                self.pinned_bytes -= nbytes
             return False
         self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease))
         return True
@@ -243,6 +255,7 @@ class DemotionQueue:
         with self._cond:
             self._bytes -= sum(i.nbytes for i in items)
             self._pages -= len(items)
+            self.pinned_bytes -= sum(i.nbytes for i in items if i.lease is not None)
 
     def close(self) -> None:
         with self._cond:
@@ -268,6 +281,7 @@ class Demoter(EvictionListener):
     def share_arena(self, arena) -> None:
         """The store keeps its pages in arena (a BlockArena): pages go down by (offset, length) in it."""
         self.queue.arena = arena
+        self.queue.max_pinned = int(arena.size * PINNED_SHARE)
         self.link.attach_arena(arena.export_fd(), arena.size)
 
     def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
