@@ -217,3 +217,29 @@ def test_plan_usage_errors_are_one_line(tmp_path, capsys, extra, message):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_policy_per_tier_kind(tmp_path):
+    from tiers.cli import main
+    setup = plan.Setup(tier_policy="lru", tier_policies=(("dram", "s3fifo"),))
+    node = setup.node(plan.Point(1, 1, 0), 512)
+    assert [(s.kind, s.policy) for s in node.tiers] == [("dram", "s3fifo"), ("nvme", "lru")]
+    trace = shared_prefix_trace()
+    path = tmp_path / "t.jsonl"
+    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
+    path.write_text("".join(json.dumps({"timestamp": int(trace.timestamps[r]), "input_length": int(trace.input_lengths[r]),
+                                        "hash_ids": keys[offsets[r]:offsets[r + 1]]}) + "\n"
+                            for r in range(trace.n_requests)))
+    out = tmp_path / "p.json"
+    assert main(["plan", str(path), "--bench", "docs/bench.json", "--block-tokens", "16", "--dram-gb", "0.1",
+                 "--nvme-gb", "1", "--policy", "dram=s3fifo,nvme=scripts/examples/slru_policy.py:SLRUPolicy",
+                 "--no-settings", "--quiet", "--parallel", "1", "--json", str(out)]) == 0
+    chosen = json.loads(out.read_text())["setup"]
+    assert chosen["tier_policy"] == "lru"
+    assert [list(p) for p in chosen["tier_policies"]][0] == ["dram", "s3fifo"]
+    assert chosen["tier_policies"][1][1].endswith("scripts/examples/slru_policy.py:SLRUPolicy")
+    try:
+        code = main(["plan", str(path), "--bench", "docs/bench.json", "--policy", "dram=mystery", "--quiet"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2

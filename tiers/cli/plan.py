@@ -57,7 +57,7 @@ def _point(text: str):
     return Point(*values)
 
 
-def _policy(text: str) -> str:
+def _one_policy(text: str) -> str:
     """A policy name, or FILE.py:Class made absolute (worker processes and daemons run elsewhere)."""
     from tiers.plugins import POLICY_FILE, PluginError, policy_class
     match = POLICY_FILE.match(text)
@@ -68,6 +68,15 @@ def _policy(text: str) -> str:
     except PluginError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _policy(text: str) -> tuple:
+    """POLICY for every tier, or KIND=POLICY,... per tier kind (the others: lru): (default, overrides)."""
+    from tiers.sim.plan import TIER_KINDS
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.partition("=")[0] in TIER_KINDS and "=" in p for p in parts):
+        return _one_policy(text), ()
+    return "lru", tuple((p.partition("=")[0], _one_policy(p.partition("=")[2])) for p in parts)
 
 
 def register(subparsers) -> None:
@@ -89,8 +98,9 @@ def register(subparsers) -> None:
                    help="NVMe tier capacities to try (default: 0,16000)")
     p.add_argument("--remote-gb", type=_floats, default=[0], metavar="GB,...",
                    help="remote pool capacities to try (default: 0)")
-    p.add_argument("--policy", type=_policy, default="lru",
-                   help="the tiers' eviction policy: an installed name or FILE.py:Class (default: %(default)s)")
+    p.add_argument("--policy", type=_policy, default=("lru", ()), metavar="POLICY | KIND=POLICY,...",
+                   help="the tiers' eviction policy, an installed name or FILE.py:Class; or one per tier kind, "
+                        "e.g. dram=s3fifo,nvme=lru (unnamed kinds: lru; default: lru)")
     p.add_argument("--tier-write-policy", choices=ROUTER_WRITE_POLICIES, default="write_back",
                    help="the backend's write policy across the tiers (default: %(default)s)")
     p.add_argument("--no-promote", action="store_true", help="do not copy pages read from a lower tier to the top")
@@ -150,7 +160,7 @@ def _setup(args, bench):
     return Setup(bench=bench, model=args.model, gpu=args.gpu, gpus=args.gpus, mfu=args.mfu,
                  compute_s=args.compute_us_per_token * 1e-6 if args.compute_us_per_token else None,
                  device_gb=args.device_gb, hicache_ratio=args.hicache_ratio, host_gb=args.hicache_size,
-                 flags=flags, tier_policy=args.policy,
+                 flags=flags, tier_policy=args.policy[0], tier_policies=args.policy[1],
                  tier_write_policy=args.tier_write_policy, promote=not args.no_promote, queue=args.queue,
                  time_scale=args.time_scale, costs=args.cost)
 
@@ -253,8 +263,8 @@ def _point_outputs(args, trace, setup, point, extra: dict) -> int:
             return EXIT_USAGE
         blocks = node.tiers[0].blocks
         with tqdm(total=len(result.ops), unit="call", disable=args.quiet or None, file=sys.stderr) as bar:
-            check = live_ops.check_against_dram_node(result.ops, setup.tier_policy, blocks, progress=bar.update)
-        alone = run_sweep(trace, [setup.tier_policy], [Capacity(f"{blocks}b", blocks)])[0]
+            check = live_ops.check_against_dram_node(result.ops, setup.policy_of("dram"), blocks, progress=bar.update)
+        alone = run_sweep(trace, [setup.policy_of("dram")], [Capacity(f"{blocks}b", blocks)])[0]
         sim_l3 = result.counters["l3"]["tiers"][0]
         extra["live"] = {"matches": check.matches and check.daemon == {k: sim_l3[k] for k in check.daemon},
                          "lookups": check.lookups, "mismatches": check.mismatches,
@@ -263,7 +273,7 @@ def _point_outputs(args, trace, setup, point, extra: dict) -> int:
                          "seconds": check.seconds, "storage_hit_rate": row["storage_hit_rate"],
                          "l3_alone_token_hit_rate": alone.token_hit_rate, "first_mismatch": check.first_mismatch}
         live = extra["live"]
-        print(f"\nlive check ({setup.tier_policy}, {blocks:,} blocks of DRAM): {live['lookups']:,} storage hit "
+        print(f"\nlive check ({setup.policy_of('dram')}, {blocks:,} blocks of DRAM): {live['lookups']:,} storage hit "
               f"queries, {live['mismatches']} answered differently; hit blocks simulated {live['sim_hit_blocks']:,}, "
               f"live {live['live_hit_blocks']:,}; daemon hits/inserts/evictions {check.daemon} against simulated "
               f"{live['simulated']}; {check.seconds:.0f} s")

@@ -59,7 +59,8 @@ class Setup:
     hicache_ratio: float = 2.0  # host pool = ratio x device pool (SGLang's --hicache-ratio)
     host_gb: Optional[float] = None  # SGLang's --hicache-size; overrides the ratio
     flags: SGLangFlags = SGLangFlags()
-    tier_policy: str = "lru"
+    tier_policy: str = "lru"  # every tier's, unless tier_policies names its kind
+    tier_policies: Tuple[Tuple[str, str], ...] = ()  # (kind, policy) overrides, e.g. (("dram", "s3fifo"),)
     tier_write_policy: str = "write_back"
     promote: bool = True
     queue: bool = False
@@ -82,9 +83,13 @@ class Setup:
     def node(self, point: "Point", block_tokens: int) -> NodeSettings:
         """The node's chain at point: tiers of zero capacity left out."""
         block_bytes = self.shape.kv_bytes_per_token * block_tokens
-        specs = [TierSpec(kind, int(gb * 1e9 // block_bytes), self.tier_policy) for kind, gb in point.tiers()]
+        specs = [TierSpec(kind, int(gb * 1e9 // block_bytes), self.policy_of(kind)) for kind, gb in point.tiers()]
         return NodeSettings(tiers=tuple(s for s in specs if s.blocks > 0), write_policy=self.tier_write_policy,
                             promote=self.promote)
+
+    def policy_of(self, kind: str) -> str:
+        """The eviction policy of the tier of kind."""
+        return dict(self.tier_policies).get(kind, self.tier_policy)
 
     def time(self, node: NodeSettings) -> TimeModel:
         return time_model(self.bench, [s.kind for s in node.tiers], self.tier_write_policy, model=self.model,
