@@ -72,6 +72,16 @@ def eventually(check, within: float = 10.0, step: float = 0.05):
     return check()
 
 
+def thaw(pid: int) -> None:
+    """SIGCONT a daemon a test froze with SIGSTOP; nothing when it is gone already (teardown)."""
+    import os
+    import signal
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory (VmRSS), for memory-bound checks."""
     with open(f"/proc/{pid}/status") as fh:

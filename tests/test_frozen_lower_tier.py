@@ -7,7 +7,7 @@ import time
 
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tests.nodes import dram_tier, node_toml, nvme_tier, start_node, thaw
 from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
@@ -61,10 +61,7 @@ def test_frozen_nvme_leaves_dram_lookups_and_write_back_fast(tmp_path):
         after = _admin_stats(runner, "dram")
         assert after["demotion_queued_pages"] == 0 and after["demotions"] >= queued
     finally:
-        try:
-            os.kill(nvme, signal.SIGCONT)
-        except OSError:
-            pass
+        thaw(nvme)
         engine.close()
         runner.stop()
 
@@ -115,9 +112,6 @@ def test_pages_pinned_for_a_frozen_nvme_stay_bounded_and_are_released(tmp_path):
             time.sleep(0.1)
         assert dram["demotion_queued_pages"] == 0 and dram["leases"] == 0  # every pin released
     finally:
-        try:
-            os.kill(nvme, signal.SIGCONT)
-        except OSError:
-            pass
+        thaw(nvme)
         engine.close()
         runner.stop()

@@ -22,6 +22,13 @@ def write_jsonl(path, requests):
     return str(path)
 
 
+def write_trace_jsonl(path, trace):
+    """Write a Trace back as a Mooncake trace (its dense block ids as hash ids: read back, the same trace)."""
+    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
+    return write_jsonl(path, [(int(trace.timestamps[r]), int(trace.input_lengths[r]), keys[offsets[r]:offsets[r + 1]])
+                              for r in range(trace.n_requests)])
+
+
 # ------------------------------------------------------------------ trace
 def test_reader_flattens_and_numbers_keys_by_first_appearance(tmp_path):
     trace = read_traces([write_jsonl(tmp_path / "t.jsonl", HAND_REQUESTS)])

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from test_sim import write_trace_jsonl
 from test_sim_live import shared_prefix_trace
 from tiers.sim import plan
 from tiers.sim.hierarchy import LOST_REASONS, EngineSettings, SGLangFlags, node_settings, simulate
@@ -180,12 +181,7 @@ def test_scripting_api_sweep_and_settings():
 
 def test_example_script_of_experiments_md(tmp_path, capsys):
     import importlib.util
-    trace = shared_prefix_trace()
-    path = tmp_path / "trace.jsonl"
-    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
-    path.write_text("".join(json.dumps({"timestamp": int(trace.timestamps[r]), "input_length": int(trace.input_lengths[r]),
-                                        "hash_ids": keys[offsets[r]:offsets[r + 1]]}) + "\n"
-                            for r in range(trace.n_requests)))
+    path = write_trace_jsonl(tmp_path / "trace.jsonl", shared_prefix_trace())
     spec = importlib.util.spec_from_file_location("plan_api", "scripts/examples/plan_api.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
@@ -224,12 +220,7 @@ def test_a_policy_per_tier_kind(tmp_path):
     setup = plan.Setup(tier_policy="lru", tier_policies=(("dram", "s3fifo"),))
     node = setup.node(plan.Point(1, 1, 0), 512)
     assert [(s.kind, s.policy) for s in node.tiers] == [("dram", "s3fifo"), ("nvme", "lru")]
-    trace = shared_prefix_trace()
-    path = tmp_path / "t.jsonl"
-    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
-    path.write_text("".join(json.dumps({"timestamp": int(trace.timestamps[r]), "input_length": int(trace.input_lengths[r]),
-                                        "hash_ids": keys[offsets[r]:offsets[r + 1]]}) + "\n"
-                            for r in range(trace.n_requests)))
+    path = write_trace_jsonl(tmp_path / "t.jsonl", shared_prefix_trace())
     out = tmp_path / "p.json"
     assert main(["plan", str(path), "--bench", "docs/bench.json", "--block-tokens", "16", "--dram-gb", "0.1",
                  "--nvme-gb", "1", "--policy", "dram=s3fifo,nvme=scripts/examples/slru_policy.py:SLRUPolicy",

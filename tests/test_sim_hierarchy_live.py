@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from test_sim import write_trace_jsonl
 from test_sim_live import shared_prefix_trace
 from tiers.sim.hierarchy import EngineSettings, SGLangFlags, node_settings, simulate
 from tiers.sim.node_tiers import TierSpec
@@ -56,17 +57,8 @@ def test_a_policy_file_is_refused_with_a_reason(tmp_path):
             load_config(str(config))
 
 
-def _jsonl(path, trace):
-    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
-    with open(path, "w", encoding="utf-8") as handle:
-        for r in range(trace.n_requests):
-            handle.write(json.dumps({"timestamp": int(trace.timestamps[r]), "input_length": int(trace.input_lengths[r]),
-                                     "output_length": 1, "hash_ids": keys[offsets[r]:offsets[r + 1]]}) + "\n")
-
-
 def test_plan_cli_live_check_and_outputs(tmp_path):
-    trace_path = tmp_path / "trace.jsonl"
-    _jsonl(trace_path, shared_prefix_trace())
+    trace_path = write_trace_jsonl(tmp_path / "trace.jsonl", shared_prefix_trace())
     block_gb = 16 * 128 * 1024 / 1e9  # 16-token blocks of Llama-3-8B
     out = tmp_path / "plan.json"
     argv = [sys.executable, "-m", "tiers.cli", "plan", str(trace_path), "--bench", os.path.join(ROOT, "docs", "bench.json"),

@@ -139,6 +139,13 @@ def store_kind(name: str) -> StoreKind:
 POLICY_FILE = re.compile(r"^(?P<path>.+\.py):(?P<attribute>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
+def absolute_policy(reference: str) -> str:
+    """A FILE.py:Class reference with FILE made absolute (other processes, daemons, resolve it elsewhere);
+    any other name as it is."""
+    in_file = POLICY_FILE.match(reference)
+    return f"{os.path.abspath(in_file['path'])}:{in_file['attribute']}" if in_file else reference
+
+
 def _load_file(path: str, attribute: str, what: str) -> Any:
     """attribute of the Python file at path, imported under a name of its own (PluginError when it does not load)."""
     if not os.path.isfile(path):

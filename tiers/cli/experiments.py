@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, output_file, positive_int
@@ -45,18 +44,12 @@ def _split(text: str) -> list:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def _absolute_policy(reference: str) -> str:
-    """FILE.py:Class with FILE made absolute."""
-    path, _, attribute = reference.rpartition(":")
-    return f"{os.path.abspath(path)}:{attribute}"
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run the sweep and print/write its results."""
     from tiers.sim import kernels, report, sweep
     from tiers.sim.trace import read_traces
 
-    from tiers.plugins import POLICY_FILE, PluginError, policy_class
+    from tiers.plugins import POLICY_FILE, PluginError, absolute_policy, policy_class
     installed = policy_names()
     policies = installed if args.policy == "all" else [p if POLICY_FILE.match(p) else p.lower()
                                                        for p in _split(args.policy)]
@@ -66,7 +59,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"or FILE.py:Class", file=sys.stderr)
         return EXIT_USAGE
     try:  # a user's file: made absolute (the daemons of --live --start run elsewhere) and loaded now
-        policies = [_absolute_policy(p) if POLICY_FILE.match(p) else p for p in policies]
+        policies = [absolute_policy(p) for p in policies]
         for p in policies:
             policy_class(p)
     except PluginError as exc:

@@ -59,10 +59,8 @@ def _point(text: str):
 
 def _one_policy(text: str) -> str:
     """A policy name, or FILE.py:Class made absolute (worker processes and daemons run elsewhere)."""
-    from tiers.plugins import POLICY_FILE, PluginError, policy_class
-    match = POLICY_FILE.match(text)
-    if match:
-        text = f"{os.path.abspath(match['path'])}:{match['attribute']}"
+    from tiers.plugins import PluginError, absolute_policy, policy_class
+    text = absolute_policy(text)
     try:
         policy_class(text)
     except PluginError as exc:

@@ -203,8 +203,9 @@ class _Run:
         self.in_flight = [(t, k) for t, k in self.in_flight if t > arrival]
         fetched, fetched_tok, available, admitted = None, 0, 0, poll
         if engine.storage and rest:
-            available = sum(rest_toks[:self.tiers.lookup(rest)])
-            fetched, fetched_tok, admitted = self._prefetch(last, rest, rest_toks, available, arrival, poll)
+            held = self.tiers.lookup(rest)  # touches nothing: the prefetch's hit query gets the same answer
+            available = sum(rest_toks[:held])
+            fetched, fetched_tok, admitted = self._prefetch(last, rest, rest_toks, held, available, arrival, poll)
         if fetched is not None:
             tree.lock(fetched)
         loads = host_nodes + ([fetched] if fetched is not None else [])
@@ -236,7 +237,7 @@ class _Run:
         finally:
             self.tree.unpin_host(nodes[-1])
 
-    def _prefetch(self, anchor, rest, rest_toks, available, arrival, poll):
+    def _prefetch(self, anchor, rest, rest_toks, held, available, arrival, poll):
         """SGLang's prefetch of rest from the node's tiers: (host node, tokens, admission time)."""
         tree = self.tree
         none = (None, 0, poll)
@@ -251,15 +252,14 @@ class _Run:
             return none
         tree.pin_host(anchor)  # prefetch_from_storage's inc_host_lock_ref, until the result is taken
         try:
-            return self._issue(anchor, rest, rest_toks, available, arrival, poll)
+            return self._issue(anchor, rest, rest_toks, held, available, arrival, poll)
         finally:
             tree.unpin_host(anchor)
 
-    def _issue(self, anchor, rest, rest_toks, available, arrival, poll):
-        """An issued prefetch: hit query, host room, batches cut by the policy, the host node."""
+    def _issue(self, anchor, rest, rest_toks, hit_blocks, available, arrival, poll):
+        """An issued prefetch: hit query (hit_blocks held), host room, batches cut by the policy, the host node."""
         tree, none = self.tree, (None, 0, poll)
         prefix = anchor.blocks[-1] if anchor.blocks else None
-        hit_blocks = self.tiers.lookup(rest)
         if self.ops is not None:
             self.ops.append(("exists", list(rest), prefix, hit_blocks))
         hit_tok = sum(rest_toks[:hit_blocks])
@@ -267,9 +267,7 @@ class _Run:
         if hit_tok < self.threshold:
             self.lost["hit_below_threshold"] += available
             return none
-        room = max(tree.host_capacity - tree.host_used, 0)
-        if room < hit_tok:
-            tree.host_room(hit_tok)
+        if not tree.host_room(hit_tok):
             room = max(tree.host_capacity - tree.host_used, 0)
             while hit_blocks and hit_tok > room:
                 hit_blocks -= 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time as clock
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -144,7 +144,6 @@ def _rows(jobs: List[tuple], parallel: int, progress: Optional[Callable[[int], N
         return rows
     with ProcessPoolExecutor(max_workers=parallel) as pool:
         futures = {pool.submit(_row_of, job): i for i, job in enumerate(jobs)}
-        from concurrent.futures import as_completed
         for future in as_completed(futures):
             rows[futures[future]] = future.result()
             if progress:

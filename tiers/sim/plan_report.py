@@ -2,14 +2,9 @@
 from __future__ import annotations
 
 import json
-from typing import List, Sequence
+from typing import Sequence
 
-
-def _table(header: List[str], lines: List[List[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines]
-    return "\n".join(out)
+from tiers.sim.report import text_table
 
 
 def _gb(value: float) -> str:
@@ -29,7 +24,7 @@ def grid_table(rows: Sequence[dict]) -> str:
               f"{r['storage_hit_rate']:.3f}", f"{r['hit_rate']:.3f}", f"{r['storage_available_rate']:.3f}",
               f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p90_s']:.3f}", f"{r['ttft_p99_s']:.3f}"]
              for r in sorted(rows, key=lambda r: (r["cost"], r["ttft_mean_s"]))]
-    return _table(header, lines)
+    return text_table(header, lines)
 
 
 def settings_table(rows: Sequence[dict]) -> str:
@@ -43,7 +38,7 @@ def settings_table(rows: Sequence[dict]) -> str:
         lines.append([r["setting"], str(r["value"]), f"{r['hit_rate']:.3f}", f"{r['delta_hit_rate']:+.3f}",
                       f"{r['storage_hit_rate']:.3f}", f"{r['storage_available_rate']:.3f}", f"{r['ttft_mean_s']:.3f}", f"{r['delta_ttft_mean_s']:+.3f}",
                       f"{r['ttft_p90_s']:.3f}", top or "-"])
-    return _table(header, lines)
+    return text_table(header, lines)
 
 
 def write_json(path: str, meta: dict, rows: Sequence[dict], settings: Sequence[dict], extra: dict) -> None:

@@ -13,7 +13,11 @@ and ``mem_cache/radix_cache.py``), with a block of the trace as the unit of a ke
   host (and, once there, to storage);
 - host eviction pops host leaves, nodes with no device copy and no children,
   by least recent access (``_evict_host_leaf``), deleting them;
-- a locked node (a request's path while it is admitted) is evicted from neither;
+- a request's path is locked against device eviction while it runs
+  (``inc_lock_ref``); a prefetch or load anchor is pinned against host
+  eviction (``inc_host_lock_ref``); each lock guards only its own pool;
+- under write_back, host pressure first drops host copies of device-resident
+  nodes (``_reclaim_full_host_duplicates``);
 - write_through backs a new leaf up at once (``write_through_threshold`` 1),
   write_through_selective once an insert walked it twice (threshold 2,
   ``_inc_hit_count_and_check``), write_back never at insert.

@@ -21,12 +21,14 @@ def hit_rate_table(rows: Sequence[Row], best: Score, metric: str = "token_hit_ra
                                                for p in policies])
     ceiling_value = best.token_hit_rate if metric == "token_hit_rate" else best.block_hit_rate
     lines.append(["infinite", "-"] + [f"{ceiling_value:.4f}"] * len(policies))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = [f"{metric.replace('_', ' ')}:"]
-    for number, line in enumerate(lines):
-        out.append("  ".join(text.rjust(width) for text, width in zip(line, widths)))
-        if number == 0:
-            out.append("  ".join("-" * width for width in widths))
+    return f"{metric.replace('_', ' ')}:\n" + text_table(header, lines[1:])
+
+
+def text_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """Right-aligned columns, two spaces apart, a dashed line under the header."""
+    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
 
 
