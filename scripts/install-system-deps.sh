@@ -7,13 +7,16 @@
 #   "libibverbs.so.1: cannot open shared object file".
 # ibverbs-providers: the user-space drivers of RDMA NICs (mlx5, efa, ...);
 #   needed for protocol = "rdma", harmless without a NIC.
+# g++, ninja-build, libssl-dev: SGLang's server compiles its page-hash helper
+#   (OpenSSL SHA-256) on first use; without them a real server fails its
+#   first request that hashes a page.
 # rdma-core tools (ibverbs-utils: ibv_devices, ibv_devinfo) help check the
 #   NIC names that go into device_name.
 #
 # Usage: sudo scripts/install-system-deps.sh [--rdma-tools]
 set -eu
 
-PACKAGES="libibverbs1 ibverbs-providers"
+PACKAGES="libibverbs1 ibverbs-providers g++ ninja-build libssl-dev"
 if [ "${1:-}" = "--rdma-tools" ]; then
     PACKAGES="$PACKAGES ibverbs-utils rdmacm-utils"
 fi

@@ -21,8 +21,9 @@ for arg in "$@"; do
     esac
 done
 
-# 1. Debian packages (the Transfer Engine links libibverbs even for TCP).
-if ! dpkg -s libibverbs1 ibverbs-providers >/dev/null 2>&1; then
+# 1. Debian packages (the Transfer Engine links libibverbs even for TCP; SGLang's
+#    server compiles its page-hash helper with g++, ninja and OpenSSL).
+if ! dpkg -s libibverbs1 ibverbs-providers g++ ninja-build libssl-dev >/dev/null 2>&1; then
     if [ "$(id -u)" -eq 0 ]; then
         sh scripts/install-system-deps.sh
     else
@@ -42,6 +43,8 @@ if [ "$engine" -eq 1 ]; then
     $PIP_INSTALL torch==2.14.1 torchvision==0.29.1
     $PIP_INSTALL --no-deps sglang==0.5.23
     $PIP_INSTALL --no-deps -r scripts/sglang-cpu-requirements.txt
+    # What `python -m sglang.launch_server` imports beyond the HiCache modules (its HTTP server).
+    $PIP_INSTALL --no-deps -r scripts/sglang-server-requirements.txt
 fi
 
 # 3. This project.
