@@ -21,6 +21,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
+from hicache_ext.break_even import BreakEven, ReadSpeeds, first_token_of
 from hicache_ext.engine_stats import TransferStats
 from hicache_ext.head_shards import HeadShards
 from hicache_ext.host_pool import HostPoolView
@@ -118,9 +119,13 @@ class TieredHiCacheStorage(HiCacheStorage):
         if view is not None and view.memfd is not None:
             for client in clients:
                 client.attach_region(view.memfd, view.memfd_size)
+        break_even = BreakEven(ReadSpeeds(len(clients), stale_s=self.settings.read_speed_stale_s),
+                               self.settings.recompute_us_per_token,
+                               self.settings.recompute_growth_us_per_ki_token)
         router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
                             selective_min_reads=self.settings.selective_min_reads,
-                            promote_max_bytes=self.settings.promote_max_mib << 20)
+                            promote_max_bytes=self.settings.promote_max_mib << 20, break_even=break_even,
+                            checksums=self.settings.page_checksums)
         return _Route(namespace, view, router, writes=(not shared) or self.is_writer, shards=shards)
 
     def _head_shards(self, pool) -> Optional[HeadShards]:
@@ -168,7 +173,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------ lookups
     @never_raises(0)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return P.leading_run(self._route().held(list(keys)))
+        return P.leading_run(self._route().held(list(keys), extra_info))
 
     @never_raises(False)
     def exists(self, key: str) -> bool:
@@ -241,7 +246,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
         keys = list(keys)
-        kv_held = self._route().held(keys)
+        kv_held = self._route().held(keys, extra_info)
         kv_pages = P.leading_run(kv_held)
         pool_held = {}
         for transfer in pool_transfers or []:
@@ -330,8 +335,14 @@ class _Route:
         """Per page, from per stored key."""
         return self.shards.fold(flags) if self.shards else flags
 
-    def held(self, keys: List[str]) -> bytes:
-        held = self.router.held(self.storage_keys(keys))
+    def held(self, keys: List[str], extra_info=None) -> bytes:
+        """Per page: held by some tier, and worth reading (the break-even rule, when set)."""
+        per_key = self.shards.count if self.shards else 1
+        page_tokens = self.view.page_size if self.view is not None else 0
+        page_bytes = self.view.page_bytes() if self.view is not None else 0
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        held = self.router.held(self.storage_keys(keys), page_bytes / per_key, page_tokens / per_key,
+                                first_token_of(prefix, page_tokens))
         return self.shards.fold_held(held) if self.shards else held
 
 

@@ -37,19 +37,10 @@ class LookupHints:
         self._answers: Deque[Tuple[float, List[str], bytes]] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def remember(self, keys: List[str], per_tier: Sequence[Optional[bytes]]) -> None:
-        """One lookup's answers: per tier, its held flags (None: it did not answer)."""
-        fastest = bytearray(b"\xff" * len(keys))
-        # Bottom tier first, so a faster tier holding a key overwrites a slower one (C-level passes a tier).
-        for tier in range(len(per_tier) - 1, -1, -1):
-            flags = per_tier[tier]
-            if flags is None:
-                continue
-            mark = bytes([tier])
-            for begin, end in _runs_of_ones(flags):
-                fastest[begin:end] = mark * (end - begin)
+    def remember(self, keys: List[str], fastest: bytes) -> None:
+        """One lookup's answer: the fastest tier holding each key (``fastest_tiers``)."""
         with self._lock:
-            self._answers.append((time.monotonic() + self.ttl, keys, bytes(fastest)))
+            self._answers.append((time.monotonic() + self.ttl, keys, fastest))
 
     def plan(self, keys: List[str]) -> Optional[bytes]:
         """The fastest tier of each key (UNKNOWN where not known), or None when no recent lookup covers them."""
@@ -68,6 +59,20 @@ class LookupHints:
             if looked_up[start:start + len(keys)] == keys:
                 return fastest[start:start + len(keys)]
         return None
+
+
+def fastest_tiers(per_tier: Sequence[Optional[bytes]], n: int) -> bytes:
+    """The fastest tier holding each of n keys (UNKNOWN where none), from each tier's held flags."""
+    fastest = bytearray(bytes([UNKNOWN]) * n)
+    # Bottom tier first, so a faster tier holding a key overwrites a slower one (C-level passes a tier).
+    for tier in range(len(per_tier) - 1, -1, -1):
+        flags = per_tier[tier]
+        if flags is None:
+            continue
+        mark = bytes([tier])
+        for begin, end in _runs_of_ones(flags):
+            fastest[begin:end] = mark * (end - begin)
+    return bytes(fastest)
 
 
 def _runs_of_ones(flags: bytes):

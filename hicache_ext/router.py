@@ -16,30 +16,39 @@ The chain is ordered fastest first (as the node configuration lists it).
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from hicache_ext.break_even import BreakEven
 from hicache_ext.host_pool import PageBatch
-from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter
+from hicache_ext.page_sums import ReadChecks
+from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
 from tiers.wire import protocol as P
 from tiers.node.buffers import scatter_copy
 from tiers.wire.client import TierClient
 from tiers.wire.lookup import merge_held, per_tier_held
+from tiers.ops.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
+_warn = RateLimitedLog(log)
 
 
 class TierRouter:
     def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True,
-                 selective_min_reads: int = 2, promote_max_bytes: int = 256 << 20):
+                 selective_min_reads: int = 2, promote_max_bytes: int = 256 << 20,
+                 break_even: Optional[BreakEven] = None, checksums: bool = True):
         if not clients:
             raise ValueError("the tier chain is empty")
         self.clients = clients
+        self.break_even = break_even  # lookups report only the pages whose read beats their recompute
+        self.unpaid_pages = 0  # held pages a lookup did not report: slower to read than to recompute
         self.write_policy = write_policy
         self.promote = promote
         self.selective_min_reads = selective_min_reads
         self.hints = LookupHints(len(clients))
         self.promoter = Promoter(promote_max_bytes)
+        self.checks = ReadChecks(checksums)  # each page read is checked against its checksum (hicache_ext/page_sums.py)
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
         # write_through's puts to the tiers below the first, beside the caller's own put to the first.
@@ -53,25 +62,40 @@ class TierRouter:
             self._readers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-read")
 
     # ---------------------------------------------------------------- lookup
-    def held(self, keys: List[str]) -> bytes:
-        """One byte per key: held by some tier (every tier asked at once).
+    def held(self, keys: List[str], key_bytes: float = 0, key_tokens: float = 0, first_token: int = 0) -> bytes:
+        """One byte per key: held by some tier (every tier asked at once) and worth reading.
 
         A daemon takes at most P.MAX_BATCH keys a message, and SGLang asks
         for a whole prompt at once (a 128k-token prompt is 2,048 pages, more
         under head shards), so longer lists go in chunks.  Only the leading
         run counts, so chunks stop at the first one with a hole and later
-        keys read as not held.
+        keys read as not held.  With a break-even rule the leading run is
+        cut where reading (key_bytes at each tier's measured speed) stops
+        paying for recomputing (key_tokens a key, from context position first_token).
         """
         out = bytearray()
+        fastest = bytearray()
         for start in range(0, len(keys), P.MAX_BATCH):
             chunk = keys[start:start + P.MAX_BATCH]
             per_tier = per_tier_held(self.clients, chunk)
+            chunk_fastest = fastest_tiers(per_tier, len(chunk))
             if len(self.clients) > 1:
-                self.hints.remember(chunk, per_tier)
+                self.hints.remember(chunk, chunk_fastest)
+            fastest += chunk_fastest
             flags = merge_held(per_tier, len(chunk))
             out += flags
             if not all(flags):
                 break
+        if self.break_even is not None and self.break_even.enabled:
+            run = P.leading_run(bytes(out))
+            paying = self.break_even.paying_pages(bytes(fastest), run, key_bytes, key_tokens, first_token)
+            if paying < run:
+                out[paying:run] = bytes(run - paying)
+                self.unpaid_pages += run - paying
+                speeds = ", ".join(f"{c.name} {rate / 1e6:.1f} MB/s" for c, rate in
+                                   zip(self.clients, self.break_even.speeds.current()) if rate)
+                _warn.warning("unpaid", "hicache-tiers: %d of %d held pages not reported as hits: reading them is "
+                              "slower than recomputing them (measured read speeds: %s)", run - paying, run, speeds)
         return bytes(out) + bytes(len(keys) - len(out))
 
     # --------------------------------------------------------------- writes
@@ -94,7 +118,8 @@ class TierRouter:
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode))
+        sums = self.checks.sums_of(batch.views())  # hashed once for every tier: each keeps it with the page
+        return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode, sums=sums))
 
     def _put_fields(self, mode: str, promote: bool = False) -> dict:
         """What the daemon is told with a put: demote later or not, and the selective threshold."""
@@ -106,8 +131,10 @@ class TierRouter:
         return extra
 
     def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
-             promote: bool = False) -> List[bool]:
+             promote: bool = False, sums: bytes = b"") -> List[bool]:
         extra = self._put_fields(mode, promote)
+        if sums:
+            extra["sums"] = sums
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
             return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)
@@ -117,7 +144,7 @@ class TierRouter:
                       parents: Optional[List[Optional[str]]] = None) -> List[bool]:
         """Legacy path: pages given as buffers of this process (same policy fields and parents as write)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        extra = self._put_fields(self._mode)
+        extra = {**self._put_fields(self._mode), "sums": self.checks.sums_of(pages)}
         return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
 
     # ---------------------------------------------------------------- reads
@@ -133,9 +160,10 @@ class TierRouter:
                 starts.setdefault(0 if tier == UNKNOWN else tier, []).append(i)
         walks = sorted(starts.items())
         # The top group on this thread, the others on the reader threads: every tier moves at once.
-        pending = [self._readers.submit(self._walk_batch, batch, idx, first) for first, idx in walks[1:]]
+        sums = [0] * n  # each page's checksum, as the tier that served it returned it (promotions keep it)
+        pending = [self._readers.submit(self._walk_batch, batch, idx, first, sums) for first, idx in walks[1:]]
         first, idx = walks[0]
-        served = [self._walk_batch(batch, idx, first)] + [future.result() for future in pending]
+        served = [self._walk_batch(batch, idx, first, sums)] + [future.result() for future in pending]
         found = [False] * n
         below: List[int] = []  # pages a lower tier served
         for hits in served:
@@ -144,31 +172,37 @@ class TierRouter:
                 if depth > 0:
                     below.append(i)
         if below and self.promote and not self.clients[0].is_down():
-            self._promote(batch.subset(sorted(below)))
+            self._promote(batch.subset(sorted(below)), [sums[i] for i in sorted(below)])
         return found
 
     def _walk(self, idx: List[int], fetch: Callable[[TierClient, List[int]], List[bool]],
-              first: int = 0) -> List[Tuple[int, int]]:
+              first: int = 0, page_bytes: float = 0) -> List[Tuple[int, int]]:
         """Ask tier first for pages idx, the next for what it missed, ...; (page, tier depth) of each hit."""
         hits: List[Tuple[int, int]] = []
         missing = idx
         for depth in range(first, len(self.clients)):
             if not missing:
                 break
+            began = time.perf_counter()
             got = fetch(self.clients[depth], missing)
+            if self.break_even is not None:  # each tier's read speed, kept current for the break-even rule
+                self.break_even.speeds.observe(depth, int(sum(got) * page_bytes), time.perf_counter() - began)
             hits += [(i, depth) for i, ok in zip(missing, got) if ok]
             missing = [i for i, ok in zip(missing, got) if not ok]
         return hits
 
-    def _walk_batch(self, batch: PageBatch, idx: List[int], first: int) -> List[Tuple[int, int]]:
+    def _walk_batch(self, batch: PageBatch, idx: List[int], first: int, sums: List[int]) -> List[Tuple[int, int]]:
         n = len(batch.keys)
         return self._walk(idx, lambda client, missing: self._get(client, batch if len(missing) == n
-                                                                  else batch.subset(missing)), first)
+                                                                  else batch.subset(missing), sums, missing), first,
+                          batch.nbytes / n)
 
-    def _promote(self, pages: PageBatch) -> None:
+    def _promote(self, pages: PageBatch, sums: List[int]) -> None:
         """Queue copies of pages into the top tier (they are below already: the top tier holds them clean)."""
         top = self.clients[0]
         extra = self._put_fields("through", promote=True)
+        if any(sums):
+            extra["sums"] = P.encode_sums(sums)
 
         def put(keys: List[str], copies: List[List[bytes]]) -> List[bool]:
             return top.put_frames(keys, copies, sum(len(b) for page in copies for b in page), None, **extra)
@@ -176,22 +210,32 @@ class TierRouter:
 
     def counters(self) -> dict:
         """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
-        return self.promoter.counters()
+        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages}
 
-    def _get(self, client: TierClient, batch: PageBatch) -> List[bool]:
+    def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int]) -> List[bool]:
+        """Pages of batch from one tier, each checked after our own copy; sums[positions[i]] gets page i's sum."""
+        got: List[int] = []
         if client.can_lease():
             # The daemon leases the pages in its arena and this process copies them in: a frozen
             # daemon can never write into host memory the engine has reused.
-            return client.get_leased(batch.keys, batch.runs())
-        found, frames = client.get_frames(batch.keys, batch.nbytes)
-        return _fill(found, frames, batch.views) if any(found) else found
+            found = client.get_leased(batch.keys, batch.runs(), got)
+        else:
+            found, frames = client.get_frames(batch.keys, batch.nbytes, got)
+            found = _fill(found, frames, batch.views) if any(found) else found
+        found = self.checks.verify(client.name, batch.keys, found, got, lambda idx: batch.subset(idx).views())
+        for position, ok, checksum in zip(positions, found, got):
+            if ok:
+                sums[position] = checksum
+        return found
 
     def read_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
         """Legacy path: fill buffers of this process from the fastest tier."""
         def fetch(client: TierClient, idx: List[int]) -> List[bool]:
             nbytes = sum(v.nbytes for i in idx for v in pages[i])
-            found, frames = client.get_frames([keys[i] for i in idx], nbytes)
-            return _fill(found, frames, lambda: [pages[i] for i in idx])
+            asked, got = [keys[i] for i in idx], []
+            found, frames = client.get_frames(asked, nbytes, got)
+            found = _fill(found, frames, lambda: [pages[i] for i in idx])
+            return self.checks.verify(client.name, asked, found, got, lambda sub: [pages[idx[j]] for j in sub])
 
         found = [False] * len(keys)
         for i, _depth in self._walk(list(range(len(keys))), fetch):

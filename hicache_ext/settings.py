@@ -34,6 +34,16 @@ SETTINGS_HELP = {
     "promote": "copy pages served by a lower tier into the top tier (after the read returned)",
     "promote_max_mib": "MiB of page copies waiting to be promoted; promotions past it are dropped and counted",
     "selective_min_reads": "selective policy: reads before a page is written below",
+    "recompute_us_per_token": "prefill microseconds of one token on this server (hicache-tiers bench --only ttft "
+                              "measures it); above 0, a lookup reports only the leading pages whose read, at each "
+                              "tier's measured speed, beats recomputing them (0: every held page is a hit)",
+    "recompute_growth_us_per_ki_token": "how much a token's prefill grows per 1,024 tokens of context before it "
+                                        "(attention), with recompute_us_per_token",
+    "page_checksums": "hash each page written (xxh3_64, kept by every tier) and check every page read against it: a "
+                      "wrong byte is a miss, never a page served; costs ~35% of DRAM-tier throughput at 8 MiB pages "
+                      "on a 2-core machine (docs/PERFORMANCE.md)",
+    "read_speed_stale_s": "seconds a tier's measured read speed is trusted by the break-even rule; after that "
+                          "its pages count as hits until a read measures it again",
 }
 
 
@@ -49,6 +59,10 @@ class BackendSettings:
     promote: bool = True  # copy pages read from a lower tier into the top tier
     promote_max_mib: int = 256  # copies waiting for the top tier; past it a promotion is dropped (counted)
     selective_min_reads: int = 2  # selective: reads before a page is written below
+    recompute_us_per_token: float = 0.0  # the break-even rule (hicache_ext/break_even.py); 0: off
+    recompute_growth_us_per_ki_token: float = 0.0
+    read_speed_stale_s: float = 30.0
+    page_checksums: bool = True  # end-to-end page checksums (hicache_ext/page_sums.py)
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "BackendSettings":
@@ -81,15 +95,20 @@ class BackendSettings:
         if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"extra-config write_policy {self.write_policy!r} is not one of "
                              f"{', '.join(WRITE_POLICIES)}")
-        for name in ("deadline_base_s", "deadline_min_gbps", "lookup_timeout_s"):
+        for name in ("deadline_base_s", "deadline_min_gbps", "lookup_timeout_s", "read_speed_stale_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"extra-config {name} must be a positive number, got {value!r}")
-        if not isinstance(self.promote, bool):
-            raise ValueError(f"extra-config promote must be true or false, got {self.promote!r}")
+        for name in ("promote", "page_checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"extra-config {name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.promote_max_mib, bool) or not isinstance(self.promote_max_mib, int) \
                 or self.promote_max_mib < 0:
             raise ValueError(f"extra-config promote_max_mib must be an integer >= 0, got {self.promote_max_mib!r}")
+        for name in ("recompute_us_per_token", "recompute_growth_us_per_ki_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"extra-config {name} must be a number >= 0, got {value!r}")
         if isinstance(self.selective_min_reads, bool) or not isinstance(self.selective_min_reads, int) \
                 or self.selective_min_reads < 1:
             raise ValueError(f"extra-config selective_min_reads must be an integer >= 1, got {self.selective_min_reads!r}")

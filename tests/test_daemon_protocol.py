@@ -85,6 +85,27 @@ def test_bad_fields_after_hello(peer):
     still_serving(peer)
 
 
+def test_page_checksums_are_validated_kept_and_returned(peer):
+    """sums: one little-endian uint64 a key on a put, one a found page in a get reply; absent is 0 (unknown)."""
+    session = peer.hello("sums")
+    for sums, why in [(b"\0" * 8, "one sum for two keys"), (b"\0" * 17, "not whole uint64s"),
+                      ([1, 2], "a list, not bytes"), ("0" * 16, "a string"), (7, "a number")]:
+        reply, _ = peer.call("put", s=session, keys=["a", "b"], sums=sums, frames=[b"A" * 64, b"B" * 64])
+        assert (reply["ok"], reply["code"]) == (False, "bad_request"), why
+        assert "sums" in reply["msg"], why
+    reply, _ = peer.call("lookup", s=session, keys=["a", "b"])
+    assert reply["held"] == b"\0\0"  # a refused put stores nothing
+    reply, _ = peer.call("put", s=session, keys=["a", "b"], sums=P.encode_sums([2**64 - 1, 5]),
+                         frames=[b"A" * 64, b"B" * 64])
+    assert reply["stored"] == b"\1\1"
+    reply, _ = peer.call("put", s=session, keys=["old"], frames=[b"C" * 64])  # an older writer: no sums
+    assert reply["stored"] == b"\1"
+    reply, frames = peer.call("get", s=session, keys=["a", "missing", "old", "b"])
+    assert reply["found"] == b"\1\0\1\1" and len(frames) == 3
+    assert P.decode_sums(reply["sums"], 3) == [2**64 - 1, 0, 5]
+    still_serving(peer)
+
+
 def test_oversized_page_is_refused_and_nothing_is_stored(peer):
     session = peer.hello()
     reply, _ = peer.call("put", s=session, keys=["big"], frames=[b"z" * (2 << 20)])

@@ -49,7 +49,7 @@ good_keys = st.lists(st.text(KEY_ALPHABET, min_size=1, max_size=24), min_size=1,
 bad_keys = st.one_of(values, st.lists(st.one_of(st.text(max_size=300), st.integers(-2**63, 2**63 - 1), st.binary(max_size=8)),
                                       max_size=8))
 FIELDS = ("keys", "ns", "client", "region", "desc", "regions_per_page", "frames_per_page", "parents", "all",
-          "bytes", "mode", "min_reads", "promote", "lease", "sizes", "ttl", "done")
+          "bytes", "mode", "min_reads", "promote", "lease", "sizes", "ttl", "done", "sums")
 
 
 def descriptor_bytes():
@@ -75,7 +75,7 @@ def header(draw, session):
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True)):
         if name == "keys":
             h[name] = draw(st.one_of(good_keys, good_keys, bad_keys))
-        elif name in ("desc", "regions_per_page", "sizes"):
+        elif name in ("desc", "regions_per_page", "sizes", "sums"):
             h[name] = draw(st.one_of(descriptor_bytes(), values))
         elif name == "ns":
             h[name] = draw(st.one_of(st.text("abcxyz", min_size=1, max_size=8), st.just("_admin"), values))
@@ -194,6 +194,10 @@ def test_descriptor_and_size_decoders_raise_only_protocol_errors(desc, counts, n
             pass
         try:
             P.decode_sizes(a, n, size)
+        except P.ProtocolError:
+            pass
+        try:
+            assert len(P.decode_sums(a, n)) == n
         except P.ProtocolError:
             pass
         assert P.decode_pool_extents(a, b, [size] * n) is None or n >= 0
@@ -366,7 +370,11 @@ def test_pool_daemon_handlers_survive_hostile_messages(tmp_path):
         session = peer.hello("fuzz")
         reply, _ = peer.call("alloc", s=session, keys=["a", "b"], sizes=P.encode_sizes([4096, 4096]))
         assert reply["ok"], reply
-        corpus = [[P.request("alloc", 1, s=session, keys=["k1"], sizes=P.encode_sizes([4096]))],
+        for sums in (b"\0" * 8, [1], "x"):  # one sum for two keys, a list, a string: refused by name
+            bad, _ = peer.call("alloc", s=session, keys=["c", "d"], sizes=P.encode_sizes([4096, 4096]), sums=sums)
+            assert bad["code"] == "bad_request" and "sums" in bad["msg"], bad
+        corpus = [[P.request("alloc", 1, s=session, keys=["k1"], sizes=P.encode_sizes([4096]),
+                             sums=P.encode_sums([9]))],
                   [P.request("commit", 2, s=session, lease=reply["lease"], keys=["a"])],
                   [P.request("locate", 3, s=session, keys=["a", "b"], done=[1, 2])],
                   [P.request("release", 4, s=session, lease=reply["lease"])]]

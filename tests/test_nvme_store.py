@@ -387,3 +387,52 @@ def test_what_the_store_does_while_the_eviction_order_is_rebuilt_is_replayed_ont
     assert store.contains([("a", f"old{i}") for i in (0, 1, 2, 4, 5)] + [("a", "late"), ("c", "late")]) == \
         [False] * 5 + [True, True]
     assert bytes(store.get_bytes(("a", "late"))) == page(60)
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd-shuffle"])
+def test_the_writers_checksum_is_kept_in_the_header_and_checked(make_store, codec):
+    """The page checksum (tiers/wire/protocol.py sums) rides in the chunk header, flag 1; for a raw page it is the
+    payload checksum.  Bytes that do not match the writer's sum are refused at the write, and a compressed page
+    whose decoded bytes do not match it is never served."""
+    import xxhash
+    from tiers.stores.nvme import chunkfile as cf
+    store = make_store(compression=codec, compression_level=3)
+    data = bf16_like(4, 64 << 10)
+    checksum = xxhash.xxh3_64_intdigest(data)
+    store.put_with_sum(("ns", "k"), split(data, [4096]), None, checksum)
+    (path,) = chunk_files(store.root)
+    hdr = cf.read_header(path)
+    assert hdr.page_sum == checksum and (hdr.codec != 0 or hdr.payload_hash == checksum)
+    out = bytearray(len(data))
+    assert store.get_into_with_sum(("ns", "k"), [memoryview(out)]) == checksum and out == data
+    with pytest.raises(StoreIOError, match="checksum"):
+        store.put_with_sum(("ns", "bad"), [memoryview(data)], None, checksum ^ 1)
+    assert store.contains([("ns", "bad")]) == [False] and store.stats().extra["checksum_refused"] == 1
+    if codec != "none":  # a sound payload that decodes to other bytes than the writer hashed: removed, a miss
+        block = memoryview(bytearray(cf.HEADER_SIZE))
+        with open(path, "r+b") as fh:
+            fh.readinto(block)
+            fh.seek(0)
+            fh.write(cf.pack_header(block, "ns", "k", hdr.codec, hdr.raw_len, hdr.payload_len, hdr.payload_hash,
+                                    checksum ^ 1))
+        assert store.get_into_with_sum(("ns", "k"), [memoryview(out)]) is None
+        assert store.contains([("ns", "k")]) == [False] and store.stats().extra["corrupt_removed"] == 1
+
+
+def test_chunks_without_a_page_checksum_still_read(make_store):
+    """Files written before page checksums (flags 0, version 1) read as before, with checksum 0 (unknown);
+    a raw chunk whose page checksum differs from its payload checksum is corrupt."""
+    from tiers.stores.nvme import chunkfile as cf
+    store = make_store()
+    store.put(("ns", "old"), [memoryview(page(1))])
+    (path,) = chunk_files(store.root)
+    hdr = cf.read_header(path)
+    assert hdr.page_sum == 0
+    with open(path, "rb") as fh:
+        raw = fh.read(cf.HEADER_SIZE)
+    assert raw[8:10] == (1).to_bytes(2, "little") and raw[11] == 0  # version 1, no flag
+    assert store.get_into_with_sum(("ns", "old"), [memoryview(bytearray(PAGE))]) == 0
+    block = memoryview(bytearray(cf.HEADER_SIZE))
+    cf.pack_header(block, "ns", "old", 0, PAGE, PAGE, hdr.payload_hash, hdr.payload_hash ^ 1)
+    with pytest.raises(cf.CorruptChunk, match="page checksum"):
+        cf.parse_header(block)

@@ -11,7 +11,7 @@ import threading
 import time
 
 from hicache_ext.lab.sglang_harness import make_keys
-from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter
+from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
 from tests.backend_env import Engine
 from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 
@@ -19,7 +19,8 @@ from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 def test_a_read_of_a_run_of_looked_up_keys_gets_each_keys_fastest_tier():
     hints = LookupHints(tiers=3, ttl=60)
     keys = [f"k{i}" for i in range(8)]
-    hints.remember(keys, [b"\x01\x01\x00\x00\x00\x00\x01\x00", None, b"\x01\x00\x01\x01\x00\x00\x01\x00"])
+    hints.remember(keys, fastest_tiers([b"\x01\x01\x00\x00\x00\x00\x01\x00", None,
+                                        b"\x01\x00\x01\x01\x00\x00\x01\x00"], len(keys)))
     assert hints.plan(keys) == bytes([0, 0, 2, 2, UNKNOWN, UNKNOWN, 0, UNKNOWN])
     assert hints.plan(keys[2:5]) == bytes([2, 2, UNKNOWN])  # SGLang reads in chunks
     assert hints.plan(["k3", "k5"]) is None  # not a run of the lookup: no plan, the read walks the chain
@@ -29,8 +30,8 @@ def test_a_read_of_a_run_of_looked_up_keys_gets_each_keys_fastest_tier():
 def test_a_plan_expires_and_the_newest_lookup_wins():
     hints = LookupHints(tiers=2, ttl=0.2)
     keys = ["a", "b"]
-    hints.remember(keys, [b"\x00\x00", b"\x01\x01"])
-    hints.remember(keys, [b"\x01\x00", b"\x01\x01"])
+    hints.remember(keys, fastest_tiers([b"\x00\x00", b"\x01\x01"], 2))
+    hints.remember(keys, fastest_tiers([b"\x01\x00", b"\x01\x01"], 2))
     assert hints.plan(keys) == b"\x00\x01"
     time.sleep(0.3)
     assert hints.plan(keys) is None

@@ -65,7 +65,7 @@ def test_eviction_skips_pinned_pages_and_reuse_waits_for_the_last_pin(store):
     for i in range(4):
         put(store, f"p{i}", bytes([i + 1]) * (2 * BLOCK))  # the arena is full
     lease, found = store.locate(S, [("ns", "p0")], ttl=5.0)  # p0, the LRU victim, is being read
-    size, extents = found[0]
+    size, extents, _checksum = found[0]
     assert size == 2 * BLOCK
     put(store, "new", b"n" * (2 * BLOCK))  # evicts p1 (p0 is pinned)
     assert store.contains([("ns", "p0"), ("ns", "p1")]) == [True, False]
@@ -120,3 +120,16 @@ def test_a_node_treats_malformed_pool_replies_as_misses():
                 {"sizes": b"\x00"}, {"found": b"\x01"}, {"lease": "7"}, {"desc": desc[:-8]}, {"seg": None}):
         assert client._grant({**good, **bad}, "found", 3, None) is None, bad
     client.close()
+
+
+def test_a_page_keeps_its_writers_checksum_until_it_is_replaced(store):
+    """alloc's sums are kept with each committed page and returned by locate (0: none was sent)."""
+    lease, grants, _ = store.allocate(S, [("ns", "a"), ("ns", "b"), ("ns", "c")], [100, 100, 100],
+                                      [None] * 3, ttl=5.0, sums=[2**64 - 1, 0, 7])
+    assert store.commit(S, lease, [("ns", "a"), ("ns", "b")]) == [True, True]  # c is never committed
+    lease, found = store.locate(S, [("ns", "a"), ("ns", "b"), ("ns", "c")], ttl=5.0)
+    assert [f[2] if f else None for f in found] == [2**64 - 1, 0, None]
+    store.release(S, lease)
+    put(store, "a", b"x" * 100)  # replaced by a writer that sent no sum
+    _lease, found = store.locate(S, [("ns", "a")], ttl=5.0)
+    assert found[0][2] == 0

@@ -27,9 +27,25 @@ def register(sub) -> None:
     p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default 128)")
     p.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per page (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="write/read rounds; figures are medians (default 3)")
+    server = p.add_argument_group("--server: a real SGLang server (python -m sglang.launch_server) on this machine")
+    server.add_argument("--server", action="store_true",
+                        help="launch a real SGLang server with a small random Llama, send a shared-prefix workload "
+                             "and print where each request's cached tokens came from and its TTFT")
+    server.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (default cpu)")
+    server.add_argument("--requests", type=positive_int, default=4, help="requests a round (default 4)")
+    server.add_argument("--prefix-tokens", type=positive_int, default=1024,
+                        help="tokens every request of the workload shares (default 1024)")
+    server.add_argument("--suffix-tokens", type=positive_int, default=64,
+                        help="tokens of each request's own (default 64)")
+    server.add_argument("--model-layers", type=positive_int, default=8, help="layers of the random Llama (default 8)")
+    server.add_argument("--model-hidden", type=positive_int, default=512,
+                        help="hidden size of the random Llama; heads = hidden/64, KV heads = hidden/128 (default 512)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    if args.server:
+        from hicache_ext.lab.server_demo import run_server_demo  # sglang's server loads only here
+        return run_server_demo(args)
     from hicache_ext.lab.demo import run_demo  # torch and sglang load only here
     return run_demo(args)

@@ -95,6 +95,7 @@ class ServerOptions:
     """The launch line's choices; defaults are the CPU route of the issue that introduced this."""
     model: Path
     node_config: Path  # the node configuration whose daemons the server talks to
+    runtime_dir: Optional[Path] = None  # the daemons' sockets, when not the configuration's (NodeRunner's)
     device: str = "cpu"
     page_size: int = 16
     max_total_tokens: int = 1024
@@ -109,9 +110,11 @@ class ServerOptions:
     port: int = 0
 
 
-def sglang_flags(node_config: Path, write_policy: Optional[str] = None) -> List[str]:
+def sglang_flags(node_config: Path, write_policy: Optional[str] = None, runtime_dir: Optional[Path] = None) -> List[str]:
     """The flags ``hicache-tiers sglang-args`` prints for node_config, run as users run it."""
     cmd = [sys.executable, "-m", "tiers.cli", "sglang-args", "--config", str(node_config), "--format", "shell"]
+    if runtime_dir:
+        cmd += ["--runtime-dir", str(runtime_dir)]
     if write_policy:
         cmd += ["--write-policy", write_policy]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -128,6 +131,9 @@ class Generation:
     seconds: float
     prompt_tokens: int
     cached: Dict[str, int]  # device, host, storage (SGLang's cached_tokens_details)
+    # SGLang's own timings of the request, seconds (with --enable-metrics): queue_time, storage_prefetch_wait,
+    # storage_staging_wait, and forward (prefill_finished_time - forward_entry_time)
+    timings: Dict[str, float] = field(default_factory=dict)
 
     @property
     def cached_total(self) -> int:
@@ -149,7 +155,7 @@ class SGLangServer:
 
     def command(self) -> List[str]:
         o = self.options
-        flags = sglang_flags(o.node_config, o.write_policy)
+        flags = sglang_flags(o.node_config, o.write_policy, o.runtime_dir)
         if o.extra_config:
             at = flags.index("--hicache-storage-backend-extra-config") + 1
             flags[at] = json.dumps({**json.loads(flags[at]), **o.extra_config})
@@ -229,7 +235,11 @@ class SGLangServer:
         meta = answer["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         cached = {where: int(details.get(where, 0)) for where in ("device", "host", "storage")}
-        return Generation(list(answer["output_ids"]), seconds, int(meta["prompt_tokens"]), cached)
+        return Generation(list(answer["output_ids"]), seconds, int(meta["prompt_tokens"]), cached, _timings(meta))
+
+    def metrics(self, timeout: float = 30.0) -> str:
+        """SGLang's Prometheus text (GET /metrics; the server needs --enable-metrics)."""
+        return self._http("/metrics", method="GET", timeout=timeout).decode(errors="replace")
 
     def flush_cache(self, timeout: float = 60.0) -> None:
         """Drop the device and host caches (SGLang's /flush_cache); the node's tiers keep their pages."""
@@ -269,6 +279,16 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _timings(meta: dict) -> Dict[str, float]:
+    """The numeric timings of a /generate meta_info that SGLang adds with --enable-metrics."""
+    out = {name: float(meta[name]) for name in ("queue_time", "storage_prefetch_wait", "storage_staging_wait")
+           if isinstance(meta.get(name), (int, float))}
+    entry, finished = meta.get("forward_entry_time"), meta.get("prefill_finished_time")
+    if isinstance(entry, (int, float)) and isinstance(finished, (int, float)):
+        out["forward"] = float(finished) - float(entry)
+    return out
 
 
 def shared_prefix_prompts(count: int, prefix_tokens: int, suffix_tokens: int, vocab: int, seed: int = 0) -> List[List[int]]:

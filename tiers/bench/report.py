@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from tiers.bench import ttft_report
 from tiers.bench.stats import Figures
 
 # (label, figure, limit figure, peer figure) per tier and direction; {m} is the page size's label ("64KiB", "1MiB").
@@ -101,7 +102,7 @@ def target_rows(figs: Figures, sizes: List[str]) -> List[tuple]:
         value = figs.median(fig)
         if value is not None:
             rows.append((text, f"{value:.0f} us", "yes" if value <= bound else "**no**"))
-    return rows
+    return rows + ttft_report.target_rows(figs)
 
 
 def markdown(figs: Figures, sizes: List[str], meta: dict) -> str:
@@ -198,6 +199,7 @@ def markdown(figs: Figures, sizes: List[str], meta: dict) -> str:
                 f"{_num(figs.median('restart.lookup_during.p50'), 0)} / "
                 f"{_num(figs.median('restart.lookup_during.p99'), 0)}, "
                 f"{_num(figs.median('restart.lookup_during.unanswered'), 0)} |", ""]
+    out += ttft_report.section(figs)
     if figs.notes:
         out += ["## Notes", ""] + [f"- {part}: {text}" for part, text in figs.notes.items()] + [""]
     if figs.failures:

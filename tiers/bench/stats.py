@@ -33,6 +33,7 @@ class Figures:
         self.series: Dict[str, dict] = {}
         self.notes: Dict[str, str] = {}
         self.failures: List[str] = []
+        self.info: Dict[str, dict] = {}  # what a part measured on, described (the ttft part's server and model)
 
     def add(self, name: str, value: float, unit: str = "GB/s") -> None:
         self.series.setdefault(name, {"unit": unit, "samples": []})["samples"].append(float(value))
@@ -61,7 +62,7 @@ class Figures:
         for name, s in self.series.items():
             lo, hi = self.spread(name)
             out[name] = {"unit": s["unit"], "median": self.median(name), "min": lo, "max": hi, "samples": s["samples"]}
-        return {"figures": out, "notes": self.notes, "failures": self.failures}
+        return {"figures": out, "notes": self.notes, "failures": self.failures, "info": self.info}
 
 
 class Progress:

@@ -20,7 +20,10 @@ model and GPU presets. The table marks three Pareto fronts: cost against mean
 TTFT (m), p90 TTFT (p) and hit rate (h); the settings table changes one SGLang setting at
 a time at one point (default: the fastest point with tiers) and says where L3
 hits were lost (below_threshold, cut_short, host_full, anchor_not_backed,
-rate_limited, ...). See docs/EXPERIMENTS.md.
+rate_limited, ...). --profile takes a real server's measured profile (from
+`hicache-tiers bench --only ttft --ttft-profile FILE`) instead of the model
+and GPU presets; --check-profile predicts every case it measured with this
+formula and prints predicted against measured. See docs/EXPERIMENTS.md.
 """
 
 
@@ -85,7 +88,8 @@ def register(subparsers) -> None:
     from tiers.sim.timing import GPU_PRESETS
     p = subparsers.add_parser("plan", help="size the node's tiers for a trace: Pareto front of cost and TTFT",
                               description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake JSONL trace file(s)")
+    p.add_argument("traces", nargs="*", metavar="TRACE",
+                   help="Mooncake JSONL trace file(s) (none with --check-profile)")
     p.add_argument("--bench", required=True, metavar="FILE",
                    help="hicache-tiers bench --json file of the target machine (tier speeds, lookup latency)")
     p.add_argument("--cost", type=_costs, default=_costs(""), metavar="KIND=$/GB,...",
@@ -110,6 +114,14 @@ def register(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=0.5, help="fraction of the GPU peak prefill reaches (default: %(default)s)")
     p.add_argument("--compute-us-per-token", type=float, default=None, metavar="US",
                    help="a measured prefill time per token T, instead of the GPU preset's")
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="a measured engine (hicache-tiers bench --only ttft --ttft-profile FILE): its KV shape, "
+                        "page size and fitted prefill, per-cached-token and host-to-GPU costs replace --model, "
+                        "--gpu, --gpus and --mfu")
+    p.add_argument("--check-profile", action="store_true",
+                   help="predict every case --profile measured (recompute, device, host and L3 hits per prompt "
+                        "length; L3 reads at the --bench file's tier speeds) with the TTFT formula; print "
+                        "predicted against measured, exit 1 when one is off by more than 15%%; no trace needed")
     p.add_argument("--device-gb", type=float, default=40.0, help="the GPU's KV pool, GB (default: %(default)s)")
     p.add_argument("--hicache-ratio", type=float, default=2.0,
                    help="SGLang's host pool over device pool (default: %(default)s, SGLang's)")
@@ -117,7 +129,8 @@ def register(subparsers) -> None:
                    help="SGLang's host pool in GB (overrides --hicache-ratio)")
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
                    help="SGLang's --hicache-write-policy (default: %(default)s)")
-    p.add_argument("--page-size", type=positive_int, default=64, help="SGLang's page size, tokens (default: %(default)s)")
+    p.add_argument("--page-size", type=positive_int, default=None,
+                   help="SGLang's page size, tokens (default: the profile's, else 64)")
     p.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout",
                    help="SGLang's --hicache-storage-prefetch-policy (default: %(default)s)")
     p.add_argument("--prefetch-threshold", type=int, default=256,
@@ -147,10 +160,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _setup(args, bench):
+def _setup(args, bench, profile=None):
     from tiers.sim.hierarchy import SGLangFlags
     from tiers.sim.plan import Setup
-    flags = SGLangFlags(write_policy=args.write_policy, page_size=args.page_size,
+    page_size = args.page_size or (profile.page_tokens if profile is not None else 64)
+    flags = SGLangFlags(write_policy=args.write_policy, page_size=page_size,
                         prefetch_threshold=args.prefetch_threshold, prefetch_policy=args.prefetch_policy,
                         prefetch_timeout_base=args.prefetch_timeout_base,
                         prefetch_timeout_per_ki_token=args.prefetch_timeout_per_ki_token,
@@ -160,30 +174,55 @@ def _setup(args, bench):
                  device_gb=args.device_gb, hicache_ratio=args.hicache_ratio, host_gb=args.hicache_size,
                  flags=flags, tier_policy=args.policy[0], tier_policies=args.policy[1],
                  tier_write_policy=args.tier_write_policy, promote=not args.no_promote, queue=args.queue,
-                 time_scale=args.time_scale, costs=args.cost)
+                 time_scale=args.time_scale, costs=args.cost, profile=profile)
+
+
+def _check_profile(args, bench, profile) -> int:
+    """--check-profile: the profile's measured cases against the planner's TTFT formula."""
+    from tiers.sim import profile_check
+    rows = profile_check.check(profile, bench)
+    print(f"{args.profile}: {profile.source or 'no source'}")
+    print(profile_check.fit_summary(profile))
+    print(f"tier speeds and lookups from {args.bench} ({bench.meta.get('date', 'undated')})\n")
+    print(profile_check.table(rows))
+    off = [r for r in rows if not r.holds]
+    print(f"\n{len(rows) - len(off)} of {len(rows)} cases within {profile_check.TOLERANCE:.0%}")
+    return EXIT_FAILED if off else EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tiers.sim import plan, plan_report
+    from tiers.sim.profile import Profile, ProfileError
     from tiers.sim.timing import BenchError
+    if args.check_profile and not args.profile:
+        print("plan: --check-profile needs --profile FILE", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.traces and not args.check_profile:
+        print("plan: give at least one TRACE (or --profile FILE --check-profile)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         bench = plan.load_bench(args.bench)
+        profile = Profile.load(args.profile) if args.profile else None
+        if args.check_profile:
+            return _check_profile(args, bench, profile)
         trace = plan.load_trace(args.traces, block_tokens=args.block_tokens)
-        setup = _setup(args, bench)
-        setup.time(setup.node(plan.Point(1, 1, 1), trace.block_tokens))  # every figure the grid needs
+        setup = _setup(args, bench, profile)
+        used = [1 if any(gb > 0 for gb in gbs) else 0 for gbs in (args.dram_gb, args.nvme_gb, args.remote_gb)]
+        setup.time(setup.node(plan.Point(*used), trace.block_tokens))  # every figure the grid needs
         setup.engine()
     except OSError as exc:
         print(f"plan: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
-    except (BenchError, ValueError) as exc:
+    except (BenchError, ProfileError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return EXIT_USAGE
     points = plan.grid(args.dram_gb, args.nvme_gb, args.remote_gb)
     parallel = args.parallel or plan.default_parallel()
+    engine = (f"the engine of {args.profile}" if profile is not None else f"{args.model} on {args.gpus} x {args.gpu}")
     print(f"{trace.n_requests:,} requests, {int(trace.input_lengths.sum()):,} tokens; {len(points)} points; "
-          f"{args.model} ({setup.shape.kv_bytes_per_token / 1024:.0f} KiB of KV a token) on {args.gpus} x {args.gpu}; "
+          f"{engine} ({setup.shape.kv_bytes_per_token / 1024:g} KiB of KV a token); "
           f"tier speeds from {args.bench} ({bench.meta.get('date', 'undated')})")
     with tqdm(total=len(points), unit="point", disable=args.quiet or None, file=sys.stderr) as bar:
         rows = plan.sweep(trace, setup, points, parallel=parallel, progress=bar.update)
@@ -206,7 +245,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if status != EXIT_OK:
             return status
     meta = {"command": " ".join(sys.argv), "traces": args.traces, "bench": args.bench,
-            "bench_date": bench.meta.get("date"), "setup": _setup_fields(setup),
+            "bench_date": bench.meta.get("date"), "profile": args.profile, "setup": _setup_fields(setup),
             "time_model": _time_figures(setup.time(setup.node(chosen, trace.block_tokens)))}
     if args.json:
         plan_report.write_json(args.json, meta, rows, settings, extra)
@@ -224,7 +263,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _setup_fields(setup) -> dict:
     """The setup as plain values (flags flattened beside the rest; no bench object)."""
-    fields = {k: v for k, v in vars(replace(setup, bench=None)).items() if k not in ("bench", "flags")}
+    fields = {k: v for k, v in vars(replace(setup, bench=None, profile=None)).items()
+              if k not in ("bench", "flags", "profile")}
     return {**fields, **vars(setup.flags)}
 
 
@@ -232,7 +272,10 @@ def _time_figures(time) -> dict:
     """The per-token figures the simulation used (microseconds), and where T comes from."""
     return {"compute_us_per_token": time.compute_s * 1e6, "host_to_gpu_us_per_token": time.h2d_s * 1e6,
             "tier_read_us_per_token": [t * 1e6 for t in time.tier_read_s], "write_us_per_token": time.write_s * 1e6,
-            "lookup_128_us": time.lookup_s(128) * 1e6, "source": time.source}
+            "lookup_128_us": time.lookup_s(128) * 1e6, "overhead_ms_per_request": time.overhead_s * 1e3,
+            "compute_ns_per_token_squared": time.compute_s2 * 1e9, "cached_us_per_token": time.cached_s * 1e6,
+            "load_added_to_compute": time.serial_load, "prefetch_ms_per_query": time.prefetch_s * 1e3,
+            "source": time.source}
 
 
 def _point_outputs(args, trace, setup, point, extra: dict) -> int:

@@ -27,6 +27,7 @@ from tiers.node.arena import BlockArena
 from tiers.node.demotion import Demoter
 from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
+from tiers.node.faults import CorruptReads
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
@@ -51,7 +52,7 @@ class TierDaemon:
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
                  demoter: Optional[Demoter] = None,
                  staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
-                 curve: Optional[security.CurveSettings] = None):
+                 curve: Optional[security.CurveSettings] = None, corrupt_reads: Optional[CorruptReads] = None):
         self.name = name
         self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
         self.store = store
@@ -68,7 +69,8 @@ class TierDaemon:
         self.arena = store.export_arena() or BlockArena(max(staging_bytes, 64 << 10), 64 << 10, f"{name}-staging",
                                                         prefault=staging_bytes >= 64 << 20, background=True)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
-        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)
+        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes,
+                                       corrupt_reads=corrupt_reads)  # a test hook (tiers/node/faults.py)
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
@@ -300,6 +302,7 @@ class TierDaemon:
         self._release_done(header)
         keys = P.keys_field(header)
         sources = self.transfers.page_sources(header, frames, keys, self._regions)
+        sums = P.decode_sums(header.get("sums"), len(keys))
         parents = header.get("parents")
         if not isinstance(parents, list) or len(parents) != len(keys):
             parents = [None] * len(keys)
@@ -312,7 +315,7 @@ class TierDaemon:
         req_id, deadline = header["id"], header.get("dl")
 
         def work(_frames_kept_alive=frames) -> list:
-            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline)
+            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums)
             if self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
@@ -335,9 +338,9 @@ class TierDaemon:
             raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
         if "lease" not in header:
             def frame_work() -> list:
-                found, out = self.transfers.frame_reads(ns, keys, header.get("dl"))
+                found, out, sums = self.transfers.frame_reads(ns, keys, header.get("dl"))
                 self.metrics.pages("get", sum(found), sum(len(f) for f in out))
-                return [P.reply_ok(req_id, found=P.flags(found)), *out]
+                return [P.reply_ok(req_id, found=P.flags(found), sums=sums), *out]
             return self._pool.submit(frame_work)
         expiry = P.lease_field(header)
         sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)

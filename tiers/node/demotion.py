@@ -84,20 +84,22 @@ class DemotionLink:
         return self._client(namespace).is_down()
 
     def push_many(self, namespace: str, keys: List[str], pages: Sequence[Sequence[memoryview]],
-                  extents: Optional[Sequence[list]] = None) -> List[bool]:
-        """Store pages of one namespace below in one call; each True once the lower tier acknowledged it.
+                  extents: Optional[Sequence[list]] = None, sums: Sequence[int] = ()) -> List[bool]:
+        """Store pages of one namespace below in one call, with their checksums (the writer's: a page
+        keeps its sum in every tier); each True once the lower tier acknowledged it.
 
         extents: each page's (offset, length) runs in the attached arena; the lower daemon then copies
         them itself (its call's deadline guards the copy as for an engine's host pool)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
         client = self._client(namespace)
+        extra = {"sums": P.encode_sums(sums)} if any(sums) else {}
         stored, by_region = [], 0
         if extents is not None and client.connect() and client.region_id is not None:
             desc, counts = P.encode_descriptors(extents)
-            stored = client.put_region(keys, desc, counts, nbytes)
+            stored = client.put_region(keys, desc, counts, nbytes, **extra)
             by_region = sum(stored)
         if not stored or (not by_region and client.region_id is None):  # not attached, or lost it meanwhile
-            stored = client.put_frames(keys, [list(p) for p in pages], nbytes)
+            stored = client.put_frames(keys, [list(p) for p in pages], nbytes, **extra)
         unreachable = not any(stored) and client.is_down()  # the queue tries these again later
         with self._lock:
             self.demoted += sum(stored)
@@ -106,8 +108,8 @@ class DemotionLink:
                 self.failed += len(stored) - sum(stored)
         return stored
 
-    def push(self, key: PageKey, views: Sequence[memoryview]) -> bool:
-        return self.push_many(key[0], [key[1]], [views])[0]
+    def push(self, key: PageKey, views: Sequence[memoryview], checksum: int = 0) -> bool:
+        return self.push_many(key[0], [key[1]], [views], sums=[checksum])[0]
 
     def close(self) -> None:
         with self._lock:
@@ -126,6 +128,7 @@ class _Pending:
     nbytes: int
     extents: Optional[list] = None  # runs in the upper arena, pinned by lease until pushed
     lease: Optional[int] = None
+    checksum: int = 0  # the writer's, kept below
 
 
 class DemotionQueue:
@@ -176,7 +179,7 @@ class DemotionQueue:
             self._items.append(item)
             self._cond.notify()
 
-    def offer_pinned(self, key: PageKey, extents: list, lease: int) -> bool:
+    def offer_pinned(self, key: PageKey, extents: list, lease: int, checksum: int = 0) -> bool:
         """Queue a page of self.arena by its runs, pinned by lease (released once pushed).  Pinned memory is
         bounded by the queue's bytes and by PINNED_SHARE of the arena.  Never waits; False when full (counted
         when the queue is): the caller keeps the lease."""
@@ -189,10 +192,10 @@ class DemotionQueue:
             with self._cond:
                 self.pinned_bytes -= nbytes
             return False
-        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease))
+        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease, checksum))
         return True
 
-    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False) -> bool:
+    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False, checksum: int = 0) -> bool:
         """Queue a page (never waits; copy: the views are only valid now); False, counted, when full."""
         nbytes = sum(v.nbytes for v in views)
         if not self._admit(key, nbytes):
@@ -201,7 +204,7 @@ class DemotionQueue:
             data = bytearray(nbytes)
             scatter_copy([memoryview(data)], views)
             views = [memoryview(data)]
-        self._append(_Pending(key, list(views), nbytes))
+        self._append(_Pending(key, list(views), nbytes, checksum=checksum))
         return True
 
     def queued(self) -> Tuple[int, int]:
@@ -241,7 +244,7 @@ class DemotionQueue:
             extents = [i.extents for i in items] if all(i.extents is not None for i in items) else None
             try:
                 stored = self.link.push_many(namespace, [i.key[1] for i in items], [i.views for i in items],
-                                             extents)
+                                             extents, [i.checksum for i in items])
             except Exception:  # a bug here must not stop demotion for good
                 log.exception("demotion to %s failed", self.link.name)
                 break
@@ -284,11 +287,11 @@ class Demoter(EvictionListener):
         self.queue.max_pinned = int(arena.size * PINNED_SHARE)
         self.link.attach_arena(arena.export_fd(), arena.size)
 
-    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int, checksum: int = 0) -> None:
         """Inside the store's lock, before an evicted page's memory is reused: only queues a copy."""
         pending = self.dirty.pop(key)
         if pending is not None and should_demote(pending[0], pending[1], reads):
-            self.queue.offer(key, views, copy=True)
+            self.queue.offer(key, views, copy=True, checksum=checksum)
 
     def tick(self, store: PageStore, submit) -> None:
         """Housekeeping: queue the dirty pages over the bound, off the loop thread (submit runs it)."""
@@ -303,8 +306,8 @@ class Demoter(EvictionListener):
                 if self.queue.arena is not None:
                     queued = self._offer_stored(store, key)
                 else:
-                    data = store.peek(key)
-                    queued = None if data is None else self.queue.offer(key, [memoryview(data)])
+                    data, checksum = store.peek_with_sum(key)
+                    queued = None if data is None else self.queue.offer(key, [memoryview(data)], checksum=checksum)
                 if queued is None:
                     self.dirty.pop(key)
                 elif queued:
@@ -319,8 +322,8 @@ class Demoter(EvictionListener):
         pinned = store.pin_page(key, DEMOTION_OWNER)
         if pinned is None:
             return None
-        lease, extents = pinned
-        if self.queue.offer_pinned(key, extents, lease):
+        lease, extents, checksum = pinned
+        if self.queue.offer_pinned(key, extents, lease, checksum):
             return True
         self.queue.arena.release(lease, DEMOTION_OWNER)
         return False
@@ -330,11 +333,11 @@ class Demoter(EvictionListener):
         arena = self.queue.arena
         pinned = store.pin_page(key, DEMOTION_OWNER) if arena is not None else None
         if pinned is None:
-            data = store.peek(key)
-            return data is not None and self.link.push(key, [memoryview(data)])
-        lease, extents = pinned
+            data, checksum = store.peek_with_sum(key)
+            return data is not None and self.link.push(key, [memoryview(data)], checksum)
+        lease, extents, checksum = pinned
         try:
-            return self.link.push_many(key[0], [key[1]], [arena.extent_views(extents)], [extents])[0]
+            return self.link.push_many(key[0], [key[1]], [arena.extent_views(extents)], [extents], [checksum])[0]
         finally:
             arena.release(lease, DEMOTION_OWNER)
 

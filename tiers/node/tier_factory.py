@@ -1,11 +1,13 @@
 """Builds the page store and daemon of one configured tier (kinds come from tiers/plugins.py)."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from tiers.ops.config import NodeConfig, TierConfig
 from tiers.node.daemon import TierDaemon
 from tiers.node.demotion import Demoter, DemotionLink
+from tiers.node.faults import CorruptReads
 from tiers.plugins import store_kind
 from tiers.stores.base import EvictionListener, PageStore
 
@@ -48,4 +50,4 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
                       io_threads=io_threads, demoter=demoter, staging_bytes=tier.staging_bytes,
                       max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes,
-                      curve=tier.curve)
+                      curve=tier.curve, corrupt_reads=CorruptReads.from_environ(tier.name, os.environ))

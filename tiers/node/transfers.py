@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Tuple
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
 from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_pages
+from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import PageStore, StoreError
 
@@ -35,8 +36,10 @@ class PageTransfers:
     """handle_put / handle_get / handle_release and the per-page work behind them."""
 
     def __init__(self, name: str, store: PageStore, arena: BlockArena, pool: ThreadPoolExecutor,
-                 page_workers: int, max_page_bytes: int, lease_share: float = 0.5):
+                 page_workers: int, max_page_bytes: int, lease_share: float = 0.5,
+                 corrupt_reads: Optional[CorruptReads] = None):
         self.name = name
+        self.corrupt_reads = corrupt_reads  # the test hook of tiers/node/faults.py, None in service
         self.store = store
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
@@ -68,17 +71,19 @@ class PageTransfers:
                        [[(base + off, n) for off, n in page] for page in extents], region.view, base)
 
     def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
-                  deadline: Optional[float]) -> Tuple[List[bool], Refusal]:
-        """Store each page; (stored flags, first refusal)."""
+                  deadline: Optional[float], sums: List[int]) -> Tuple[List[bool], Refusal]:
+        """Store each page with its checksum (0: unknown); (stored flags, first refusal)."""
         if max(sources.sizes, default=0) > self.max_page_bytes:
             raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
         if sources.runs is not None and self.stages:
-            return self._put_staged(ns, keys, sources, parents, deadline)
+            return self._put_staged(ns, keys, sources, parents, deadline, sums)
         if sources.runs is not None:
-            return self._put_into_arena(ns, keys, sources, parents, deadline)
-        return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i])))
+            return self._put_into_arena(ns, keys, sources, parents, deadline, sums)
+        return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i],
+                                                                         sums[i])))
 
-    def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+    def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline,
+                        sums: List[int]) -> Tuple[List[bool], Refusal]:
         """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
 
         Pages are copied in groups, one C call a group without the GIL: a group grows while the arena
@@ -97,7 +102,7 @@ class PageTransfers:
                     self.store.abort(alloc)
                 else:
                     parent = parents[i]
-                    self.store.commit((ns, keys[i]), alloc, parent if isinstance(parent, str) else None)
+                    self.store.commit((ns, keys[i]), alloc, parent if isinstance(parent, str) else None, sums[i])
                     stored[i] = True
             group.clear()
             return refusal
@@ -143,15 +148,16 @@ class PageTransfers:
         # Bytes copied after the engine gave up may be torn (it reuses its buffers at once).
         return ("deadline", "deadline passed during the copy") if _late(deadline) else None
 
-    def _put_owned(self, ns, key, page, parent) -> Tuple[bool, Refusal]:
+    def _put_owned(self, ns, key, page, parent, checksum: int) -> Tuple[bool, Refusal]:
         """Pages in daemon-owned memory (frames): the store takes them as they are."""
         try:
-            self.store.put((ns, key), page, parent if isinstance(parent, str) else None)
+            self.store.put_with_sum((ns, key), page, parent if isinstance(parent, str) else None, checksum)
         except StoreError as exc:
             return False, (exc.code, str(exc))
         return True, None
 
-    def _put_staged(self, ns, keys, sources: "Sources", parents, deadline) -> Tuple[List[bool], Refusal]:
+    def _put_staged(self, ns, keys, sources: "Sources", parents, deadline,
+                    sums: List[int]) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy the batch into staging first (one guarded C call, as
         _put_into_arena does), then hand the store our own memory."""
         group: List[Tuple[int, Alloc]] = []
@@ -174,13 +180,13 @@ class PageTransfers:
         try:
             if self.store.batched:
                 idx = [i for i, _alloc in group]
-                out = self.store.put_many([(ns, keys[i]) for i in idx], [views[i] for i in idx],
-                                          [parents[i] for i in idx], deadline)
+                out = self.store.put_many_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx],
+                                                    [parents[i] for i in idx], deadline, [sums[i] for i in idx])
                 results = [(False, None)] * len(keys)
                 for i, exc in zip(idx, out):
                     results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
             else:
-                results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i])
+                results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i], sums[i])
                                      if views[i] is not None else (False, None))
         finally:
             for _i, alloc in group:
@@ -193,8 +199,8 @@ class PageTransfers:
         """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them."""
         budget = max(0, self.max_lease_bytes - self.arena.leased_bytes(owner))
         if not self.stages:
-            lease, extents = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
-            return self._lease_reply(lease, extents)
+            lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
+            return self._lease_reply(lease, extents, sums)
         return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
 
     def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
@@ -206,19 +212,19 @@ class PageTransfers:
             budget -= size if got is not None else 0
             allocs.append(got)
         views = [self.arena.views(a) if a is not None else None for a in allocs]
+        sums: List[Optional[int]] = [None] * len(keys)  # each page's checksum; None: not read
         if self.store.batched:
             idx = [i for i, v in enumerate(views) if v is not None]
-            got = self.store.get_many_into([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
-            found = [False] * len(keys)
-            for i, ok in zip(idx, got):
-                found[i] = bool(ok)
+            got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
+            for i, checksum in zip(idx, got):
+                sums[i] = checksum
         else:
-            found = self._each(len(keys), lambda i: views[i] is not None and time.monotonic() < expiry
-                               and self.store.get_into((ns, keys[i]), views[i]))
+            sums = self._each(len(keys), lambda i: self.store.get_into_with_sum((ns, keys[i]), views[i])
+                              if views[i] is not None and time.monotonic() < expiry else None)
         extents: List[Optional[list]] = []
         pinned: List[Alloc] = []
-        for ok, alloc in zip(found, allocs):
-            if ok and alloc is not None:
+        for checksum, alloc in zip(sums, allocs):
+            if checksum is not None and alloc is not None:
                 extents.append(alloc.extents)
                 pinned.append(alloc)
             else:
@@ -227,23 +233,28 @@ class PageTransfers:
         for alloc in allocs:  # given back now; the lease keeps the pinned ones out of use until it ends
             if alloc is not None:
                 self.arena.give(alloc)
-        return self._lease_reply(lease, extents)
+        return self._lease_reply(lease, extents, [s or 0 for s in sums])
 
-    def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]]) -> list:
+    def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]], sums: List[int]) -> list:
+        if self.corrupt_reads is not None:  # the test hook: after the tier's own checks, before the engine's
+            self.corrupt_reads.damage_extents(self.arena.view, extents)
         found = [e is not None for e in extents]
         desc, counts = P.encode_descriptors([e for e in extents if e is not None])
-        return (dict(found=P.flags(found), lease=lease or 0, desc=desc, regions_per_page=counts),
+        return (dict(found=P.flags(found), lease=lease or 0, desc=desc, regions_per_page=counts,
+                     sums=P.encode_sums([s for s, ok in zip(sums, found) if ok])),
                 sum(found), sum(n for e in extents if e for _o, n in e))
 
-    def frame_reads(self, ns: str, keys: list, deadline: Optional[float]) -> Tuple[List[bool], List[bytes]]:
-        """Pages as frames (engines without an attachment, or tcp:// peers); the engine copies them."""
+    def frame_reads(self, ns: str, keys: list, deadline: Optional[float]) -> Tuple[List[bool], List[bytes], bytes]:
+        """Pages as frames (engines without an attachment, or tcp:// peers), the engine copies them:
+        (found flags, a frame a found page, their checksums as the reply's sums)."""
         def get_one(i: int):
-            if _late(deadline):
-                return False, None
-            data = self.store.get_bytes((ns, keys[i]))
-            return data is not None, data
+            return (None, 0) if _late(deadline) else self.store.get_bytes_with_sum((ns, keys[i]))
         results = self._each(len(keys), get_one)
-        return [ok for ok, _d in results], [d for ok, d in results if ok and d is not None]
+        frames = [d for d, _s in results if d is not None]
+        if self.corrupt_reads is not None:  # the test hook, as for leased reads
+            frames = self.corrupt_reads.damage_frames(frames)
+        return ([d is not None for d, _s in results], frames,
+                P.encode_sums([s for d, s in results if d is not None]))
 
     # --------------------------------------------------------------- helpers
     def _each(self, n: int, work: Callable[[int], object]) -> list:

@@ -46,17 +46,17 @@ class NodeRunner:
         return [*self.launcher, sys.executable, "-m", "tiers.cli", "serve", "--config", self.config_path, "--runtime-dir",
                 self.runtime_dir, "--data-dir", self.data_dir, "--tier", tier, "--log-level", self.log_level]
 
-    def start(self, tier: Optional[str] = None, timeout: float = 30.0) -> None:
-        """Start one tier (or all) and wait until each answers a hello."""
+    def start(self, tier: Optional[str] = None, timeout: float = 30.0, env: Optional[Dict[str, str]] = None) -> None:
+        """Start one tier (or all) and wait until each answers a hello; env: variables added for these daemons."""
         names = [tier] if tier else [t.name for t in self.config.tiers]
         log = open(self.log_path, "ab")
         for name in names:
             if name in self.procs and self.procs[name].poll() is None:
                 continue
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            environ = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
             if self.launcher:
-                env["NOTIFY_SOCKET"] = self._notify_socket(name)
-            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log, env=env,
+                environ["NOTIFY_SOCKET"] = self._notify_socket(name)
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log, env=environ,
                                                 preexec_fn=self._limits if self.limit_fds else None)
         log.close()
         try:

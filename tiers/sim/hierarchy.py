@@ -23,7 +23,10 @@ Per request, in trace order (SGLang 0.5.23, ``managers/scheduler.py`` and
 Time: per request TTFT = (admission - arrival) + max((L2 + L3 tokens) x host-to-GPU,
 computed x W, computed x T): the seeds' model per stage (the L3 read happens
 before admission in SGLang; the load to the GPU overlaps compute layer by layer).
-Without ``queue`` the GPU is free at every arrival; with it, one FCFS GPU.
+A measured profile adds a per-request cost, a quadratic prefill term and a cost
+per cached token, and may add the load to compute instead of overlapping it
+(``TimeModel.service_s``). Without ``queue`` the GPU is free at every arrival;
+with it, one FCFS GPU.
 """
 from __future__ import annotations
 
@@ -222,8 +225,7 @@ class _Run:
         if fetched is not None:
             tree.unlock(fetched)
         computed = length - device_tok - host_tok - fetched_tok
-        t = self.time
-        service = max((host_tok + fetched_tok) * t.h2d_s, computed * t.write_s, computed * t.compute_s)
+        service = self.time.service_s(device_tok + host_tok + fetched_tok, host_tok + fetched_tok, computed)
         if self.queue:
             self.gpu_free = admitted + service
         return (device_tok, host_tok, fetched_tok, available), admitted, service
@@ -295,11 +297,8 @@ class _Run:
         return node, loaded_tok, admitted
 
     def _query_s(self, rest_toks: Sequence[int], hit_tok: int) -> float:
-        """The storage hit query: one lookup per 128-page batch until a batch comes back short."""
-        pages = sum(rest_toks) // self.engine.flags.page_size
-        hit_pages = hit_tok // self.engine.flags.page_size
-        batches = min(-(-pages // STORAGE_BATCH_PAGES), hit_pages // STORAGE_BATCH_PAGES + 1)
-        return batches * self.time.lookup_s(min(pages, STORAGE_BATCH_PAGES))
+        page = self.engine.flags.page_size
+        return storage_query_s(self.time, sum(rest_toks) // page, hit_tok // page)
 
     def _batch_ends(self, blocks: Sequence[int], toks: Sequence[int], start: float) -> List[float]:
         """Per block, when the 128-page batch that completes it ends (tiers read at once, slowest sets it)."""
@@ -314,25 +313,34 @@ class _Run:
             filled += tok
             pending += 1
             if filled >= batch_tokens:
-                clock += max(k * t.tier_read_s[d] for d, k in per_depth.items())
+                clock += t.batch_read_s(per_depth)
                 ends.extend([clock] * pending)
                 filled, per_depth, pending = 0, {}, 0
         if pending:
-            clock += max(k * t.tier_read_s[d] for d, k in per_depth.items())
+            clock += t.batch_read_s(per_depth)
             ends.extend([clock] * pending)
         return ends
 
     def _admission(self, poll: float, done: float, requested_tok: int) -> float:
-        """When the scheduler admits the request under the prefetch policy (timeout: on the requested span)."""
-        policy = self.engine.flags.prefetch_policy
-        if policy == "best_effort" or done <= poll:
-            return poll
-        if policy == "wait_complete":
-            return done
-        pages = requested_tok // self.engine.flags.page_size
-        budget = (self.engine.flags.prefetch_timeout_base
-                  + pages * self.engine.flags.page_size / 1024 * self.engine.flags.prefetch_timeout_per_ki_token)
-        return min(done, poll + budget)
+        return admission(self.engine.flags, poll, done, requested_tok)
+
+
+def storage_query_s(time: TimeModel, pages: int, hit_pages: int) -> float:
+    """The storage hit query: one lookup per 128-page batch of pages until a batch comes back short, and the
+    engine's own time around it (a measured profile's prefetch_s; 0 for a GPU preset)."""
+    batches = min(-(-pages // STORAGE_BATCH_PAGES), hit_pages // STORAGE_BATCH_PAGES + 1)
+    return batches * time.lookup_s(min(pages, STORAGE_BATCH_PAGES)) + time.prefetch_s
+
+
+def admission(flags: SGLangFlags, poll: float, done: float, requested_tok: int) -> float:
+    """When the scheduler admits a request whose prefetch ends at done (timeout: on the requested span)."""
+    if flags.prefetch_policy == "best_effort" or done <= poll:
+        return poll
+    if flags.prefetch_policy == "wait_complete":
+        return done
+    pages = requested_tok // flags.page_size
+    budget = flags.prefetch_timeout_base + pages * flags.page_size / 1024 * flags.prefetch_timeout_per_ki_token
+    return min(done, poll + budget)
 
 
 def node_settings(tiers: Sequence[TierSpec], write_policy: str = "write_through", promote: bool = True,

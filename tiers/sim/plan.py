@@ -20,6 +20,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from tiers.sim.hierarchy import EngineSettings, NodeSettings, Result, SGLangFlags, simulate
 from tiers.sim.node_tiers import TierSpec
 from tiers.sim.prefill import PRESETS, ModelShape
+from tiers.sim.profile import Profile
 from tiers.sim.timing import BenchFigures, TimeModel, time_model
 from tiers.sim.trace import DEFAULT_BLOCK_TOKENS, Trace, read_traces
 
@@ -66,9 +67,12 @@ class Setup:
     queue: bool = False
     time_scale: float = 1.0
     costs: Dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
+    profile: Optional[Profile] = None  # a measured engine (bench --ttft-profile): replaces model and GPU
 
     @property
     def shape(self) -> ModelShape:
+        if self.profile is not None:
+            return self.profile.shape
         if self.model not in PRESETS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(PRESETS)}")
         return PRESETS[self.model]
@@ -94,7 +98,7 @@ class Setup:
     def time(self, node: NodeSettings) -> TimeModel:
         return time_model(self.bench, [s.kind for s in node.tiers], self.tier_write_policy, model=self.model,
                           gpu=self.gpu, mfu=self.mfu, page_tokens=self.flags.page_size, compute_s=self.compute_s,
-                          gpus=self.gpus)
+                          gpus=self.gpus, profile=self.profile)
 
     def cost(self, point: "Point") -> float:
         return sum(gb * self.costs.get(kind, 0.0) for kind, gb in point.tiers())

@@ -3,23 +3,33 @@
 Tier speeds come from a ``hicache-tiers bench --json`` file of the target
 machine (never typed): read and write GB/s of each tier kind at the measured
 page size nearest the model's page (log scale; outside the measured range the
-nearest end), and the lookup latency by key count. The GPU side comes from a
-GPU preset whose figures cite their published source: dense BF16 peak for T
+nearest end), and the lookup latency by key count. The engine side comes from
+a GPU preset whose figures cite their published source: dense BF16 peak for T
 (with the model's 2 x params FLOPs a token and an MFU) and the host-to-device
-link for loading host (L2) pages back to the GPU.
+link for loading host (L2) pages back to the GPU; or from a measured profile
+(``tiers/sim/profile.py``: a real server's prefill, per-cached-token and
+host-to-device costs), which takes the preset's place.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from tiers.sim.prefill import GB, PRESETS, ModelShape
+from tiers.sim.profile import Profile, preset_fit, service_s
 
 # The bench figure prefix of each tier kind (tiers/bench: "<prefix>.<page size>.read|write").
 KIND_FIGURES = {"dram": "dram", "nvme": "nvme", "remote": "remote", "mooncake_store": "mooncake"}
-PAGE_SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "8MiB": 8 << 20}
+PAGE_LABEL = re.compile(r"^(\d+)(KiB|MiB)$")  # the bench's page-size labels: "64KiB", "128KiB", "8MiB"
+
+
+def page_label_bytes(label: str) -> Optional[int]:
+    """ "128KiB" -> 131072; None for a label that is not a page size."""
+    match = PAGE_LABEL.match(label)
+    return int(match.group(1)) << (10 if match.group(2) == "KiB" else 20) if match else None
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,13 @@ class BenchFigures:
     def gbps(self, kind: str, op: str, page_bytes: float) -> float:
         """GB/s of op ('read' or 'write') on tier kind at the measured page size nearest page_bytes."""
         prefix = KIND_FIGURES.get(kind, kind)
-        measured = [(size, self.medians.get(f"{prefix}.{label}.{op}")) for label, size in PAGE_SIZES.items()]
-        measured = [(size, value) for size, value in measured if value]
+        measured = []
+        for name, value in self.medians.items():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == prefix and parts[2] == op and value:
+                size = page_label_bytes(parts[1])
+                if size:
+                    measured.append((size, value))
         if not measured:
             raise BenchError(f"{self.path}: no '{prefix}.<page size>.{op}' figure: run "
                              f"hicache-tiers bench with the {prefix} part")
@@ -104,22 +119,41 @@ class TimeModel:
     page_tokens: int
     bench: Optional[BenchFigures] = None
     source: str = ""
+    # What a measured profile adds (a GPU preset leaves them 0 / overlapped): per request, per computed
+    # token squared, per cached token; serial_load: the load to the device adds to compute
+    overhead_s: float = 0.0
+    compute_s2: float = 0.0
+    cached_s: float = 0.0
+    serial_load: bool = False
+    prefetch_s: float = 0.0  # the engine's own time around a storage hit query, beyond the lookups
 
     def lookup_s(self, pages: int) -> float:
         """One lookup of pages keys (0 without a bench file)."""
         return self.bench.lookup_s(pages) if self.bench is not None else 0.0
 
+    def service_s(self, cached: int, loaded: int, computed: int) -> float:
+        """From admission to the first token: cached (L1+L2+L3) tokens, loaded (L2+L3) to the GPU, computed."""
+        return service_s(self, cached, loaded, computed, self.write_s)
+
+    def batch_read_s(self, tokens_by_depth: Dict[int, int]) -> float:
+        """One storage batch: each tier reads its tokens at once, the slowest sets the time."""
+        return max(k * self.tier_read_s[d] for d, k in tokens_by_depth.items())
+
 
 def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write_policy: str,
                model: str = "llama-3-8b", gpu: str = "h100-sxm", mfu: float = 0.5, page_tokens: int = 64,
-               shape: Optional[ModelShape] = None, compute_s: Optional[float] = None, gpus: int = 1) -> TimeModel:
+               shape: Optional[ModelShape] = None, compute_s: Optional[float] = None, gpus: int = 1,
+               profile: Optional[Profile] = None) -> TimeModel:
     """The TimeModel of a model preset on gpus GPUs of a preset in front of tiers of kinds (fastest first).
 
     compute_s overrides T (a measured figure); without a bench file every tier costs nothing. With
     gpus > 1 (tensor parallel) compute and the host-to-GPU links divide by gpus (no collective cost).
+    A profile replaces the model and GPU presets: its KV shape, and its fit for every engine figure.
     """
     if gpus < 1:
         raise ValueError("gpus must be at least 1")
+    if profile is not None:
+        shape = profile.shape
     if shape is None:
         if model not in PRESETS:
             raise ValueError(f"unknown model {model!r}; choose one of {', '.join(PRESETS)}")
@@ -131,7 +165,16 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
     preset = GPU_PRESETS[gpu]
     per_token = shape.kv_bytes_per_token
     page_bytes = per_token * page_tokens
-    t = compute_s if compute_s is not None else 2 * shape.params / (preset.tflops * 1e12 * mfu * gpus)
+    if profile is not None:
+        fit = profile.fit
+        source = f"engine: measured profile ({profile.source or 'no source'})"
+    else:
+        fit = preset_fit(2 * shape.params / (preset.tflops * 1e12 * mfu * gpus),
+                         per_token / (preset.h2d_gbps * GB * gpus))
+        source = f"T: {model} on {gpus} x {gpu} x MFU {mfu} ({preset.source})"
+    t = compute_s if compute_s is not None else fit.compute_s
+    if compute_s is not None:
+        source = f"T: given, {compute_s * 1e6:.1f} us a token"
     reads: List[float] = []
     writes: List[float] = []
     for kind in kinds:
@@ -143,7 +186,7 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
         writes.append(per_token / (bench.gbps(kind, "write", page_bytes) * GB))
     # write_through stores into every tier at once (the slowest sets the pace); the others write the top tier
     write_s = (max(writes) if router_write_policy == "write_through" else writes[0]) if writes else 0.0
-    source = (f"T: {model} on {gpus} x {gpu} x MFU {mfu} ({preset.source})" if compute_s is None
-              else f"T: given, {compute_s * 1e6:.1f} us a token")
-    return TimeModel(compute_s=t, h2d_s=per_token / (preset.h2d_gbps * GB * gpus), tier_read_s=tuple(reads),
-                     write_s=write_s, page_tokens=page_tokens, bench=bench, source=source)
+    return TimeModel(compute_s=t, h2d_s=fit.h2d_s, tier_read_s=tuple(reads), write_s=write_s,
+                     page_tokens=page_tokens, bench=bench, source=source, overhead_s=fit.overhead_s,
+                     compute_s2=fit.compute_s2, cached_s=fit.cached_s, serial_load=fit.serial_load,
+                     prefetch_s=fit.prefetch_s)

@@ -8,6 +8,13 @@ memory (ZeroMQ frames, the DRAM arena, staging blocks of the daemon's arena):
 the daemon alone reads an engine's host pool, through a SIGBUS-guarded copy
 (tiers/node/transfers.py), and nothing writes into one but the engine itself.
 
+Each page may carry its writer's checksum (xxh3_64 of its bytes, 0 for
+unknown: tiers/wire/protocol.py ``sums``).  A store that declares
+``keeps_checksums`` keeps it with the page and returns it with every read
+(the ``*_with_sum`` methods); the defaults keep nothing and answer 0, and
+the engine then verifies nothing, so a store written before checksums
+still serves.
+
 Keys are ``(namespace, key)`` pairs of str; the daemon has validated both.
 Methods never raise for a missing key; they raise ``StoreError`` subclasses
 for refusals the client should hear about (too large, full, I/O failure).
@@ -63,8 +70,8 @@ class EvictionListener(ABC):
     """
 
     @abstractmethod
-    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
-        """key's page (views valid only during the call) was evicted after reads hits.
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int, checksum: int = 0) -> None:
+        """key's page (views valid only during the call, checksum kept with it) was evicted after reads hits.
 
         Called inside the store's lock: it must not block, and must copy what it keeps.
         """
@@ -104,6 +111,7 @@ class PageStore(ABC):
     parallel_io = False  # True: the daemon may call get/put from a thread pool
     batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
     persistent = False  # True: pages survive a restart of the daemon (a store built on the same path finds them)
+    keeps_checksums = False  # True: the *_with_sum methods keep each page's checksum and return it
 
     @abstractmethod
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
@@ -125,9 +133,9 @@ class PageStore(ABC):
         """The page's bytes without counting a read (demotion, flushing)."""
         return self.get_bytes(key)
 
-    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, list]]:
+    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, list, int]]:
         """Stores with an arena (``export_arena``): pin key's blocks without counting a read, for a copy
-        out of the arena by (offset, length); (lease id, extents), or None when absent or not supported.
+        out of the arena by (offset, length); (lease id, extents, checksum), or None when absent or not supported.
         The caller ends the lease with ``export_arena().release(lease, owner)``."""
         return None
 
@@ -169,7 +177,8 @@ class PageStore(ABC):
 
     def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
                     max_bytes: int):
-        """(lease id or None, extents in export_arena() of each page or None); see tiers/node/arena.py."""
+        """(lease id or None, extents in export_arena() of each page or None, checksum of each page);
+        see tiers/node/arena.py."""
         raise Unsupported(f"{type(self).__name__} keeps no exported arena")
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
@@ -181,6 +190,34 @@ class PageStore(ABC):
                       deadline: Optional[float]) -> List[bool]:
         """Stores with ``batched``: every page at once; found flags."""
         raise Unsupported(f"{type(self).__name__} moves pages one at a time")
+
+    # ------------------------------------------------ page checksums (keeps_checksums)
+    def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
+        """put, keeping checksum (0: unknown) with the page for its reads."""
+        self.put(key, buffers, parent)
+
+    def get_into_with_sum(self, key: PageKey, buffers: Buffers) -> Optional[int]:
+        """get_into, answering the page's checksum (0: unknown), or None on a miss."""
+        return 0 if self.get_into(key, buffers) else None
+
+    def get_bytes_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
+        """get_bytes and the page's checksum (0: unknown)."""
+        return self.get_bytes(key), 0
+
+    def peek_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
+        """peek and the page's checksum (0: unknown)."""
+        return self.peek(key), 0
+
+    def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                           parents: Sequence[Optional[str]], deadline: Optional[float],
+                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
+        """put_many, keeping each page's checksum."""
+        return self.put_many(keys, pages, parents, deadline)
+
+    def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                                deadline: Optional[float]) -> List[Optional[int]]:
+        """get_many_into, answering each page's checksum (0: unknown), or None for a miss."""
+        return [0 if ok else None for ok in self.get_many_into(keys, pages, deadline)]
 
     def region_mapped(self, view: memoryview) -> None:
         """Memory the daemon reads pages from or into was mapped (the remote tier registers it with its engine)."""

@@ -30,6 +30,7 @@ log = logging.getLogger("hicache.dram")
 class _Entry:
     alloc: Alloc
     reads: int = 0
+    checksum: int = 0  # the writer's xxh3_64 of the page (0: unknown), returned with every read
 
     @property
     def size(self) -> int:
@@ -53,6 +54,7 @@ class DramStore(PageStore):
     """Pages in a memfd arena of fixed-size blocks."""
 
     parallel_io = False  # one copy at a time: two copies on two cores ran slower than one here
+    keeps_checksums = True
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
                  max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
@@ -104,7 +106,7 @@ class DramStore(PageStore):
             # Runs inside the lock: the listener copies the page into the demotion queue (bounded memory,
             # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once
             # (pinning them instead made a writer of a full arena evict more pages, or fail).
-            self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads)
+            self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads, entry.checksum)
         self._release_locked(victim)
         tenant.evictions += 1
         self._stats.evictions += 1
@@ -141,11 +143,11 @@ class DramStore(PageStore):
                 return self.arena.take(size)
             return self._allocate_locked(key[0], size)
 
-    def commit(self, key: PageKey, alloc: Alloc, parent: Optional[str] = None) -> None:
+    def commit(self, key: PageKey, alloc: Alloc, parent: Optional[str] = None, checksum: int = 0) -> None:
         size = alloc.size
         with self._lock:
             self._release_locked(key)
-            self._index[key] = _Entry(alloc)
+            self._index[key] = _Entry(alloc, checksum=checksum)
             tenant = self._tenant(key[0])
             tenant.names.add(key[1])
             tenant.policy.insert(key, (key[0], parent) if parent else None)
@@ -158,6 +160,9 @@ class DramStore(PageStore):
         self.arena.give(alloc)
 
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        self.put_with_sum(key, buffers, parent, 0)
+
+    def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         src = [as_bytes_view(b) for b in buffers]
         size = total_size(src)
         alloc = self.reserve(key, size)
@@ -169,7 +174,7 @@ class DramStore(PageStore):
         except BaseException:
             self.abort(alloc)
             raise
-        self.commit(key, alloc, parent)
+        self.commit(key, alloc, parent, checksum)
 
     def _lookup_for_read_locked(self, key: PageKey, size: Optional[int] = None) -> Optional[_Entry]:
         entry = self._index.get(key)
@@ -185,9 +190,10 @@ class DramStore(PageStore):
         return entry
 
     def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
-                    max_bytes: int) -> Tuple[Optional[int], List[Optional[Extents]]]:
+                    max_bytes: int) -> Tuple[Optional[int], List[Optional[Extents]], List[int]]:
         """Pin the leading pages held with the expected sizes, up to max_bytes, for an engine to copy out."""
         found: List[Optional[Extents]] = []
+        sums: List[int] = []
         allocs: List[Alloc] = []
         leased = 0
         with self._lock:
@@ -196,47 +202,58 @@ class DramStore(PageStore):
                 if entry is None or entry.size != size or leased + size > max_bytes:
                     self._stats.misses += 1
                     found.append(None)
+                    sums.append(0)
                     continue
                 self._lookup_for_read_locked(key)
                 found.append(entry.alloc.extents)
+                sums.append(entry.checksum)
                 allocs.append(entry.alloc)
                 leased += size
             lease = self.arena.lease(owner, allocs, expiry) if allocs else None
-        return lease, found
+        return lease, found, sums
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        return self.get_into_with_sum(key, buffers) is not None
+
+    def get_into_with_sum(self, key: PageKey, buffers: Buffers) -> Optional[int]:
         dst = [as_bytes_view(b) for b in buffers]
         size = total_size(dst)
         with self._lock:
             entry = self._lookup_for_read_locked(key, size)
             if entry is None:
-                return False
-            alloc = entry.alloc
+                return None
+            alloc, checksum = entry.alloc, entry.checksum
             lease = self.arena.lease(0, [alloc], float("inf"))  # held only for this copy
         try:
             scatter_copy(dst, self.arena.views(alloc))
         finally:
             self.arena.release(lease, 0)
-        return True
+        return checksum
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
+        return self.get_bytes_with_sum(key)[0]
+
+    def get_bytes_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
         with self._lock:
             entry = self._lookup_for_read_locked(key)
             if entry is None:
-                return None
-            return b"".join(self.arena.views(entry.alloc))
+                return None, 0
+            return b"".join(self.arena.views(entry.alloc)), entry.checksum
 
     def peek(self, key: PageKey) -> Optional[bytes]:
+        return self.peek_with_sum(key)[0]
+
+    def peek_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
         with self._lock:
             entry = self._index.get(key)
-            return None if entry is None else b"".join(self.arena.views(entry.alloc))
+            return (None, 0) if entry is None else (b"".join(self.arena.views(entry.alloc)), entry.checksum)
 
-    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, Extents]]:
+    def pin_page(self, key: PageKey, owner: int) -> Optional[Tuple[int, Extents, int]]:
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 return None
-            return self.arena.lease(owner, [entry.alloc], float("inf")), entry.alloc.extents
+            return self.arena.lease(owner, [entry.alloc], float("inf")), entry.alloc.extents, entry.checksum
 
     def read_count(self, key: PageKey) -> int:
         """How many times key was read since it was stored (0 when absent)."""

@@ -18,7 +18,8 @@ daemon's demotion) with their exact bytes, per-namespace delete and clear,
 refusals with nothing visible, counters, concurrent calls for stores with
 ``parallel_io``, batches and their deadlines for ``batched`` stores (a call
 past its deadline lands no byte), a restart that keeps pages for persistent
-stores, and corrupt data read as a miss.  The built-ins pass it
+stores, corrupt data read as a miss, and page checksums kept and returned by
+stores that declare ``keeps_checksums`` (0, unknown, from the rest).  The built-ins pass it
 (tests/test_store_contract.py, tests/test_remote_contract.py).
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
+import xxhash
 
 from tiers.stores.base import EvictionListener, PageKey, PageStore, StoreError
 
@@ -53,13 +55,15 @@ def read(store: PageStore, key, size: int) -> Optional[bytes]:
 
 
 class RecordingListener(EvictionListener):
-    """Keeps what a store says it evicted: (key, bytes, reads)."""
+    """Keeps what a store says it evicted: (key, bytes, reads), and each evicted page's checksum."""
 
     def __init__(self):
         self.evicted: List[Tuple[PageKey, bytes, int]] = []
+        self.sums: Dict[PageKey, int] = {}
 
-    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int) -> None:
+    def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int, checksum: int = 0) -> None:
         self.evicted.append((key, b"".join(bytes(v) for v in views), reads))
+        self.sums[key] = checksum
 
 
 class StoreContract:
@@ -242,6 +246,43 @@ class StoreContract:
             assert read(again, ("ns", "k"), len(data)) == data
         finally:
             again.close()
+
+    def test_checksums_are_kept_with_pages(self, store):
+        """A page keeps its writer's checksum on every read path (0, unknown, from a store that keeps none)."""
+        data, other = page(60, self.page_bytes), page(61, self.page_bytes)
+        kept = xxhash.xxh3_64_intdigest(data) if store.keeps_checksums else 0
+        store.put_with_sum(("ns", "summed"), split(data, 3), None, xxhash.xxh3_64_intdigest(data))
+        store.put(("ns", "plain"), [memoryview(other)])  # an older writer's page: unknown
+        out = bytearray(self.page_bytes)
+        assert store.get_into_with_sum(("ns", "summed"), split(memoryview(out), 2)) == kept and out == data
+        assert store.get_into_with_sum(("ns", "plain"), [memoryview(out)]) == 0 and out == other
+        assert store.get_into_with_sum(("ns", "absent"), [memoryview(out)]) is None
+        got, checksum = store.get_bytes_with_sum(("ns", "summed"))
+        assert bytes(got) == data and checksum == kept
+        assert store.get_bytes_with_sum(("ns", "absent")) == (None, 0)
+        if store.batched:
+            assert store.put_many_with_sums([("ns", "b")], [[memoryview(other)]], [None], time.time() + 30,
+                                            [xxhash.xxh3_64_intdigest(other)]) == [None]
+            outs = [bytearray(self.page_bytes) for _ in range(2)]
+            got = store.get_many_into_with_sums([("ns", "b"), ("ns", "absent")], [[memoryview(o)] for o in outs],
+                                                time.time() + 30)
+            assert got == [xxhash.xxh3_64_intdigest(other) if store.keeps_checksums else 0, None]
+
+    def test_evicted_pages_keep_their_checksums(self, store_path):
+        """What the daemon demotes carries the page's checksum to the tier below."""
+        if not self.reports_evictions:
+            pytest.skip("this store's evictions happen outside it")
+        listener = RecordingListener()
+        store = self.make_store(store_path, self.capacity, "lru", self.max_page_bytes, evictions=listener)
+        try:
+            pages = {f"k{i}": page(80 + i, self.page_bytes) for i in range(3 * self.capacity // self.page_bytes)}
+            for name, data in pages.items():
+                store.put_with_sum(("ns", name), [memoryview(data)], None, xxhash.xxh3_64_intdigest(data))
+            assert listener.sums
+            for (_ns, name), checksum in listener.sums.items():
+                assert checksum == (xxhash.xxh3_64_intdigest(pages[name]) if store.keeps_checksums else 0)
+        finally:
+            store.close()
 
     def test_corrupt_data_is_a_miss(self, store):
         data = page(7, self.page_bytes)

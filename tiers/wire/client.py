@@ -305,7 +305,7 @@ class TierClient:
 
     def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
-        """Pages from the registered host pool; extra: mode, min_reads, promote."""
+        """Pages from the registered host pool; extra: mode, min_reads, promote, sums (P.encode_sums)."""
         region = self.region_id
         if region is None:
             return [False] * len(keys)
@@ -334,15 +334,19 @@ class TierClient:
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
 
-    def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]]) -> List[bool]:
+    def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]],
+                   sums: Optional[List[int]] = None) -> List[bool]:
         """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
 
         The daemon pins the pages in its arena until our own give-up time; we
         copy them out in one call, and keep them only if the copy ended by then.  A page
-        is never written after this call returns.
+        is never written after this call returns.  sums, when given, gets each page's checksum
+        (0: unknown or not found) for the caller to verify what it copied.
         """
         arena = self.arena
         n = len(keys)
+        if sums is not None:
+            sums[:] = [0] * n
         sizes = [sum(length for _a, length in page) for page in dst]
         nbytes = sum(sizes)
         timeout = self.deadlines.for_bytes(nbytes)
@@ -368,7 +372,13 @@ class TierClient:
                     self._session = None  # attach again on the next call
             return [False] * n
         try:
+            found_sums = P.decode_sums(reply.header.get("sums"), sum(found))
+            if sums is not None:
+                sums[:] = _spread(found, found_sums)
             out = arena.copy_out(extents, dst, found, expiry)
+        except P.ProtocolError as exc:  # pages we cannot verify are no hits
+            self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
+            out = [False] * n
         except (MemoryFault, ValueError) as exc:
             self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
             out = [False] * n
@@ -387,13 +397,23 @@ class TierClient:
         if done:
             fields["done"] = done
 
-    def get_frames(self, keys: List[str], nbytes: int) -> Tuple[List[bool], List[zmq.Frame]]:
-        """(found flags, one frame per found page in key order)."""
+    def get_frames(self, keys: List[str], nbytes: int,
+                   sums: Optional[List[int]] = None) -> Tuple[List[bool], List[zmq.Frame]]:
+        """(found flags, one frame per found page in key order); sums as for get_leased."""
+        if sums is not None:
+            sums[:] = [0] * len(keys)
         reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys)
         found = self._flags(reply, "found", len(keys))
         frames = reply.frames if reply is not None else []
+        try:
+            found_sums = P.decode_sums(reply.header.get("sums") if reply is not None else None, sum(found))
+        except P.ProtocolError as exc:  # a reply we cannot verify is no hit
+            self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
+            frames = []
         if len(frames) != sum(found):
             return [False] * len(keys), []
+        if sums is not None:
+            sums[:] = _spread(found, found_sums)
         return found, frames
 
     def delete(self, keys: List[str]) -> int:
@@ -430,6 +450,12 @@ class TierClient:
                 sock.close(linger=0)
             self._sockets.clear()
             self._attachment.close()
+
+
+def _spread(found: List[bool], found_sums: List[int]) -> List[int]:
+    """One checksum a key from one a found key (0 where not found)."""
+    it = iter(found_sums)
+    return [next(it) if ok else 0 for ok in found]
 
 
 def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:

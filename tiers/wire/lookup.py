@@ -9,12 +9,21 @@ import zmq
 from tiers.wire.client import TierClient
 
 
+# How long a lookup covered by lower tiers waits for the replies of faster tiers still out.  Their
+# answer decides where each page is read from (the fastest holder); without it a lower tier that
+# happened to answer first would serve pages DRAM holds.  Bounded: a frozen faster tier costs a
+# lookup this much, once.
+FASTER_TIER_GRACE_S = 0.010
+
+
 def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
     """Ask every tier at once (one round trip each, in parallel); held flags or None per tier.
 
-    Returns as soon as the tiers that replied hold every key between them: a
-    slow or frozen lower tier never delays a lookup the tiers above answer
-    alone (its late reply is skipped by id on that socket's next call).
+    Returns as soon as the tiers that replied hold every key between them and
+    no faster tier is still out (or FASTER_TIER_GRACE_S after the keys were
+    covered): a slow or frozen lower tier never delays a lookup the tiers
+    above answer alone (its late reply is skipped by id on that socket's next
+    call).
     """
     results: List[Optional[bytes]] = [None] * len(clients)
     waiting = {}
@@ -23,9 +32,12 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
         if sent is not None:
             waiting[i] = sent
     full = b"\x01" * len(keys)
+    covered_until: Optional[float] = None  # the grace for faster tiers' replies, once the keys are covered
     while waiting:
         now = time.monotonic()
         give_up = min(p[2] for p in waiting.values())
+        if covered_until is not None:
+            give_up = min(give_up, covered_until)
         poller = zmq.Poller()
         for i, (sock, _id, _end) in waiting.items():
             poller.register(sock, zmq.POLLIN)
@@ -42,7 +54,13 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
                 del waiting[i]
                 clients[i].give_up(sock, "lookup")
         if merge_held(results, len(keys)) == full:  # the tiers that replied cover every key
-            break
+            deepest = max(i for i, r in enumerate(results) if r is not None)
+            if not any(i < deepest for i in waiting):
+                break
+            if covered_until is None:
+                covered_until = time.monotonic() + FASTER_TIER_GRACE_S
+            elif time.monotonic() >= covered_until:
+                break
     return results
 
 

@@ -16,10 +16,10 @@ Operations (fields -> reply fields):
 - hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
 - lookup   keys [, done]        -> held (one byte a key), prefix (leading run held)
 - get      keys [, lease, sizes, done]
-                                -> found (one byte a key), and either one frame per found page or,
+                                -> found (one byte a key), sums, and either one frame per found page or,
                                    with ``lease``: lease, arena, desc, regions_per_page
 - release  lease                -> released
-- put      keys [, region, desc, regions_per_page | frames_per_page, parents, done] [+ page frames]
+- put      keys [, region, desc, regions_per_page | frames_per_page, parents, sums, done] [+ page frames]
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
 - stats                         -> stats, tier, sessions
@@ -42,10 +42,10 @@ leases of earlier reads the engine has copied out, in the same round trip.
 
 Pool operations (served by remote memory pools, tiers/stores/remote; pages then move
 one-sided through the Mooncake Transfer Engine, never through ZeroMQ):
-- alloc    keys, sizes [, parents, ttl]
+- alloc    keys, sizes [, parents, ttl, sums]
                                 -> lease, seg, granted (one byte a key), desc, regions_per_page
 - commit   lease, keys          -> committed (one byte a key)
-- locate   keys [, ttl, done]   -> lease, seg, found (one byte a key), sizes, desc, regions_per_page
+- locate   keys [, ttl, done]   -> lease, seg, found (one byte a key), sizes, sums, desc, regions_per_page
 - release  lease                -> released
 ``sizes`` is a little-endian int64 array (one a key; in a reply, one a found key); ``desc`` and
 ``regions_per_page`` are encoded as below but hold absolute addresses in the
@@ -57,6 +57,14 @@ Leases end by themselves ``ttl`` seconds later (bounded by the pool), so a
 crashed client pins nothing for long.  ``done`` (a list of at most
 ``MAX_DONE_LEASES`` lease ids) releases earlier read leases in the same round
 trip, so a read costs one control round trip, not two.
+
+``sums`` are end-to-end page checksums, a little-endian uint64 array: the
+writer's xxh3_64 of each page's bytes (its regions concatenated in order),
+0 for "unknown".  On a ``put`` or an ``alloc`` (optional; absent is all 0)
+one a key; in a ``get`` or ``locate`` reply one a found page, in key order.
+A store keeps each page's sum with the page (moves between tiers keep it)
+and answers 0 for a page stored without one; the engine checks every page it
+copied against a non-zero sum and takes a mismatch for a miss.
 The ``desc`` of a shared-memory transfer is a little-endian int64 array of
 (offset, length) pairs into the registered region, ``regions_per_page``
 (int32, one per key) says how many pairs make each page.
@@ -308,6 +316,20 @@ def decode_sizes(raw, n: int, max_size: int) -> List[int]:
         raise ProtocolError("too_large" if n and sizes.max() > max_size else "bad_request",
                             f"page sizes must lie in 1..{max_size}")
     return sizes.tolist()
+
+
+def encode_sums(sums: Sequence[int]) -> bytes:
+    """Page checksums as a little-endian uint64 array."""
+    return np.asarray(sums, dtype="<u8").tobytes()
+
+
+def decode_sums(raw, n: int) -> List[int]:
+    """Validate ``sums``: absent is n zeros (unknown), else exactly n little-endian uint64 values."""
+    if raw is None:
+        return [0] * n
+    if not isinstance(raw, bytes) or len(raw) != 8 * n:
+        raise ProtocolError("bad_request", f"sums must be {n} little-endian uint64 values, one a page")
+    return np.frombuffer(raw, dtype="<u8").tolist()
 
 
 def decode_pool_extents(desc, counts, sizes: Sequence[int]) -> Optional[List[List[Tuple[int, int]]]]:

@@ -16,13 +16,14 @@ from tiers.bench.stats import Figures, Progress
 
 PER_SIZE = ("dram", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
 ONCE = ("zmq", "lookup", "ranks", "restart")
-PARTS = ONCE[:2] + PER_SIZE + ONCE[2:]
+LAST = ("ttft",)  # a real SGLang server: after everything else, at the model's own page size
+PARTS = ONCE[:2] + PER_SIZE + ONCE[2:] + LAST
 
 
 def _runner(part: str):
-    from hicache_ext.lab.bench import lookup, peers, project, ranks, restart
+    from hicache_ext.lab.bench import lookup, peers, project, ranks, restart, ttft
     return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
-            "restart": restart.run_restart,
+            "restart": restart.run_restart, "ttft": ttft.run_ttft,
             "dram": project.run_dram, "nvme": project.run_nvme, "remote": project.run_remote,
             "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
 
@@ -46,6 +47,8 @@ def run(args) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     steps = [(p, None) for p in parts if p in ONCE]  # rank processes first: peers may keep memory mapped
     steps += [(p, m) for m in args.page_sizes for p in PER_SIZE if p in parts]
+    steps += [(p, None) for p in parts if p in LAST]
+    args.run_meta = meta  # the ttft part's profile names the run it came from
     progress = Progress(total=len(steps), quiet=args.quiet)
     try:
         for i, (part, page) in enumerate(steps, 1):

@@ -4,6 +4,9 @@ On the CPU route SGLang's MHA host pool binds no ``direct`` transfer functions
 (they come from the CUDA sgl_kernel) and pins its memory (which needs CUDA).
 SGLang loads this plug-in in every process it starts; it binds the three
 direct transfer functions in plain torch and builds host pools unpinned.
+It also lowers the host memory SGLang keeps free beside a HiCache host pool
+from 10 GiB to 1 GiB: the servers here are tiny, and several of them (two
+sharing a node in one test) must fit a 24 GiB development machine.
 """
 import functools
 import inspect
@@ -43,8 +46,12 @@ def _unpinned(init):
     return build
 
 
+TEST_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+
+
 def install():
-    from sglang.srt.mem_cache.pool_host import mha
+    from sglang.srt.mem_cache.pool_host import base, mha
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_MEMORY_RESERVE_BYTES
     mha.transfer_kv_direct = transfer_kv_direct
     mha.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
     mha.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf

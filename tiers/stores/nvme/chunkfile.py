@@ -5,16 +5,22 @@ A chunk file is one 4 KiB header block followed by the payload::
     0   magic "HCKVCHNK"        8s      24  raw_len (page bytes)     Q
     8   format version           H      32  payload_len (on disk)    Q
     10  codec id                 B      40  xxh3_64 of the payload   Q
-    11  flags (0)                B      48  namespace, then key (UTF-8)
+    11  flags                    B      48  namespace, then key (UTF-8)
     12  header size (4096)       I      ... zero padding
-    16  namespace length         H      4088 xxh3_64 of bytes 0..4087  Q
-    18  key length               H
+    16  namespace length         H      4080 page checksum (flag 1)    Q
+    18  key length               H      4088 xxh3_64 of bytes 0..4087  Q
     20  reserved (0)             I
 
 The header fills a whole block so the payload starts aligned: O_DIRECT can
 move it straight between the disk and the caller's buffers.  Every byte of the
 header is covered by its own checksum and every payload byte by the payload
 checksum, so a torn, truncated, bit-flipped or misplaced file is detected.
+
+Flag 1 (FLAG_PAGE_SUM): the writer's end-to-end checksum of the raw page
+(xxh3_64, tiers/wire/protocol.py ``sums``) is at 4080; for an uncompressed
+page it equals the payload checksum.  Files without the flag (written before
+it, or for a writer that sent none) have no known page checksum (0); a
+reader that predates the flag ignores both, so the version stays 1.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ HEADER_SIZE = 4096
 ALIGN = 4096  # O_DIRECT alignment of addresses, offsets and lengths
 _FIXED = struct.Struct("<8sHBBIHHIQQQ")
 _SUM_AT = HEADER_SIZE - 8
+_PAGE_SUM_AT = HEADER_SIZE - 16
+FLAG_PAGE_SUM = 1
 _ZEROS = bytes(HEADER_SIZE)
 IOV_MAX = 1024  # Linux limit on buffers per preadv/pwritev call
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -60,6 +68,7 @@ class ChunkHeader:
     payload_hash: int
     namespace: str
     key: str
+    page_sum: int = 0  # the writer's checksum of the raw page (0: unknown)
 
 
 _local = threading.local()
@@ -81,16 +90,17 @@ def header_block(slot: str = "read") -> memoryview:
 
 
 def pack_header(block: memoryview, namespace: str, key: str, codec: int, raw_len: int,
-                payload_len: int, payload_hash: int) -> memoryview:
+                payload_len: int, payload_hash: int, page_sum: int = 0) -> memoryview:
     """Fill block with a header and return it."""
     ns_b, key_b = namespace.encode(), key.encode()
     end = _FIXED.size + len(ns_b) + len(key_b)
-    if end > _SUM_AT:
+    if end > _PAGE_SUM_AT:
         raise ValueError("namespace and key too long for the header")
     block[:] = _ZEROS
-    _FIXED.pack_into(block, 0, MAGIC, VERSION, codec, 0, HEADER_SIZE, len(ns_b), len(key_b), 0,
-                     raw_len, payload_len, payload_hash)
+    _FIXED.pack_into(block, 0, MAGIC, VERSION, codec, FLAG_PAGE_SUM if page_sum else 0, HEADER_SIZE, len(ns_b),
+                     len(key_b), 0, raw_len, payload_len, payload_hash)
     block[_FIXED.size:end] = ns_b + key_b
+    struct.pack_into("<Q", block, _PAGE_SUM_AT, page_sum)
     struct.pack_into("<Q", block, _SUM_AT, xxhash.xxh3_64_intdigest(block[:_SUM_AT]))
     return block
 
@@ -102,18 +112,21 @@ def parse_header(block, ino: int = 0) -> ChunkHeader:
     (stored_sum,) = struct.unpack_from("<Q", block, _SUM_AT)
     if xxhash.xxh3_64_intdigest(block[:_SUM_AT]) != stored_sum:
         raise CorruptChunk("header checksum mismatch", ino)
-    magic, version, codec, _flags, size, ns_len, key_len, _r, raw_len, payload_len, phash = \
+    magic, version, codec, flags, size, ns_len, key_len, _r, raw_len, payload_len, phash = \
         _FIXED.unpack_from(block, 0)
     if magic != MAGIC or version != VERSION or size != HEADER_SIZE:
         raise CorruptChunk("bad magic, version or header size", ino)
     if codec == 0 and payload_len != raw_len:
         raise CorruptChunk("raw payload length differs from page length", ino)
+    page_sum = struct.unpack_from("<Q", block, _PAGE_SUM_AT)[0] if flags & FLAG_PAGE_SUM else 0
+    if codec == 0 and page_sum and page_sum != phash:
+        raise CorruptChunk("page checksum differs from the payload checksum", ino)
     names = bytes(block[_FIXED.size:_FIXED.size + ns_len + key_len])
     try:
         namespace, key = names[:ns_len].decode(), names[ns_len:].decode()
     except UnicodeDecodeError:
         raise CorruptChunk("undecodable key", ino) from None
-    return ChunkHeader(codec, raw_len, payload_len, phash, namespace, key)
+    return ChunkHeader(codec, raw_len, payload_len, phash, namespace, key, page_sum)
 
 
 def payload_hash(views: Sequence) -> int:
@@ -243,6 +256,8 @@ def read_chunk(path: str, namespace: str, key: str, dst: Sequence[memoryview], s
             decode(hdr.codec, payload, dst, size)
         except ValueError as exc:  # CodecError: checksum passed but the writer was broken
             raise CorruptChunk(f"undecodable payload: {exc}", st.st_ino) from None
+        if hdr.page_sum and payload_hash(dst) != hdr.page_sum:  # the codec broke the page: never serve it
+            raise CorruptChunk("decoded page checksum mismatch", st.st_ino)
         return hdr
     finally:
         os.close(fd)

@@ -72,7 +72,8 @@ class Ledger:
         self.stats = StoreStats(capacity_bytes=capacity)
         self._build: Optional[_Build] = None  # set while the index is rebuilt behind the serving store
         self.extra: Dict[str, float] = {"corrupt_removed": 0, "read_errors": 0, "enospc_retries": 0,
-                                        "raw_bytes_in": 0, "stored_bytes_in": 0, "unaligned_writes": 0}
+                                        "raw_bytes_in": 0, "stored_bytes_in": 0, "unaligned_writes": 0,
+                                        "checksum_refused": 0}
 
     # ------------------------------------------------- background rebuild
     def start_build(self) -> None:

@@ -42,6 +42,7 @@ class NvmeStore(PageStore):
 
     parallel_io = True
     persistent = True  # the index is rebuilt from the chunk files at start
+    keeps_checksums = True  # in the chunk header (tiers/stores/nvme/chunkfile.py FLAG_PAGE_SUM)
 
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
@@ -149,10 +150,11 @@ class NvmeStore(PageStore):
                 hdr = cf.read_header(entry.path)
                 entry.page_key, entry.raw_size = (hdr.namespace, hdr.key), hdr.raw_len
             buf = bytearray(entry.raw_size)
-            cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode, False)
+            hdr = cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode,
+                                False)
         except (OSError, cf.CorruptChunk, cf.SizeMismatch):
             return  # nothing sound to hand on
-        self._evictions.page_evicted(entry.page_key, [memoryview(buf)], entry.reads)
+        self._evictions.page_evicted(entry.page_key, [memoryview(buf)], entry.reads, hdr.page_sum)
 
     def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
         """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""
@@ -172,6 +174,9 @@ class NvmeStore(PageStore):
 
     # ------------------------------------------------------------ writing
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        self.put_with_sum(key, buffers, parent, 0)
+
+    def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
         size = total_size(src)
         if size == 0 or size > self.max_page_bytes:
@@ -185,8 +190,14 @@ class NvmeStore(PageStore):
         if disk > self.capacity:
             raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {self.capacity}")
         path = chunk_path(self.root, ns_hash, digest)
+        payload_sum = cf.payload_hash(payload)
+        # The writer's checksum is checked where it costs nothing (a raw payload's checksum is the page's):
+        # bytes that changed on their way here are refused, never stored under the writer's sum.
+        if checksum and checksum != (payload_sum if encoded is None else cf.payload_hash(src)):
+            self._ledger.count("checksum_refused")
+            raise StoreIOError(f"{self.name}: the page's bytes do not match the writer's checksum")
         header = cf.pack_header(cf.header_block("write"), namespace, name, 0 if encoded is None else
-                                self._codec.codec_id, size, stored, cf.payload_hash(payload))
+                                self._codec.codec_id, size, stored, payload_sum, checksum)
         try:
             for victim in self._ledger.reserve(disk, ns_hash, namespace):
                 self._discard(*victim, evicted=True)
@@ -272,20 +283,27 @@ class NvmeStore(PageStore):
 
     # ------------------------------------------------------------ reading
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        return self.get_into_with_sum(key, buffers) is not None
+
+    def get_into_with_sum(self, key: PageKey, buffers: Buffers) -> Optional[int]:
         dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
         size = total_size(dst)
         digest = key_digest(*key)
         entry = self._ledger.get(digest)
         if entry is None or size == 0 or (entry.raw_size is not None and entry.raw_size != size):
-            return self._ledger.miss()
+            self._ledger.miss()
+            return None
         return self._read(key, digest, entry, dst, size)
 
     def get_bytes(self, key: PageKey) -> Optional[bytearray]:
+        return self.get_bytes_with_sum(key)[0]
+
+    def get_bytes_with_sum(self, key: PageKey) -> Tuple[Optional[bytearray], int]:
         digest = key_digest(*key)
         entry = self._ledger.get(digest)
         if entry is None:
             self._ledger.miss()
-            return None
+            return None, 0
         size = entry.raw_size
         if size is None:  # rebuilt entry of unknown page size: its header says
             try:
@@ -293,20 +311,25 @@ class NvmeStore(PageStore):
             except (OSError, cf.CorruptChunk):
                 size = 0  # _read finds the same fault, reports it and cleans up
         buf = bytearray(size)
-        return buf if self._read(key, digest, entry, [memoryview(buf)], size) else None
+        checksum = self._read(key, digest, entry, [memoryview(buf)], size)
+        return (buf, checksum) if checksum is not None else (None, 0)
 
-    def _read(self, key: PageKey, digest: int, entry: Entry, dst: List[memoryview], size: int) -> bool:
+    def _read(self, key: PageKey, digest: int, entry: Entry, dst: List[memoryview], size: int) -> Optional[int]:
+        """Read and verify the chunk into dst: the page's checksum (0: unknown), None on a miss."""
         direct = self._direct and cf.is_aligned(dst)
         try:
             hdr = cf.read_chunk(entry.path, key[0], key[1], dst, size, self._codec.decode, direct)
         except FileNotFoundError:
             self._forget(digest, entry, None, "file vanished")
-            return self._ledger.miss()
+            self._ledger.miss()
+            return None
         except cf.SizeMismatch:
-            return self._ledger.miss()
+            self._ledger.miss()
+            return None
         except cf.CorruptChunk as exc:
             self._forget(digest, entry, exc.ino, str(exc))
-            return self._ledger.miss()
+            self._ledger.miss()
+            return None
         except OSError as exc:
             if exc.errno == errno.EINVAL and direct:
                 self._warn_once.warning("einval-read", "%s: O_DIRECT read refused (%s); buffered I/O from now on",
@@ -315,13 +338,14 @@ class NvmeStore(PageStore):
                 return self._read(key, digest, entry, dst, size)
             self._rlog.warning("read", "%s: reading %s: %s", self.name, entry.path, exc.strerror)
             self._forget(digest, entry, None, exc.strerror or "I/O error")
-            return self._ledger.miss(read_error=True)
+            self._ledger.miss(read_error=True)
+            return None
         if self._ledger.hit(digest, entry, key, hdr.raw_len, time.monotonic(), TOUCH_INTERVAL):
             try:
                 os.utime(entry.path)  # the mtime is the recency a restart rebuilds from
             except OSError:
                 pass
-        return True
+        return hdr.page_sum
 
     # ---------------------------------------------------------- the rest
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:

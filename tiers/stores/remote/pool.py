@@ -33,6 +33,7 @@ class _Page:
     size: int
     pins: int = 0
     doomed: bool = False  # removed from the index while pinned: free at the last unpin
+    checksum: int = 0  # the writer's xxh3_64 of the page (0: unknown), returned by locate
 
 
 @dataclass
@@ -46,6 +47,8 @@ class _Lease:
 
 class PoolStore(PageStore):
     """Pages in a registered arena of fixed blocks, with write and read leases."""
+
+    keeps_checksums = True
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 1 << 20,
                  max_page_bytes: int = 64 << 20, max_lease: float = 30.0, prefault: bool = False):
@@ -152,14 +155,16 @@ class PoolStore(PageStore):
         return ended
 
     def allocate(self, session: int, keys: List[PageKey], sizes: List[int], parents: List[Optional[str]],
-                 ttl: float) -> Tuple[int, List[Optional[Extents]], Optional[Tuple[str, str]]]:
-        """Reserve room for each page: (lease, address extents or None per key, first refusal)."""
+                 ttl: float, sums: Optional[List[int]] = None) -> Tuple[int, List[Optional[Extents]],
+                                                                        Optional[Tuple[str, str]]]:
+        """Reserve room for each page (kept with its checksum once committed): (lease, address extents or
+        None per key, first refusal)."""
         self.expire_leases()
         out: List[Optional[Extents]] = []
         refusal = None
         with self._lock:
             lease_id, lease = self._new_lease_locked(session, True, ttl)
-            for key, size, parent in zip(keys, sizes, parents):
+            for key, size, parent, checksum in zip(keys, sizes, parents, sums or [0] * len(keys)):
                 if size > self.max_page_bytes or key in lease.pages:
                     why = (("too_large", f"page of {size} bytes over {self.max_page_bytes}")
                            if size > self.max_page_bytes else ("bad_request", "a key twice in one alloc"))
@@ -172,7 +177,7 @@ class PoolStore(PageStore):
                     refusal = refusal or (exc.code, str(exc))
                     out.append(None)
                     continue
-                lease.pages[key] = _Page(alloc, size)
+                lease.pages[key] = _Page(alloc, size, checksum=checksum)
                 lease.parents[key] = parent
                 self._reserved_bytes += size
                 out.append(self.addresses(alloc.extents))
@@ -205,10 +210,11 @@ class PoolStore(PageStore):
             self._end_lease_locked(lease)  # pages not committed
             return done
 
-    def locate(self, session: int, keys: List[PageKey], ttl: float) -> Tuple[int, List[Optional[Tuple[int, Extents]]]]:
-        """Pin each held page: (lease, (size, address extents) or None per key)."""
+    def locate(self, session: int, keys: List[PageKey],
+               ttl: float) -> Tuple[int, List[Optional[Tuple[int, Extents, int]]]]:
+        """Pin each held page: (lease, (size, address extents, checksum) or None per key)."""
         self.expire_leases()
-        out: List[Optional[Tuple[int, Extents]]] = []
+        out: List[Optional[Tuple[int, Extents, int]]] = []
         with self._lock:
             lease_id, lease = self._new_lease_locked(session, False, ttl)
             for key in keys:
@@ -222,7 +228,7 @@ class PoolStore(PageStore):
                 self._policy.touch(key)
                 self._stats.hits += 1
                 self._stats.bytes_read += page.size
-                out.append((page.size, self.addresses(page.alloc.extents)))
+                out.append((page.size, self.addresses(page.alloc.extents), page.checksum))
             if not lease.pages:
                 del self._leases[lease_id]
         return lease_id, out
@@ -238,13 +244,16 @@ class PoolStore(PageStore):
 
     # --------------------------------------------- PageStore (frames path)
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        self.put_with_sum(key, buffers, parent, 0)
+
+    def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         src = [as_bytes_view(b) for b in buffers]
         size = total_size(src)
         if size == 0 or size > self.max_page_bytes:
             raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
         with self._lock:
             self._drop_locked(key)
-            page = _Page(self._take_blocks_locked(size), size)
+            page = _Page(self._take_blocks_locked(size), size, checksum=checksum)
             scatter_copy(self.blocks.views(page.alloc), src)
             self._index[key] = page
             self._policy.insert(key, (key[0], parent) if parent else None)
@@ -253,28 +262,34 @@ class PoolStore(PageStore):
             self._stats.bytes_written += size
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
+        return self.get_into_with_sum(key, buffers) is not None
+
+    def get_into_with_sum(self, key: PageKey, buffers: Buffers) -> Optional[int]:
         dst = [as_bytes_view(b) for b in buffers]
         with self._lock:
             page = self._index.get(key)
             if page is None or page.size != total_size(dst):
                 self._stats.misses += 1
-                return False
-            self._policy.touch(key)
-            self._stats.hits += 1
-            self._stats.bytes_read += page.size
-            scatter_copy(dst, self.blocks.views(page.alloc))
-            return True
-
-    def get_bytes(self, key: PageKey) -> Optional[bytes]:
-        with self._lock:
-            page = self._index.get(key)
-            if page is None:
-                self._stats.misses += 1
                 return None
             self._policy.touch(key)
             self._stats.hits += 1
             self._stats.bytes_read += page.size
-            return b"".join(self.blocks.views(page.alloc))
+            scatter_copy(dst, self.blocks.views(page.alloc))
+            return page.checksum
+
+    def get_bytes(self, key: PageKey) -> Optional[bytes]:
+        return self.get_bytes_with_sum(key)[0]
+
+    def get_bytes_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
+        with self._lock:
+            page = self._index.get(key)
+            if page is None:
+                self._stats.misses += 1
+                return None, 0
+            self._policy.touch(key)
+            self._stats.hits += 1
+            self._stats.bytes_read += page.size
+            return b"".join(self.blocks.views(page.alloc)), page.checksum
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         index = self._index

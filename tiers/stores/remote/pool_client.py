@@ -32,6 +32,7 @@ class Grant:
     segment: str
     extents: List[Optional[Extents]]
     sizes: List[int]
+    sums: List[int]  # locate: each found page's checksum (0: unknown or not found)
 
 
 class PoolClient:
@@ -67,12 +68,13 @@ class PoolClient:
                 or len(flags) != n):
             return None
         held = [b != 0 for b in flags]
-        if sizes is None:  # locate: the pool says how large each found page is
-            raw = header.get("sizes")
+        found_sums = [0] * sum(held)
+        if sizes is None:  # locate: the pool says how large each found page is, and its checksum
             try:
-                found_sizes = P.decode_sizes(raw, sum(held), 1 << 40)
+                found_sizes = P.decode_sizes(header.get("sizes"), sum(held), 1 << 40)
+                found_sums = P.decode_sums(header.get("sums"), sum(held))
             except P.ProtocolError:
-                _warn.warning(f"{self.endpoint}:malformed", "pool %s sent malformed sizes", self.endpoint)
+                _warn.warning(f"{self.endpoint}:malformed", "pool %s sent malformed sizes or sums", self.endpoint)
                 return None
         else:
             found_sizes = [s for s, h in zip(sizes, held) if h]
@@ -82,17 +84,23 @@ class PoolClient:
             return None
         extents: List[Optional[Extents]] = []
         all_sizes: List[int] = []
-        it, size_it = iter(pages), iter(found_sizes)
+        all_sums: List[int] = []
+        it, size_it, sum_it = iter(pages), iter(found_sizes), iter(found_sums)
         for h in held:
             extents.append([tuple(e) for e in next(it)] if h else None)
             all_sizes.append(next(size_it) if h else 0)
-        return Grant(lease, segment, extents, all_sizes)
+            all_sums.append(next(sum_it) if h else 0)
+        return Grant(lease, segment, extents, all_sizes, all_sums)
 
     # ------------------------------------------------------------ calls
-    def alloc(self, keys: List[str], sizes: List[int], parents: List[Optional[str]], ttl: float) -> Optional[Grant]:
+    def alloc(self, keys: List[str], sizes: List[int], parents: List[Optional[str]], ttl: float,
+              sums: Optional[List[int]] = None) -> Optional[Grant]:
+        """Reserve room for pages, each kept with its checksum (sums, 0: unknown) once committed."""
         fields = dict(keys=keys, sizes=P.encode_sizes(sizes), ttl=ttl)
         if any(parents):
             fields["parents"] = parents
+        if sums and any(sums):
+            fields["sums"] = P.encode_sums(sums)
         header = self._ok(self._client.call("alloc", self.timeout, **fields), "alloc")
         if header is not None and "refusal" in header:
             _warn.warning(f"{self.endpoint}:refusal", "pool %s refused part of an alloc: %s", self.endpoint,

@@ -61,8 +61,9 @@ class PoolDaemon(TierDaemon):
         keys = P.keys_field(header)
         # Sizes over max_page_bytes are refused page by page (refusal), not the whole batch.
         sizes = P.decode_sizes(header.get("sizes"), len(keys), MAX_SANE_PAGE)
+        sums = P.decode_sums(header.get("sums"), len(keys))
         lease, grants, refusal = self.pool.allocate(header["s"], [(ns, k) for k in keys], sizes,
-                                                    self._parents(header, len(keys)), self._ttl(header))
+                                                    self._parents(header, len(keys)), self._ttl(header), sums)
         desc, counts = P.encode_descriptors([g for g in grants if g is not None])
         fields = dict(lease=lease, seg=self.engine.segment, granted=P.flags([g is not None for g in grants]),
                       desc=desc, regions_per_page=counts)
@@ -88,11 +89,13 @@ class PoolDaemon(TierDaemon):
                 self.pool.release(header["s"], lease)
         lease, found = self.pool.locate(header["s"], [(ns, k) for k in keys], self._ttl(header))
         held = [f for f in found if f is not None]
-        desc, counts = P.encode_descriptors([extents for _size, extents in held])
-        self.metrics.pages("get", len(held), sum(size for size, _e in held))
+        desc, counts = P.encode_descriptors([extents for _size, extents, _sum in held])
+        self.metrics.pages("get", len(held), sum(size for size, _e, _sum in held))
         return [P.reply_ok(header["id"], lease=lease, seg=self.engine.segment,
                            found=P.flags([f is not None for f in found]),
-                           sizes=P.encode_sizes([size for size, _e in held]), desc=desc, regions_per_page=counts)]
+                           sizes=P.encode_sizes([size for size, _e, _sum in held]),
+                           sums=P.encode_sums([checksum for _size, _e, checksum in held]), desc=desc,
+                           regions_per_page=counts)]
 
     def handle_release(self, header: dict, frames) -> list:
         self._namespace(header)

@@ -48,6 +48,7 @@ class RemoteStore(PageStore):
 
     parallel_io = True
     batched = True
+    keeps_checksums = True  # in the pools' page records (alloc's and locate's sums)
 
     def __init__(self, pools: Sequence[str], engine: Engine, max_page_bytes: int = 64 << 20,
                  pool_timeout: float = 0.2, retry_max: float = 2.0, transfer_timeout: float = 1.0,
@@ -107,6 +108,9 @@ class RemoteStore(PageStore):
 
     # --------------------------------------------------------- interface
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
+        self.put_with_sum(key, buffers, parent, 0)
+
+    def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         namespace, name = key
         src, size = page_views(buffers, self.max_page_bytes)
         pool = self.placement.pick(name, self._down(namespace))
@@ -115,7 +119,8 @@ class RemoteStore(PageStore):
             raise StoreIOError(f"pool {pool} is down")
         timeout = self._timeout(size)
         with self._staging.source_extents(src, size, timeout) as local:
-            grant = client.alloc([name], [size], [parent], ttl=timeout + self.lease_margin + self.abandoned_lease)
+            grant = client.alloc([name], [size], [parent], ttl=timeout + self.lease_margin + self.abandoned_lease,
+                                 sums=[checksum])
             if grant is None:
                 raise StoreIOError(f"pool {pool} did not answer an alloc")
             remote = grant.extents[0]
@@ -140,8 +145,8 @@ class RemoteStore(PageStore):
         else:
             client.release(lease)
 
-    def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[bytes]:
-        """Read a page into dst (returns b"") or, with dst None, as bytes; None on a miss."""
+    def _read(self, key: PageKey, dst: Optional[Sequence[memoryview]]) -> Optional[Tuple[bytes, int]]:
+        """Read a page into dst (b"") or, with dst None, as bytes, and its checksum; None on a miss."""
         namespace, name = key
         pool = self.placement.pick(name, self._down(namespace))
         client = self._client(pool, namespace)
@@ -171,14 +176,20 @@ class RemoteStore(PageStore):
             self._counters.add(misses=1)
             return None
         self._counters.add(hits=1, bytes_read=size)
-        return out
+        return out, grant.sums[0]
 
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
-        dst = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
-        return self._read(key, dst) is not None
+        return self.get_into_with_sum(key, buffers) is not None
+
+    def get_into_with_sum(self, key: PageKey, buffers: Buffers) -> Optional[int]:
+        got = self._read(key, [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes])
+        return None if got is None else got[1]
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
-        return self._read(key, None)
+        return self.get_bytes_with_sum(key)[0]
+
+    def get_bytes_with_sum(self, key: PageKey) -> Tuple[Optional[bytes], int]:
+        return self._read(key, None) or (None, 0)
 
     def _per_pool(self, keys: Sequence[PageKey], call, executor: Optional[ThreadPoolExecutor] = None) -> List[object]:
         """call(client, pool, namespace, positions) for each (pool, namespace) group, in parallel.
@@ -213,6 +224,11 @@ class RemoteStore(PageStore):
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  deadline: Optional[float] = None) -> List[Optional[StoreError]]:
+        return self.put_many_with_sums(keys, pages, parents, deadline, [0] * len(keys))
+
+    def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                           parents: Sequence[Optional[str]], deadline: Optional[float],
+                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
         """Store a batch: one alloc and one commit a pool, every transfer in flight at once.
 
         Returns, per key, None when stored or the StoreError that refused it.
@@ -223,12 +239,14 @@ class RemoteStore(PageStore):
 
         def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
             return self._put_group(client, pool, namespace, [keys[i][1] for i in positions],
-                                   [views[i] for i in positions], [parents[i] for i in positions], deadline)
+                                   [views[i] for i in positions], [parents[i] for i in positions], deadline,
+                                   [checksums[i] for i in positions])
         return [StoreIOError("pool is down") if r is None else (None if r is True else r)
                 for r in self._per_pool(keys, group, self._movers)]
 
     def _put_group(self, client: PoolClient, pool: str, namespace: str, names: List[str],
-                   views: List[List[memoryview]], parents: List[Optional[str]], deadline: Optional[float]) -> list:
+                   views: List[List[memoryview]], parents: List[Optional[str]], deadline: Optional[float],
+                   sums: List[int]) -> list:
         out: list = [None] * len(names)
         todo, sizes, local = [], [], []
         for j, page in enumerate(views):
@@ -239,7 +257,7 @@ class RemoteStore(PageStore):
                     out[j] = StoreIOError("deadline passed before the page was sent")  # the caller stopped waiting
                     continue
                 try:
-                    self.put((namespace, names[j]), page, parents[j])
+                    self.put_with_sum((namespace, names[j]), page, parents[j], sums[j])
                     out[j] = True
                 except StoreError as exc:
                     out[j] = exc
@@ -251,7 +269,8 @@ class RemoteStore(PageStore):
             return out
         timeout = self._budget(self._timeout(sum(sizes)), deadline)
         grant = client.alloc([names[j] for j in todo], sizes, [parents[j] for j in todo],
-                             ttl=max(timeout, 0.01) + self.lease_margin + self.abandoned_lease) if timeout > 0 else None
+                             ttl=max(timeout, 0.01) + self.lease_margin + self.abandoned_lease,
+                             sums=[sums[j] for j in todo]) if timeout > 0 else None
         if grant is None:
             for j in todo:
                 out[j] = StoreIOError(f"pool {pool} did not answer an alloc in time")
@@ -293,26 +312,31 @@ class RemoteStore(PageStore):
 
     def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                       deadline: Optional[float] = None) -> List[bool]:
-        """Read a batch into buffers: one locate a pool, every transfer in flight at once; found flags."""
+        return [r is not None for r in self.get_many_into_with_sums(keys, pages, deadline)]
+
+    def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                                deadline: Optional[float] = None) -> List[Optional[int]]:
+        """Read a batch into buffers: one locate a pool, every transfer in flight at once; each page's
+        checksum (0: unknown), None for a miss."""
         views = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
 
         def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
             return self._get_group(client, namespace, [keys[i][1] for i in positions],
                                    [views[i] for i in positions], deadline)
-        return [bool(r) for r in self._per_pool(keys, group, self._movers)]
+        return self._per_pool(keys, group, self._movers)
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
-                   deadline: Optional[float]) -> List[bool]:
+                   deadline: Optional[float]) -> List[Optional[int]]:
         if deadline is not None and time.time() >= deadline:  # nothing could land in time: not even a locate
             self._counters.add(misses=len(names))
-            return [False] * len(names)
+            return [None] * len(names)
         local = [self._registrations.extents(page) for page in views] if self.direct_reads else None
         if local is not None and any(extents is None for extents in local):  # frames or foreign buffers: staged
             local = None
         grant = client.locate(names, ttl=self._timeout(self.max_page_bytes * len(names)) + self.lease_margin)
         if grant is None:
             self._counters.add(misses=len(names))
-            return [False] * len(names)
+            return [None] * len(names)
         moving = [k for k, e in enumerate(grant.extents) if e is not None and grant.sizes[k] == total_size(views[k])]
         out = [False] * len(names)
         nbytes = sum(grant.sizes[k] for k in moving)
@@ -332,7 +356,7 @@ class RemoteStore(PageStore):
         hits = sum(out)
         self._counters.add(hits=hits, misses=len(names) - hits,
                            bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
-        return out
+        return [grant.sums[k] if ok else None for k, ok in enumerate(out)]
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         keys = list(keys)

@@ -1,0 +1,134 @@
+"""One repetition of the TTFT part's cases on a running server and node.
+
+For fresh prompts of each length (random ids from an explicit seed; prompts
+share no page):
+0. once, untimed: a warm-up prompt computed, backed up and read back from L3;
+1. recompute: the prompt's first request, then its device hit at once;
+2. filler prompts of new tokens, more than the device pool holds, push every
+   prompt off the device; the host pool keeps them: the host hits;
+3. /flush_cache, then an L3 hit per prompt from each tier in turn: DRAM (all
+   tiers hold the pages), NVMe (the DRAM tier cleared, the chunk files
+   dropped from the page cache before each request) and remote (DRAM and
+   NVMe cleared).
+Before each timed request the node settles (every tier stored what SGLang
+backs up, then nothing moves for 0.3 s), so no backup runs beside it. Every
+request's sources are checked against the case (SGLang's
+cached_tokens_details; for L3 hits also which tier's daemon handed the pages
+out); a mismatch is recorded beside the figure and in the notes, never dropped.
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+from hicache_ext.lab.bench.rig import drop_page_cache
+from hicache_ext.lab.bench.ttft_probe import ProbeError, Sample, TierProbe, sample_of, sglang_figures
+from tiers.bench.stats import Figures, Progress
+from tiers.bench.ttft_report import CASE_LABELS, L3_CASES, source_problem
+
+PAGE_TOKENS = 16
+
+
+class Cases:
+    """The server, the node's daemons and the figures one run of the part fills."""
+
+    def __init__(self, server, node, kinds: List[str], spec, sizes: Dict[str, int], figs: Figures,
+                 progress: Progress):
+        self.server, self.node, self.kinds, self.spec = server, node, kinds, spec
+        self.sizes, self.figs, self.progress = sizes, figs, progress
+        self.page_bytes = spec.kv_bytes_per_token * PAGE_TOKENS
+        self.probe = TierProbe(node.runner.config.tiers)
+        self.rep = 0
+
+    def _prompt(self, rep: int, n: int, salt: str = "") -> List[int]:
+        rng = random.Random(f"ttft-{rep}-{n}-{salt}")
+        return [rng.randrange(1, self.spec.vocab) for _ in range(n)]
+
+    def _settle(self, before: Dict[str, dict], new_pages: int = 0) -> None:
+        try:
+            self.probe.settle(before, new_pages)
+        except ProbeError as exc:  # timings beside a late backup are suspect: say so, go on
+            self.figs.note("ttft", f"repetition {self.rep + 1}: {exc}.")
+
+    def _timed(self, case: str, ids: List[int]) -> Sample:
+        """One request of case with the stats and /metrics read around it; recorded, its sources checked."""
+        before_tiers, before_metrics = self.probe.stats(), sglang_figures(self.server.metrics())
+        generation = self.server.generate(ids, max_new_tokens=1)
+        after_tiers, after_metrics = self.probe.stats(), sglang_figures(self.server.metrics())
+        sample = sample_of(generation, before_tiers, after_tiers, before_metrics, after_metrics, self.page_bytes)
+        n = len(ids)
+        self._record(case, n, sample)
+        problem = source_problem(case, n, sample.cached, sample.served, PAGE_TOKENS)
+        self.figs.add(f"ttft.{case}.{n}.source_ok", 0.0 if problem else 1.0, "flag")
+        if problem:
+            self.figs.note("ttft", f"{CASE_LABELS[case]}, {n:,} tokens, repetition {self.rep + 1}: {problem}.")
+        cached = ", ".join(f"{k} {v:,}" for k, v in sample.cached.items() if v) or "nothing"
+        self.progress.step(f"ttft {self.rep + 1}: {n:,} tokens, {CASE_LABELS[case]}: {sample.seconds * 1e3:,.0f} ms "
+                           f"(cached: {cached}){' SOURCE MISMATCH' if problem else ''}")
+        # counted from before the request: SGLang's backups may have begun before the reply came
+        self._settle(before_tiers, n // PAGE_TOKENS if case == "recompute" else 0)
+        return sample
+
+    def _record(self, case: str, n: int, sample: Sample) -> None:
+        base, add = f"ttft.{case}.{n}", self.figs.add
+        add(base, sample.seconds, "s")
+        for where, tokens in sample.cached.items():
+            add(f"{base}.cached.{where}", tokens, "tokens")
+        for name, value in sample.timings.items():
+            add(f"{base}.sglang.{name}", value, "s")
+        if case in L3_CASES:
+            for tier, pages in sample.served.items():
+                add(f"{base}.served.{tier}", pages, "pages")
+            add(f"{base}.daemon.lookup", sample.daemon["lookup_s"], "s")
+            add(f"{base}.daemon.get", sample.daemon["get_s"], "s")
+            add(f"{base}.sglang.prefetch_pages", sample.sglang["prefetch_pages"], "pages")
+            if "transfer_s" in sample.sglang:
+                add(f"{base}.sglang.transfer", sample.sglang["transfer_s"], "s")
+
+    def warm_up(self) -> None:
+        """Untimed: one prompt through every path once (compute, backup to the tiers, an L3 read after a flush),
+        so the first timed request pays no first-use cost (connections, allocations, threads)."""
+        self.progress.step("ttft: warming up (one prompt computed, backed up and read back from L3; untimed)")
+        ids = self._prompt(-1, 512, "warm-up")
+        before = self.probe.stats()
+        self.server.generate(ids, max_new_tokens=1)
+        self._settle(before, len(ids) // PAGE_TOKENS)
+        self.server.flush_cache()
+        before = self.probe.stats()
+        self.server.generate(ids, max_new_tokens=1)
+        self._settle(before)
+
+    def repetition(self, rep: int, reps: int, lengths: List[int]) -> None:
+        self.rep = rep
+        self.progress.step(f"ttft {rep + 1}/{reps}: clearing the tiers and SGLang's caches")
+        self.server.flush_cache()
+        self.probe.clear()
+        prompts = {n: self._prompt(rep, n) for n in lengths}
+        for n in lengths:
+            self._timed("recompute", prompts[n])
+            self._timed("device", prompts[n])
+        self._push_off_device(rep)
+        for n in lengths:
+            self._timed("host", prompts[n])
+        for case in [c for c in L3_CASES if L3_CASES[c] in self.kinds]:
+            self.server.flush_cache()
+            above = self.kinds[:self.kinds.index(L3_CASES[case])]
+            if above:  # the tiers above lose the pages (as restarted DRAM and NVMe daemons would)
+                self.probe.clear(above)
+            for n in lengths:
+                if case == "l3_nvme":
+                    drop_page_cache(self.node.data_path("nvme"))
+                self._timed(case, prompts[n])
+
+    def _push_off_device(self, rep: int) -> None:
+        """Prompts of new tokens, more than the device pool holds: every earlier prompt leaves the device."""
+        size, count = self.sizes["filler_tokens"], self.sizes["fillers"]
+        self.progress.step(f"ttft {rep + 1}: {count} filler prompts of {size:,} tokens push the prompts off the "
+                           f"device pool ({self.sizes['device_tokens']:,} tokens)")
+        before = self.probe.stats()
+        for i in range(count):
+            self.server.generate(self._prompt(rep, size, f"filler{i}"), max_new_tokens=1)
+        self._settle(before, count * size // PAGE_TOKENS)
+
+    def close(self) -> None:
+        self.probe.close()

@@ -1,0 +1,79 @@
+"""End-to-end page checksums, the engine's half: the sum each written page carries, the check of each read.
+
+A page's checksum is xxh3_64 of its bytes in the host pool, its regions in
+order (hicache_ext/host_pool.py), computed before the put and sent with it
+(tiers/wire/protocol.py ``sums``).  Every tier keeps it with the page, moves
+between tiers keep it, and reads return it.  After this process copied a page
+into its host pool (out of a daemon's arena, or from a frame) it hashes the
+page there again: a page that does not match is a miss, counted and logged,
+never reported to SGLang as a hit.  A sum of 0 is unknown (a page stored by
+an older writer, a tier kind that keeps none) and is not checked.
+
+xxhash releases the GIL while it hashes.  Hashing each group of pages right
+after its copy (hot in the cache, on a thread beside the next group's copy)
+measured no better than this on the 2 shared cores here (docs/PERFORMANCE.md).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, List, Sequence
+
+import xxhash
+
+from tiers.ops.logs import RateLimitedLog
+
+log = logging.getLogger("hicache.backend")
+_warn = RateLimitedLog(log)
+
+PagesOf = Callable[[List[int]], Sequence[Sequence]]  # page positions -> each page's buffers
+
+
+def page_sums(pages: Sequence[Sequence]) -> List[int]:
+    """xxh3_64 of each page, given as the buffers that concatenate to it."""
+    out = []
+    for page in pages:
+        if len(page) == 1:
+            out.append(xxhash.xxh3_64_intdigest(page[0]))
+            continue
+        h = xxhash.xxh3_64()
+        for part in page:
+            h.update(part)
+        out.append(h.intdigest())
+    return out
+
+
+class ReadChecks:
+    """Checks pages copied into the host pool against their checksums; counts and logs the mismatches."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled  # the page_checksums setting: off, nothing is hashed or checked
+        self._lock = threading.Lock()
+        self.mismatches = 0
+
+    def verify(self, tier: str, keys: List[str], found: List[bool], sums: List[int],
+               pages_of: PagesOf) -> List[bool]:
+        """found, less the pages whose bytes (pages_of(positions): their buffers) do not match their sum."""
+        todo = [i for i, ok in enumerate(found) if ok and sums[i]] if self.enabled else []
+        if not todo:
+            return found
+        bad = [i for i, got in zip(todo, page_sums(pages_of(todo))) if got != sums[i]]
+        if not bad:
+            return found
+        with self._lock:
+            self.mismatches += len(bad)
+        _warn.warning(f"checksum:{tier}", "tier %s served %d page(s) whose bytes do not match their checksum "
+                                          "(first: %s); read as misses", tier, len(bad), keys[bad[0]])
+        out = list(found)
+        for i in bad:
+            out[i] = False
+        return out
+
+    def sums_of(self, pages: Sequence[Sequence]) -> bytes:
+        """The encoded sums a write carries (empty, unknown to every tier, when checksums are off)."""
+        from tiers.wire.protocol import encode_sums
+        return encode_sums(page_sums(pages)) if self.enabled else b""
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"checksum_mismatches": self.mismatches}

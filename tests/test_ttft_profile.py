@@ -1,0 +1,128 @@
+"""The measured TTFT profile: its fit, the planner's prediction of each case, and `plan --profile`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_sim import write_trace_jsonl
+from test_sim_live import shared_prefix_trace
+from tiers.sim import profile_check
+from tiers.sim.prefill import ModelShape
+from tiers.sim.profile import Fit, Profile, ProfileError, build_profile, fit_service, preset_fit, service_s
+from tiers.sim.timing import BenchFigures, time_model
+
+# A made-up CPU server: 50 ms a request, 2 ms a computed token + 0.1 us x computed^2, 0.4 ms a cached token,
+# 0.1 ms a token loaded from host; 8 KiB of KV a token, 16-token pages (128 KiB).
+A, B, C, D, E = 0.05, 2e-3, 1e-7, 4e-4, 1e-4
+LENGTHS = (512, 1024, 2048, 4096, 8192)
+SHAPE = ModelShape(layers=8, kv_heads=4, head_dim=64, dtype_bytes=2, params=1e7)
+
+
+def hit(n):
+    return (n // 16 - 1) * 16
+
+
+def made_up_measurements():
+    recompute = {n: A + B * n + C * n * n for n in LENGTHS}
+    device = {n: A + B * 16 + C * 256 + D * hit(n) for n in LENGTHS}
+    host = {n: device[n] + E * hit(n) for n in LENGTHS}
+    hits = {n: hit(n) for n in LENGTHS}
+    return recompute, device, host, hits
+
+
+def bench_figures(tmp_path):
+    """A bench --json file: DRAM reads 2 GB/s, writes 1 GB/s at 128 KiB pages; lookups 100 / 200 us."""
+    figures = {"dram.128KiB.read": 2.0, "dram.128KiB.write": 1.0, "lookup.1.p50": 100.0, "lookup.128.p50": 200.0}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"meta": {"date": "test"}, "figures": {k: {"median": v} for k, v in figures.items()}}))
+    return BenchFigures.load(str(path)), str(path)
+
+
+def test_the_fit_recovers_the_made_up_costs_exactly():
+    recompute, device, host, hits = made_up_measurements()
+    fit = fit_service(recompute, device, hits, host, hits)
+    assert (fit.overhead_s, fit.compute_s, fit.compute_s2, fit.cached_s, fit.h2d_s) == pytest.approx((A, B, C, D, E),
+                                                                                                      rel=1e-9)
+    assert fit.serial_load and max(fit.errors.values()) < 1e-9
+
+
+def test_one_length_fits_the_fewest_costs_that_explain_it():
+    # recompute 512 and its device hit: a per-token prefill and a per-cached-token cost, nothing else
+    fit = fit_service({512: 1.024}, {512: 0.032 + 0.496}, {512: 496})
+    assert (fit.compute_s, fit.cached_s, fit.overhead_s, fit.compute_s2) == pytest.approx((2e-3, 1e-3, 0.0, 0.0))
+    assert fit.h2d_s == 0.0 and max(fit.errors.values()) < 1e-12
+
+
+def test_the_planner_predicts_each_case_with_its_own_formula(tmp_path):
+    recompute, device, host, hits = made_up_measurements()
+    n = 2048
+    # the L3 hit as measured: SGLang's 10 ms around the hit query + the lookup (one 128-page batch)
+    # + 127 pages read at 2 GB/s + the host hit
+    read = 2032 * 8192 / 2e9
+    measured = {"recompute": recompute, "device": device, "host": host,
+                "l3_dram": {n: 0.01 + 200e-6 + read + host[n]}}
+    profile = build_profile(measured, {"device": hits, "host": hits, "l3_dram": {n: hit(n)}}, SHAPE, 16,
+                            prefetch_s=0.01)
+    bench, _ = bench_figures(tmp_path)
+    rows = {(r.case, r.tokens): r for r in profile_check.check(profile, bench)}
+    assert rows[("recompute", n)].predicted_s == pytest.approx(0.05 + 4.096 + 0.4194304)
+    assert rows[("device", n)].predicted_s == pytest.approx(0.05 + 0.032 + 0.0000256 + 0.8128)
+    assert rows[("host", n)].predicted_s == pytest.approx(0.8948256 + 0.2032)
+    l3 = rows[("l3_dram", n)]
+    assert l3.wait_s == pytest.approx(0.0102 + 0.008323072) and l3.service_s == pytest.approx(1.0980256)
+    assert all(r.holds and abs(r.error) < 1e-9 for r in rows.values())
+    # a slower L3 than the model's (a per-request cost it lacks) is off by its share
+    slow = build_profile({**measured, "l3_dram": {n: 1.5 * measured["l3_dram"][n]}}, profile.hits, SHAPE, 16,
+                         prefetch_s=0.01)
+    off = [r for r in profile_check.check(slow, bench) if not r.holds]
+    assert [(r.case, round(r.error, 4)) for r in off] == [("l3_dram", round(1 / 1.5 - 1, 4))]
+
+
+def test_a_gpu_preset_is_a_fit_with_the_load_overlapped():
+    fit = preset_fit(compute_s=32e-6, h2d_s=2.6e-6)
+    for cached, loaded, computed in ((0, 0, 4096), (4000, 4000, 96), (2000, 1000, 1000)):
+        assert service_s(fit, cached, loaded, computed, write_s=15e-6) == max(loaded * 2.6e-6, computed * 15e-6,
+                                                                               computed * 32e-6)
+    model = time_model(None, [], "write_through", model="llama-3-8b", gpu="h100-sxm")
+    assert (model.overhead_s, model.cached_s, model.compute_s2, model.serial_load) == (0.0, 0.0, 0.0, False)
+
+
+def test_profile_file_round_trip_and_errors(tmp_path):
+    recompute, device, host, hits = made_up_measurements()
+    profile = build_profile({"recompute": recompute, "device": device, "host": host}, {"device": hits, "host": hits},
+                            SHAPE, 16, {"device_tokens": 8448}, "made up")
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    back = Profile.load(str(path))
+    assert back == profile and back.kv_bytes_per_token == 8192 and back.lengths() == list(LENGTHS)
+    model = time_model(None, ["dram"], "write_back", page_tokens=16, profile=back)
+    assert model.cached_s == pytest.approx(D) and model.serial_load and model.source.startswith("engine: measured")
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ProfileError, match="not a hicache-tiers ttft profile"):
+        Profile.load(str(path))
+    assert isinstance(Fit().errors, dict)
+
+
+def test_plan_takes_a_profile_and_checks_it(tmp_path, capsys):
+    from tiers.cli import main
+    recompute, device, host, hits = made_up_measurements()
+    measured = {"recompute": recompute, "device": device, "host": host,
+                "l3_dram": {2048: 200e-6 + 2032 * 8192 / 2e9 + host[2048]}}
+    profile = build_profile(measured, {"device": hits, "host": hits, "l3_dram": {2048: hit(2048)}}, SHAPE, 16)
+    prof = tmp_path / "p.json"
+    profile.save(str(prof))
+    _, bench = bench_figures(tmp_path)
+    assert main(["plan", "--bench", bench, "--profile", str(prof), "--check-profile"]) == 0
+    out = capsys.readouterr().out
+    assert "16 of 16 cases within 15%" in out and "l3_dram" in out
+    trace = write_trace_jsonl(tmp_path / "t.jsonl", shared_prefix_trace(requests=40))
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", str(trace), "--bench", bench, "--profile", str(prof), "--block-tokens", "16",
+                 "--dram-gb", "0,0.01", "--nvme-gb", "0", "--no-settings", "--quiet", "--parallel", "1",
+                 "--json", str(out_json)]) == 0
+    document = json.loads(out_json.read_text())
+    assert document["setup"]["page_size"] == 16 and document["profile"] == str(prof)
+    assert document["time_model"]["cached_us_per_token"] == pytest.approx(D * 1e6)
+    assert main(["plan", "--bench", bench, "--check-profile"]) == 2
+    assert "--check-profile needs --profile" in capsys.readouterr().err

@@ -1,0 +1,205 @@
+"""The TTFT section of BENCHMARKS.md: a real SGLang server's time to first token per case and prompt length,
+where each hit came from, the bound an L3 hit is held to, and what an L3 hit is made of.
+
+Figures (hicache_ext/lab/bench/ttft_cases.py), per case and prompt length N:
+``ttft.<case>.<N>`` (s, the bench's wall time of /generate with max_new_tokens=1),
+``.cached.<device|host|storage>`` (SGLang's cached_tokens_details), ``.served.<tier>``
+(pages each daemon handed out), ``.source_ok`` (1 when both match the case),
+``.daemon.lookup|get`` (the daemons' latency sums), ``.sglang.<name>`` (SGLang's
+meta_info timings and /metrics storage histograms). Tier read rates at the model's
+page size are the rig's ``<kind>.<page>.read`` of the same run.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from tiers.bench.stats import Figures
+from tiers.sim.profile import CASES, L3_KINDS as L3_CASES, Fit, break_even_settings
+
+CASE_LABELS = {"recompute": "recompute", "device": "device hit", "host": "host hit", "l3_dram": "L3 from DRAM",
+               "l3_nvme": "L3 from NVMe, cold", "l3_remote": "L3 from the remote pool"}
+SOURCES = {"recompute": None, "device": "device", "host": "host", "l3_dram": "storage", "l3_nvme": "storage",
+           "l3_remote": "storage"}
+TIER_LABELS = {"dram": "DRAM", "nvme": "NVMe, cold", "remote": "remote pool"}
+# What an L3 hit may add over a device hit: READ_FACTOR x (KV bytes / the tier's read rate) + FIXED_S;
+# and the 2,048-token L3 hit against recompute.
+READ_FACTOR, FIXED_S = 1.5, 0.005
+RECOMPUTE_TOKENS, RECOMPUTE_RATIO = 2048, 0.5
+
+
+def expected_hit(n: int, page: int) -> int:
+    """The tokens SGLang reuses of an n-token prompt: whole pages less the page of the token it computes."""
+    return max(n // page - 1, 0) * page
+
+
+def _split(cached: Dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in cached.items() if v) or "nothing"
+
+
+def source_problem(case: str, n: int, cached: Dict[str, int], served: Dict[str, int], page: int) -> Optional[str]:
+    """Why a request of case did not hit where the case says (None when it did)."""
+    total = sum(cached.values())
+    if case == "recompute":
+        return None if total == 0 else f"SGLang reports {_split(cached)} cached (expected nothing)"
+    where, want = SOURCES[case], expected_hit(n, page)
+    problems = []
+    if cached.get(where, 0) != want or total != want:
+        problems.append(f"SGLang reports {_split(cached)} cached (expected {where} {want:,})")
+    tier = L3_CASES.get(case)
+    if tier is not None:
+        others = {t: p for t, p in served.items() if t != tier and p}
+        if served.get(tier, 0) < want // page or others:
+            got = ", ".join(f"{t} {p:,}" for t, p in served.items() if p) or "none"
+            problems.append(f"the daemons handed out pages: {got} (expected {tier} {want // page:,})")
+    return "; ".join(problems) or None
+
+
+def _ms(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "–"
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if abs(ms) >= 100 else f"{ms:.1f}"
+
+
+def _cell(figs: Figures, name: str) -> str:
+    med = figs.median(name)
+    if med is None:
+        return "–"
+    lo, hi = figs.spread(name)
+    return f"{_ms(med)} ({_ms(lo)}–{_ms(hi)})" if len(figs.series[name]["samples"]) > 1 else _ms(med)
+
+
+def _mismatches(figs: Figures, case: str, n: int) -> int:
+    s = figs.series.get(f"ttft.{case}.{n}.source_ok")
+    return sum(1 for v in s["samples"] if v < 1) if s else 0
+
+
+def bound_rows(figs: Figures) -> List[dict]:
+    """Per tier and prompt length: KV bytes, the tier's read rate, the bound, what the L3 hit added."""
+    info = figs.info.get("ttft")
+    if not info:
+        return []
+    rows = []
+    for case, kind in L3_CASES.items():
+        rate = figs.median(f"{kind}.{info['page_label']}.read")
+        for n in info["lengths"]:
+            l3, device = figs.median(f"ttft.{case}.{n}"), figs.median(f"ttft.device.{n}")
+            if l3 is None or device is None:
+                continue
+            kv = expected_hit(n, info["page_tokens"]) * info["kv_bytes_per_token"]
+            bound = READ_FACTOR * kv / (rate * 1e9) + FIXED_S if rate else None
+            rows.append({"case": case, "kind": kind, "tokens": n, "kv_bytes": kv, "gbps": rate, "bound_s": bound,
+                         "added_s": l3 - device, "holds": bound is not None and l3 - device <= bound,
+                         "mismatches": _mismatches(figs, case, n)})
+    return rows
+
+
+def target_rows(figs: Figures) -> List[tuple]:
+    """(target, measured, holds) rows for the Targets table."""
+    rows = []
+    for r in bound_rows(figs):
+        bound = f"{r['bound_s'] * 1e3:.1f} ms" if r["bound_s"] is not None else "no read rate"
+        rows.append((f"{CASE_LABELS[r['case']]}, {r['tokens']:,} tokens: adds <= {READ_FACTOR}x KV / read rate + "
+                     f"{FIXED_S * 1e3:.0f} ms over a device hit ({bound})", f"{r['added_s'] * 1e3:.1f} ms",
+                     "yes" if r["holds"] else "**no**"))
+    for case in L3_CASES:
+        l3, full = figs.median(f"ttft.{case}.{RECOMPUTE_TOKENS}"), figs.median(f"ttft.recompute.{RECOMPUTE_TOKENS}")
+        if l3 is not None and full:
+            ratio = l3 / full
+            rows.append((f"{CASE_LABELS[case]}, {RECOMPUTE_TOKENS:,} tokens <= {RECOMPUTE_RATIO}x recompute",
+                         f"{ratio:.2f}x ({_ms(l3)} / {_ms(full)} ms)", "yes" if ratio <= RECOMPUTE_RATIO else "**no**"))
+    return rows
+
+
+def section(figs: Figures) -> List[str]:
+    """The TTFT section's Markdown lines (none when the run had no ttft part)."""
+    info = figs.info.get("ttft")
+    if not info:
+        return []
+    lengths, cases = info["lengths"], [c for c in CASES if c not in L3_CASES or L3_CASES[c] in info["tiers"]]
+    spec = info["spec"]
+    out = ["## Time to first token, real SGLang server on CPU (ms)", "",
+           f"`python -m sglang.launch_server` on this CPU (torch_native attention) serving a random Llama "
+           f"({spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads, {spec['kv_heads']} KV heads: "
+           f"{info['kv_bytes_per_token'] / 1024:g} KiB of KV a token, {info['page_tokens']}-token pages of "
+           f"{info['page_bytes'] / 1024:g} KiB) with this backend; device pool {info['device_tokens']:,} tokens, host "
+           f"pool x{info['hicache_ratio']}, prefetch policy {info['prefetch_policy']}. One node: "
+           f"{', '.join(info['tiers'])} under write_through. TTFT is the wall time of /generate with "
+           "max_new_tokens=1, median of the repetitions (min–max). Host hits come after filler prompts pushed the "
+           "prompts off the device pool; L3 hits after /flush_cache; NVMe: " + info["nvme_cold"] +
+           "; remote: DRAM and NVMe cleared. Every request's source is checked: SGLang's cached_tokens_details, "
+           "and for L3 which daemon handed the pages out.", "",
+           "| prompt tokens | " + " | ".join(CASE_LABELS[c] for c in cases) + " | sources |",
+           "|---|" + "---|" * (len(cases) + 1)]
+    for n in lengths:
+        wrong = [f"{CASE_LABELS[c]}: **{_mismatches(figs, c, n)} not as the case says**" for c in cases
+                 if _mismatches(figs, c, n)]
+        out.append(f"| {n:,} | " + " | ".join(_cell(figs, f"ttft.{c}.{n}") for c in cases) + " | "
+                   + ("; ".join(wrong) or "as expected") + " |")
+    out.append("")
+    bounds = bound_rows(figs)
+    if bounds:
+        out += [f"What an L3 hit adds over a device hit, against {READ_FACTOR} x (KV bytes / the tier's read rate at "
+                f"{info['page_label']} pages, the rig in this run) + {FIXED_S * 1e3:.0f} ms:", "",
+                "| tier | prompt tokens | KV read | read GB/s | bound (ms) | L3 hit − device hit (ms) | holds |",
+                "|---|---|---|---|---|---|---|"]
+        for r in bounds:
+            out.append(f"| {TIER_LABELS[r['kind']]} | {r['tokens']:,} | {r['kv_bytes'] / (1 << 20):.1f} MiB | "
+                       f"{r['gbps'] or 0:.2f} | {_ms(r['bound_s'])} | {_ms(r['added_s'])} | "
+                       f"{'yes' if r['holds'] else '**no**'} |")
+        recompute = [f"- {t}: {m}, {h}" for t, m, h in target_rows(figs) if "recompute" in t]
+        out += [""] + (recompute + [""] if recompute else [])
+    out += breakdown(figs, info)
+    out += fit_lines(figs)
+    return out
+
+
+def breakdown(figs: Figures, info: dict) -> List[str]:
+    """What an L3 hit is made of, each figure from the source that reports it."""
+    lines = []
+    for case, kind in L3_CASES.items():
+        for n in info["lengths"]:
+            base = f"ttft.{case}.{n}"
+            if figs.median(base) is None:
+                continue
+            device, host = figs.median(f"ttft.device.{n}"), figs.median(f"ttft.host.{n}")
+            added = figs.median(base) - device if device is not None else None
+            h2d = host - device if host is not None and device is not None else None
+            parts = [figs.median(f"{base}.{name}") for name in ("daemon.lookup", "daemon.get", "sglang.transfer",
+                                                                 "sglang.storage_prefetch_wait", "sglang.queue_time",
+                                                                 "sglang.forward")]
+            lines.append(f"| {TIER_LABELS[kind]} | {n:,} | {_ms(added)} | " + " | ".join(map(_ms, parts))
+                         + f" | {_ms(h2d)} |")
+    if not lines:
+        return []
+    return ["What an L3 hit is made of (medians, ms). lookup and get: the daemons' own `latency_s_sum` over the "
+            "request (receipt to reply; lookup the slowest tier's, the tiers are asked at once; get summed; a DRAM "
+            "read's copy out of the arena is the engine's and not in it). transfer: SGLang's `/metrics`, "
+            "`sglang:prefetch_pgs` x page bytes / the mean `sglang:prefetch_bandwidth` of the request's reads (the "
+            "backend's batch_get_v1 wall time). prefetch wait, queue, forward: SGLang's meta_info with "
+            "--enable-metrics (storage_prefetch_wait: from the scheduler's first poll that found the prefetch "
+            "unfinished to the one that found it done; queue_time; forward = prefill_finished_time − "
+            "forward_entry_time, the extend with its load to the device). host → device: the host hit less the "
+            "device hit (the bench's TTFTs; no source reports it alone).", "",
+            "| tier | prompt tokens | L3 hit − device hit | lookup (daemons) | get (daemons) | transfer (SGLang) | "
+            "prefetch wait (SGLang) | queue (SGLang) | forward (SGLang) | host → device (bench) |",
+            "|---|---|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
+def fit_lines(figs: Figures) -> List[str]:
+    """The profile's fit (tiers/sim/profile.py), when the run wrote one."""
+    f = {name: figs.median(f"ttft.fit.{name}") for name in ("overhead_s", "compute_s", "compute_s2", "cached_s",
+                                                             "h2d_s", "prefetch_s")}
+    if f["compute_s"] is None:
+        return []
+    errors = ", ".join(f"{case} {figs.median(f'ttft.fit.error.{case}'):.1%}" for case in ("recompute", "device", "host")
+                       if figs.median(f"ttft.fit.error.{case}") is not None)
+    settings = ", ".join(f"{k} = {v:.1f}" for k, v in
+                         break_even_settings(Fit(compute_s=f["compute_s"], compute_s2=f["compute_s2"] or 0.0)).items())
+    return ["The profile's fit (`--ttft-profile`, what `hicache-tiers plan --profile` takes): a request costs "
+            f"{f['overhead_s'] * 1e3:.1f} ms + {f['compute_s'] * 1e6:.1f} µs × computed tokens + "
+            f"{f['compute_s2'] * 1e9:.3f} ns × computed² + {f['cached_s'] * 1e6:.2f} µs × cached tokens + "
+            f"{f['h2d_s'] * 1e6:.2f} µs × tokens loaded from host (added to compute), and an L3 hit "
+            f"{(f['prefetch_s'] or 0) * 1e3:.1f} ms around its storage hit query (SGLang's storage_prefetch_wait on "
+            f"recompute less the lookup); largest relative error of the fit: {errors}. As the backend's "
+            f"break-even settings (extra config): {settings}.", ""]
