@@ -111,11 +111,21 @@ def lab(tmp_path_factory, request):
     plan = [item.originalname for item in request.session.items if item.module.__name__ == __name__]
     assert set(plan) <= set(USES), f"tests without an entry in USES: {set(plan) - set(USES)}"
     lab = Lab(tmp_path_factory.mktemp("server-e2e"))
+    # A SIGTERM (`timeout`, a CI runner) would end pytest without teardown and leave the servers, each in a
+    # session of its own, running: make it an interrupt, which pytest tears down after.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         lab.start(plan)
         yield lab
     finally:
-        lab.close()
+        try:
+            lab.close()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(autouse=True)
