@@ -19,28 +19,15 @@ import logging
 import threading
 from typing import Callable, List, Sequence
 
-import xxhash
-
+from tiers.node.buffers import page_sums
 from tiers.ops.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)
 
+__all__ = ["ReadChecks", "page_sums"]
+
 PagesOf = Callable[[List[int]], Sequence[Sequence]]  # page positions -> each page's buffers
-
-
-def page_sums(pages: Sequence[Sequence]) -> List[int]:
-    """xxh3_64 of each page, given as the buffers that concatenate to it."""
-    out = []
-    for page in pages:
-        if len(page) == 1:
-            out.append(xxhash.xxh3_64_intdigest(page[0]))
-            continue
-        h = xxhash.xxh3_64()
-        for part in page:
-            h.update(part)
-        out.append(h.intdigest())
-    return out
 
 
 class ReadChecks:

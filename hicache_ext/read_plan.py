@@ -12,9 +12,15 @@ Promoter: a page a lower tier served is copied into the top tier after the
 read returned.  Its bytes are copied out of the engine's host memory first
 (the engine may reuse those slots the moment the read returns), within a
 bound; past the bound a promotion is dropped and counted, never waited for.
+The put itself waits until no engine call is in flight and delay_s passed:
+on the real server a put started beside the read it follows took the GIL
+and the CPU from SGLang's prefetch thread and added 7-8 ms to a 32-page
+NVMe read (docs/ttft); a promotion is worth nothing to the request that
+caused it, so it goes last.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,6 +31,9 @@ from typing import Callable, Deque, List, Optional, Sequence, Tuple
 log = logging.getLogger("hicache.backend")
 
 UNKNOWN = 255  # no tier is known to hold the key: the read walks the chain
+PROMOTE_DELAY_S = 0.02  # a promotion's put starts this long after its read returned, at the soonest
+PROMOTE_MAX_WAIT_S = 1.0  # and waits at most this long more for the engine's calls to end
+QUIET_POLL_S = 0.002
 
 
 class LookupHints:
@@ -96,9 +105,13 @@ class Promoter:
     batch that would take the bytes in flight past ``max_bytes`` is dropped.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, delay_s: float = PROMOTE_DELAY_S,
+                 max_wait_s: float = PROMOTE_MAX_WAIT_S):
         self.max_bytes = max_bytes
+        self.delay_s = delay_s  # a put starts no sooner than this after its read returned
+        self.max_wait_s = max_wait_s  # ... and waits at most this long for the engine's calls to end
         self._lock = threading.Lock()
+        self._calls = 0  # engine calls (lookups, reads) in flight: puts wait for none
         self._in_flight = 0
         self.queued = self.done = self.dropped = self.failed = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-promote")
@@ -106,20 +119,54 @@ class Promoter:
 
     def submit(self, keys: List[str], pages: Sequence[Sequence[memoryview]],
                put: Callable[[List[str], List[List[bytes]]], List[bool]]) -> bool:
+        """Copy pages now; put(keys, copies) later."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        with self._lock:
-            if self._closed or self._in_flight + nbytes > self.max_bytes:
-                self.dropped += len(keys)
-                return False
-            self._in_flight += nbytes
-            self.queued += len(keys)
+        if not self._admit(len(keys), nbytes):
+            return False
         copies = [[bytes(v) for v in page] for page in pages]  # before the engine can reuse its slots
-        self._thread.submit(self._run, keys, copies, nbytes, put)
+        self._thread.submit(self._run, keys, lambda: put(keys, copies), nbytes, time.monotonic() + self.delay_s)
         return True
 
-    def _run(self, keys, copies, nbytes: int, put) -> None:
+    def submit_checked(self, keys: List[str], nbytes: int, put: Callable[[], List[bool]]) -> bool:
+        """put() later, copying nothing now: the top tier copies the pages out of the engine's host pool
+        itself and keeps only those still matching their checksums (a checked put: the engine may have
+        reused a slot in between). One copy, made by the daemon, none on the engine's read path."""
+        if not self._admit(len(keys), nbytes):
+            return False
+        self._thread.submit(self._run, keys, put, nbytes, time.monotonic() + self.delay_s)
+        return True
+
+    def _admit(self, pages: int, nbytes: int) -> bool:
+        with self._lock:
+            if self._closed or self._in_flight + nbytes > self.max_bytes:
+                self.dropped += pages
+                return False
+            self._in_flight += nbytes
+            self.queued += pages
+        return True
+
+    @contextlib.contextmanager
+    def engine_call(self):
+        """Around an engine call a promotion must not compete with (the router's lookups and reads)."""
+        with self._lock:
+            self._calls += 1
         try:
-            stored = sum(put(keys, copies))
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+
+    def _wait_for_quiet(self, due: float) -> None:
+        """Until due, then until no engine call is in flight (at most max_wait_s past due)."""
+        time.sleep(max(0.0, due - time.monotonic()))
+        give_up = time.monotonic() + self.max_wait_s
+        while self._calls and not self._closed and time.monotonic() < give_up:
+            time.sleep(QUIET_POLL_S)
+
+    def _run(self, keys, put: Callable[[], List[bool]], nbytes: int, due: float) -> None:
+        self._wait_for_quiet(due)
+        try:
+            stored = sum(put())
         except Exception:  # a promotion is an optimisation: it must never take the engine down
             log.debug("promotion failed", exc_info=True)
             stored = 0

@@ -73,6 +73,10 @@ class TierRouter:
         cut where reading (key_bytes at each tier's measured speed) stops
         paying for recomputing (key_tokens a key, from context position first_token).
         """
+        with self.promoter.engine_call():
+            return self._held(keys, key_bytes, key_tokens, first_token)
+
+    def _held(self, keys: List[str], key_bytes: float, key_tokens: float, first_token: int) -> bytes:
         out = bytearray()
         fastest = bytearray()
         for start in range(0, len(keys), P.MAX_BATCH):
@@ -150,6 +154,10 @@ class TierRouter:
     # ---------------------------------------------------------------- reads
     def read(self, batch: PageBatch) -> List[bool]:
         """Each page from the fastest tier holding it; lower tiers' pages are promoted after the return."""
+        with self.promoter.engine_call():
+            return self._read(batch)
+
+    def _read(self, batch: PageBatch) -> List[bool]:
         n = len(batch.keys)
         plan = self.hints.plan(batch.keys) if self._readers is not None else None
         starts: Dict[int, List[int]] = {}  # first tier to ask -> pages
@@ -198,11 +206,21 @@ class TierRouter:
                           batch.nbytes / n)
 
     def _promote(self, pages: PageBatch, sums: List[int]) -> None:
-        """Queue copies of pages into the top tier (they are below already: the top tier holds them clean)."""
+        """Queue copies of pages into the top tier (they are below already: the top tier holds them clean).
+
+        With the host pool registered and every page's checksum known, the top tier copies the pages
+        out of the host pool itself, later, and checks each against its sum; otherwise they are
+        copied here before the read returns and sent as frames."""
         top = self.clients[0]
         extra = self._put_fields("through", promote=True)
         if any(sums):
             extra["sums"] = P.encode_sums(sums)
+        if pages.offsets is not None and top.region_id is not None and all(sums):
+            keys, nbytes = pages.keys, pages.nbytes
+            desc, counts = pages.descriptors()
+            self.promoter.submit_checked(keys, nbytes, lambda: top.put_region(keys, desc, counts, nbytes, None,
+                                                                              **extra))
+            return
 
         def put(keys: List[str], copies: List[List[bytes]]) -> List[bool]:
             return top.put_frames(keys, copies, sum(len(b) for page in copies for b in page), None, **extra)

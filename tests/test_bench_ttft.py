@@ -46,8 +46,16 @@ def test_quick_ttft_rows_sources_report_and_a_profile_plan_takes(tmp_path, small
     assert figures["ttft.l3_dram.512.served.dram"]["median"] >= 31
     assert figures["ttft.recompute.512.cached.storage"]["median"] == 0
     assert figures["dram.32KiB.read"]["median"] > 0  # the tier's rate at the model's page size, this run
+    # each host and L3 hit paired with the device hit of the same prompt right after it
+    for case in ("host", "l3_dram", "l3_file"):
+        assert len(figures[f"ttft.{case}.512.added"]["samples"]) == 1
+        assert figures[f"ttft.{case}.512.device_after"]["median"] > 0
+    # the reference: SGLang's own file backend served the same kind of hit from storage
+    assert figures["ttft.l3_file.512.source_ok"]["samples"] == [1.0], document["notes"]
+    assert figures["ttft.l3_file.512.sglang.storage_prefetch_wait"]["median"] > 0
     text = out.read_text()
     assert "## Time to first token" in text and "| 512 |" in text and "| DRAM | 512 |" in text
+    assert "L3 from SGLang's file backend" in text
     profile = Profile.load(str(prof))
     assert profile.page_tokens == 16 and profile.kv_bytes_per_token == 2048 and profile.lengths() == [512]
     assert profile.fit.compute_s > 0 and set(profile.measured) == set(CASES)

@@ -82,9 +82,10 @@ def test_a_tier_that_reads_slower_than_recompute_stops_giving_hits_until_it_is_f
 
     runner = start_node(tmp_path / "node", node_toml(dram_tier("8MiB"), nvme_tier(fsync=False),
                                                      write_policy="write_through"))
-    # 32 KiB pages of 16 tokens; recomputing one costs 16 x 50 us = 0.8 ms. An unhindered NVMe read of a
-    # page here takes well under that; a read that waits out a 400 ms stall takes 12 ms a page.
-    engine = Engine(runner, model="pays", pages=64, promote=False, recompute_us_per_token=50,
+    # 32 KiB pages of 16 tokens; recomputing one costs 16 x 200 us = 3.2 ms (10 MB/s). An unhindered
+    # NVMe read of a page here takes well under that (0.1-0.9 ms on this shared virtio disk); a read
+    # that waits out a 400 ms stall takes 12 ms a page.
+    engine = Engine(runner, model="pays", pages=64, promote=False, recompute_us_per_token=200,
                     read_speed_stale_s=1.0)
     try:
         keys = make_keys(32, salt=9, page_size=16)

@@ -99,3 +99,56 @@ def test_a_read_asks_only_the_tier_the_lookup_named_and_promotes_afterwards(tmp_
     finally:
         engine.close()
         runner.stop()
+
+
+def test_a_promotion_copied_after_the_engine_reused_its_slots_is_refused_not_stored(tmp_path):
+    """The top tier copies a promotion out of the host pool itself, after the read returned, and keeps a
+    page only if its bytes still match the checksum the read verified: here the engine overwrote the
+    slots first (DRAM frozen until then), so DRAM refuses all six and holds nothing wrong. Then the same
+    read with the slots left alone: DRAM takes the six and serves the exact bytes."""
+    from hicache_ext.lab.sglang_harness import fill_pages
+    config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
+    runner = start_node(tmp_path / "node", config)
+    engine = Engine(runner, model="checked", pages=16, deadline_base_s=5.0)
+    try:
+        keys = make_keys(6, salt=9, page_size=16)
+        written, sums = engine.write(keys, 0, seed=4)
+        assert written == 6
+        runner.kill("dram")
+        runner.start("dram")  # back, empty: only NVMe holds the pages
+        assert eventually(lambda: engine.backend.tier_stats()["dram"] is not None, 10)
+        assert engine.driver.exists(keys) == 6
+        dram = runner.pid("dram")
+        os.kill(dram, signal.SIGSTOP)
+        try:
+            done, got = engine.read(keys, 8)
+            assert done == 6 and got == sums
+            # The promotion is queued (a checked put from the host pool), not yet copied by DRAM.
+            assert eventually(lambda: engine.backend.router_stats()["promotions_queued"] == 6, 5)
+            time.sleep(0.2)  # past the promotion's delay: its put is on DRAM's socket
+            fill_pages(engine.pool, engine.indices(8, 6), seed=99)  # the engine reuses the slots
+        finally:
+            os.kill(dram, signal.SIGCONT)
+
+        def ended(total):
+            counts = engine.backend.router_stats()
+            return counts["promotions_done"] + counts["promotions_failed"] == total
+        assert eventually(lambda: ended(6), 15)
+        stats = engine.backend.router_stats()
+        assert stats["promotions_done"] == 0 and stats["promotions_failed"] == 6, stats
+        dram_stats = engine.backend.tier_stats()["dram"]
+        assert dram_stats["sum_refused"] == 6 and dram_stats["pages"] == 0, dram_stats
+
+        assert engine.driver.exists(keys) == 6
+        done, got = engine.read(keys, 8)
+        assert done == 6 and got == sums
+        assert eventually(lambda: ended(12), 15)
+        assert engine.backend.router_stats()["promotions_done"] == 6
+        assert eventually(lambda: engine.backend.tier_stats()["dram"]["pages"] == 6, 10)
+        runner.kill("nvme")  # now only DRAM can serve them: the exact bytes written
+        assert engine.driver.exists(keys) == 6
+        done, got = engine.read(keys, 0)
+        assert done == 6 and got == sums
+    finally:
+        engine.close()
+        runner.stop()

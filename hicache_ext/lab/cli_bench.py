@@ -78,6 +78,9 @@ def register(sub) -> None:
                    help="ttft: llama-8l (8 layers, hidden 512, 4 KV heads: 8 KiB of KV a token, 128 KiB pages) or "
                         "tiny (4 layers, hidden 256, 2 KV heads: 2 KiB, 32 KiB pages) "
                         "(default llama-8l; --quick: tiny)")
+    p.add_argument("--ttft-repeat", type=positive_int, default=None, metavar="N",
+                   help="ttft: repetitions of each case (default --repeat; --quick: 1); what a hit adds over a "
+                        "device hit is a median of this many paired differences")
     p.add_argument("--ttft-profile", metavar="FILE", type=output_file,
                    help="ttft: write the measured profile here (JSON; hicache-tiers plan --profile FILE)")
     p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
@@ -100,7 +103,7 @@ def _run(args) -> int:
     if args.pages < 1 or args.repeat < 1:
         print("bench: --pages and --repeat must be positive")
         return 2
-    args.ttft_repeat = 1 if args.quick else args.repeat
+    args.ttft_repeat = 1 if args.quick else (args.ttft_repeat or args.repeat)
     args.ttft_model = args.ttft_model or ("tiny" if args.quick else "llama-8l")
     if args.ttft_lengths is None:
         args.ttft_lengths = [512] if args.quick else [int(n) for n in DEFAULT_LENGTHS.split(",")]

@@ -108,6 +108,8 @@ class ServerOptions:
     extra_args: Sequence[str] = ()
     env: Dict[str, str] = field(default_factory=dict)
     port: int = 0
+    # SGLang's own `file` backend writing here instead of ours (node_config unused): the bench's reference
+    file_backend_dir: Optional[Path] = None
 
 
 def sglang_flags(node_config: Path, write_policy: Optional[str] = None, runtime_dir: Optional[Path] = None) -> List[str]:
@@ -155,8 +157,11 @@ class SGLangServer:
 
     def command(self) -> List[str]:
         o = self.options
-        flags = sglang_flags(o.node_config, o.write_policy, o.runtime_dir)
-        if o.extra_config:
+        if o.file_backend_dir is not None:
+            flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+        else:
+            flags = sglang_flags(o.node_config, o.write_policy, o.runtime_dir)
+        if o.extra_config and o.file_backend_dir is None:
             at = flags.index("--hicache-storage-backend-extra-config") + 1
             flags[at] = json.dumps({**json.loads(flags[at]), **o.extra_config})
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(o.model),
@@ -173,6 +178,8 @@ class SGLangServer:
 
     def environment(self) -> Dict[str, str]:
         env = {**os.environ, **self.options.env, "PYTHONUNBUFFERED": "1"}
+        if self.options.file_backend_dir is not None:
+            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.options.file_backend_dir)
         if self.options.device == "cpu":
             if not (STAND_INS / "sgl_kernel").is_dir():
                 raise ServerError(f"SGLang on CPU needs the test stand-ins of a source checkout ({STAND_INS}); "

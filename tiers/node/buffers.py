@@ -8,6 +8,7 @@ import mmap
 from typing import List, Sequence, Tuple
 
 import numpy as np
+import xxhash
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -243,3 +244,18 @@ def populate(mapping: mmap.mmap, write: bool = True, step: int = 0) -> bool:
         if _libc.madvise(address + start, min(step, len(mapping) - start), advice) != 0:
             return False
     return True
+
+
+def page_sums(pages: Sequence[Sequence]) -> List[int]:
+    """xxh3_64 of each page, given as the buffers that concatenate to it: the end-to-end page checksum
+    (hicache_ext/page_sums.py) that writers send, tiers keep and readers check. xxhash releases the GIL."""
+    out = []
+    for page in pages:
+        if len(page) == 1:
+            out.append(xxhash.xxh3_64_intdigest(page[0]))
+            continue
+        h = xxhash.xxh3_64()
+        for part in page:
+            h.update(part)
+        out.append(h.intdigest())
+    return out

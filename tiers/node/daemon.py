@@ -315,7 +315,9 @@ class TierDaemon:
         req_id, deadline = header["id"], header.get("dl")
 
         def work(_frames_kept_alive=frames) -> list:
-            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums)
+            # A promotion is copied out of a host pool after the engine's read returned: checked
+            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums,
+                                                       checked=header.get("promote") is True and any(sums))
             if self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
@@ -431,6 +433,7 @@ class TierDaemon:
         stats["leases_expired"] = self.arena.leases_expired
         stats["staging_full"] = self.transfers.staging_full
         stats["source_gone"] = self.transfers.source_gone
+        stats["sum_refused"] = self.transfers.sum_refused
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
         return stats

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_pages
+from tiers.node.buffers import MemoryFault, address_of, copy_runs, page_sums, scatter_pages
 from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import PageStore, StoreError
@@ -30,6 +30,7 @@ log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
 Refusal = Optional[Tuple[str, str]]
+_SUM_REFUSAL = ("checksum", "a page's bytes did not match its checksum")
 
 
 class PageTransfers:
@@ -54,6 +55,7 @@ class PageTransfers:
                                                                                          1 << 30)))
         self.staging_full = 0
         self.source_gone = 0
+        self.sum_refused = 0  # pages of a checked put whose bytes did not match their checksum
 
     # ------------------------------------------------------------------ puts
     def page_sources(self, header: dict, frames, keys: list, regions) -> "Sources":
@@ -71,19 +73,40 @@ class PageTransfers:
                        [[(base + off, n) for off, n in page] for page in extents], region.view, base)
 
     def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
-                  deadline: Optional[float], sums: List[int]) -> Tuple[List[bool], Refusal]:
-        """Store each page with its checksum (0: unknown); (stored flags, first refusal)."""
+                  deadline: Optional[float], sums: List[int], checked: bool = False) -> Tuple[List[bool], Refusal]:
+        """Store each page with its checksum (0: unknown); (stored flags, first refusal).
+
+        checked: hash each page once it is in our memory and refuse those that do not match their
+        checksum (a promotion copies a page out of a host pool some time after the engine read it:
+        the engine may have reused the slot by then)."""
         if max(sources.sizes, default=0) > self.max_page_bytes:
             raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
+        check = self._check_sums if checked else None
         if sources.runs is not None and self.stages:
-            return self._put_staged(ns, keys, sources, parents, deadline, sums)
+            return self._put_staged(ns, keys, sources, parents, deadline, sums, check)
         if sources.runs is not None:
-            return self._put_into_arena(ns, keys, sources, parents, deadline, sums)
+            return self._put_into_arena(ns, keys, sources, parents, deadline, sums, check)
+        if check is not None:
+            good = check(list(range(len(keys))), [sources.views[i] for i in range(len(keys))], sums)
+            return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i],
+                                                                             parents[i], sums[i])
+                                        if good[i] else (False, _SUM_REFUSAL)))
         return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i],
                                                                          sums[i])))
 
+    def _check_sums(self, idx: List[int], pages: List[List[memoryview]], sums: List[int]) -> List[bool]:
+        """Per position of idx: does pages[j] (page idx[j]'s bytes in our memory) match sums[idx[j]]
+        (0, unknown, matches nothing: a checked put must carry every sum)."""
+        good = [s == sums[i] and s != 0 for i, s in zip(idx, page_sums(pages))]
+        bad = len(good) - sum(good)
+        if bad:
+            self.sum_refused += bad
+            _warn.warning("sum-refused", "tier %s: %d page(s) of a checked put (a promotion) did not match their "
+                                         "checksum (the engine reused the slot first); refused", self.name, bad)
+        return good
+
     def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline,
-                        sums: List[int]) -> Tuple[List[bool], Refusal]:
+                        sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
         """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
 
         Pages are copied in groups, one C call a group without the GIL: a group grows while the arena
@@ -97,8 +120,12 @@ class PageTransfers:
 
         def flush() -> Refusal:
             refusal = self._copy_group(sources, group, deadline)
-            for i, alloc in group:
-                if refusal is not None:
+            good = [True] * len(group)
+            if refusal is None and check is not None:
+                good = check([i for i, _a in group], [self.arena.extent_views(a.extents) for _i, a in group], sums)
+                refusal = None if all(good) else _SUM_REFUSAL
+            for (i, alloc), ok in zip(group, good):
+                if refusal is not None and not (refusal is _SUM_REFUSAL and ok):
                     self.store.abort(alloc)
                 else:
                     parent = parents[i]
@@ -157,7 +184,7 @@ class PageTransfers:
         return True, None
 
     def _put_staged(self, ns, keys, sources: "Sources", parents, deadline,
-                    sums: List[int]) -> Tuple[List[bool], Refusal]:
+                    sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy the batch into staging first (one guarded C call, as
         _put_into_arena does), then hand the store our own memory."""
         group: List[Tuple[int, Alloc]] = []
@@ -177,9 +204,15 @@ class PageTransfers:
         views: List[Optional[List[memoryview]]] = [None] * len(keys)
         for i, alloc in group:
             views[i] = self.arena.views(alloc)
+        if check is not None:
+            idx = [i for i, _alloc in group]
+            for i, ok in zip(idx, check(idx, [views[i] for i in idx], sums)):
+                if not ok:
+                    views[i] = None
+                    refusal = refusal or _SUM_REFUSAL
         try:
             if self.store.batched:
-                idx = [i for i, _alloc in group]
+                idx = [i for i, _alloc in group if views[i] is not None]
                 out = self.store.put_many_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx],
                                                     [parents[i] for i in idx], deadline, [sums[i] for i in idx])
                 results = [(False, None)] * len(keys)

@@ -1,4 +1,5 @@
-"""Lookups across a chain of tiers: every tier asked at once, answered as soon as the keys are covered."""
+"""Lookups across a chain of tiers: the top tier first, the others at once for what it lacks, answered as soon as
+the keys are covered."""
 from __future__ import annotations
 
 import time
@@ -14,10 +15,17 @@ from tiers.wire.client import TierClient
 # happened to answer first would serve pages DRAM holds.  Bounded: a frozen faster tier costs a
 # lookup this much, once.
 FASTER_TIER_GRACE_S = 0.010
+# The top tier is asked alone first and given this long: when it holds every key (the common case on
+# a warm node) no other daemon is woken.  On the real server, asking DRAM, NVMe and remote at once
+# took 3-7 ms of a 512-token L3 hit's ~15 ms wait (three daemons woken on two cores) against
+# 0.3-0.9 ms here without it (docs/PERFORMANCE.md).  A top tier that is slow or frozen costs this much.
+TOP_TIER_HEAD_START_S = 0.002
 
 
-def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
-    """Ask every tier at once (one round trip each, in parallel); held flags or None per tier.
+def lookup_all(clients: Sequence[TierClient], keys: List[str],
+               head_start: float = TOP_TIER_HEAD_START_S) -> List[Optional[bytes]]:
+    """Ask the top tier, then, unless it held every key within head_start, every other tier at once;
+    held flags or None per tier (None also for a tier not asked).
 
     Returns as soon as the tiers that replied hold every key between them and
     no faster tier is still out (or FASTER_TIER_GRACE_S after the keys were
@@ -27,10 +35,26 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
     """
     results: List[Optional[bytes]] = [None] * len(clients)
     waiting = {}
-    for i, client in enumerate(clients):
+    full = b"\x01" * len(keys)
+    sent = clients[0].start_lookup(keys)
+    if sent is not None:
+        waiting[0] = sent
+        _gather(clients, keys, results, waiting, time.monotonic() + head_start)
+        if results[0] == full or len(clients) == 1:
+            return results
+    for i, client in enumerate(clients[1:], start=1):
         sent = client.start_lookup(keys)
         if sent is not None:
             waiting[i] = sent
+    _gather(clients, keys, results, waiting, None)
+    return results
+
+
+def _gather(clients: Sequence[TierClient], keys: List[str], results: List[Optional[bytes]], waiting: dict,
+            stop_at: Optional[float]) -> None:
+    """Collect replies of the tiers in waiting into results until none is out, the keys are covered
+    (with the grace for faster tiers), or stop_at (time.monotonic()) when given; waiting keeps what
+    is still out."""
     full = b"\x01" * len(keys)
     covered_until: Optional[float] = None  # the grace for faster tiers' replies, once the keys are covered
     while waiting:
@@ -38,6 +62,10 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
         give_up = min(p[2] for p in waiting.values())
         if covered_until is not None:
             give_up = min(give_up, covered_until)
+        if stop_at is not None:
+            if now >= stop_at:
+                return
+            give_up = min(give_up, stop_at)
         poller = zmq.Poller()
         for i, (sock, _id, _end) in waiting.items():
             poller.register(sock, zmq.POLLIN)
@@ -56,12 +84,11 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[
         if merge_held(results, len(keys)) == full:  # the tiers that replied cover every key
             deepest = max(i for i, r in enumerate(results) if r is not None)
             if not any(i < deepest for i in waiting):
-                break
+                return
             if covered_until is None:
                 covered_until = time.monotonic() + FASTER_TIER_GRACE_S
             elif time.monotonic() >= covered_until:
-                break
-    return results
+                return
 
 
 def per_tier_held(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:

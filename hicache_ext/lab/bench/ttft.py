@@ -17,8 +17,10 @@ of this run. The profile (``--ttft-profile``) is ``tiers.sim.profile``'s.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Dict, List
 
@@ -150,12 +152,33 @@ def run_ttft(figs: Figures, args, progress: Progress) -> None:
             node.close()
         if pool is not None:
             pool.close()
+    _file_reference(figs, args, progress, options, root, lengths, spec)
     if getattr(args, "ttft_profile", None):
         meta = getattr(args, "run_meta", {})
         machine = meta.get("machine", {}).get("cpu", "?")
         source = f"`{meta.get('command', '?')}`, {meta.get('date', 'undated')}, {machine}"
         write_profile(figs, args.ttft_profile, spec, source)
         progress.done(f"ttft: wrote the profile {args.ttft_profile}")
+
+
+def _file_reference(figs: Figures, args, progress: Progress, options: ServerOptions, root: str,
+                    lengths: List[int], spec: ModelSpec) -> None:
+    """The same L3 hits through SGLang's own file backend, on a server of the same model and pools."""
+    from hicache_ext.lab.bench.ttft_cases import FileReference
+    directory = Path(root) / "file-backend"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    file_options = dataclasses.replace(options, file_backend_dir=directory)
+    progress.step("ttft: starting SGLang with its own file backend (the reference L3 hit; about a minute)")
+    server = SGLangServer(file_options, Path(root) / "server-file.log").start()
+    try:
+        reference = FileReference(server, directory, figs, progress)
+        server.generate([7] * 512, max_new_tokens=1)  # warm-up, untimed
+        for rep in range(args.ttft_repeat):
+            reference.repetition(rep, lengths, spec.vocab)
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _query_overhead(figs: Figures, info: dict) -> float:

@@ -10,6 +10,8 @@ share no page):
    tiers hold the pages), NVMe (the DRAM tier cleared, the chunk files
    dropped from the page cache before each request) and remote (DRAM and
    NVMe cleared).
+Each host and L3 hit is followed at once by a device hit of the same prompt:
+what the hit added over a device hit is measured as that pair's difference.
 Before each timed request the node settles (every tier stored what SGLang
 backs up, then nothing moves for 0.3 s), so no backup runs beside it. Every
 request's sources are checked against the case (SGLang's
@@ -19,6 +21,7 @@ out); a mismatch is recorded beside the figure and in the notes, never dropped.
 from __future__ import annotations
 
 import random
+import time
 from typing import Dict, List
 
 from hicache_ext.lab.bench.rig import drop_page_cache
@@ -49,6 +52,20 @@ class Cases:
             self.probe.settle(before, new_pages)
         except ProbeError as exc:  # timings beside a late backup are suspect: say so, go on
             self.figs.note("ttft", f"repetition {self.rep + 1}: {exc}.")
+
+    def _paired(self, case: str, ids: List[int], hit: Sample) -> None:
+        """The device hit of the same prompt right after a host or L3 hit (ids now sit in the device tree):
+        what the hit added over a device hit, paired in time, so the drift of the CPU server's extend between
+        the cases (tens of ms at 2,048 tokens) does not land in a bound of a few ms."""
+        generation = self.server.generate(ids, max_new_tokens=1)
+        n = len(ids)
+        problem = source_problem("device", n, generation.cached, {}, PAGE_TOKENS)
+        if problem:
+            self.figs.note("ttft", f"the device hit after {CASE_LABELS[case]}, {n:,} tokens, repetition "
+                                   f"{self.rep + 1}: {problem}; not paired.")
+            return
+        self.figs.add(f"ttft.{case}.{n}.device_after", generation.seconds, "s")
+        self.figs.add(f"ttft.{case}.{n}.added", hit.seconds - generation.seconds, "s")
 
     def _timed(self, case: str, ids: List[int]) -> Sample:
         """One request of case with the stats and /metrics read around it; recorded, its sources checked."""
@@ -109,7 +126,7 @@ class Cases:
             self._timed("device", prompts[n])
         self._push_off_device(rep)
         for n in lengths:
-            self._timed("host", prompts[n])
+            self._paired("host", prompts[n], self._timed("host", prompts[n]))
         for case in [c for c in L3_CASES if L3_CASES[c] in self.kinds]:
             self.server.flush_cache()
             above = self.kinds[:self.kinds.index(L3_CASES[case])]
@@ -118,7 +135,7 @@ class Cases:
             for n in lengths:
                 if case == "l3_nvme":
                     drop_page_cache(self.node.data_path("nvme"))
-                self._timed(case, prompts[n])
+                self._paired(case, prompts[n], self._timed(case, prompts[n]))
 
     def _push_off_device(self, rep: int) -> None:
         """Prompts of new tokens, more than the device pool holds: every earlier prompt leaves the device."""
@@ -132,3 +149,52 @@ class Cases:
 
     def close(self) -> None:
         self.probe.close()
+
+
+class FileReference:
+    """The same L3 hit through SGLang's own ``file`` backend (one file per page in a directory, read from a
+    warm page cache): the floor any L3 backend's hit costs in this SGLang, measured in the same run.
+    Recorded as ``ttft.l3_file.<N>`` with its paired device hit, like the tiers' L3 cases."""
+
+    def __init__(self, server, directory, figs: Figures, progress: Progress):
+        self.server, self.directory, self.figs, self.progress = server, directory, figs, progress
+
+    def _files(self) -> int:
+        return sum(1 for _ in self.directory.iterdir()) if self.directory.is_dir() else 0
+
+    def _settle(self, want: int, quiet: float = 0.3, timeout: float = 120.0) -> None:
+        """Until the directory holds want files and nothing was added for quiet s (the backups done)."""
+        deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            count = self._files()
+            if count != last:
+                last, since = count, time.monotonic()
+            if count >= want and time.monotonic() - since >= quiet:
+                return
+            time.sleep(0.05)
+        self.figs.note("ttft", f"SGLang's file backend wrote {last} of {want} pages within {timeout:g} s.")
+
+    def repetition(self, rep: int, lengths: List[int], vocab: int) -> None:
+        for n in lengths:
+            rng = random.Random(f"ttft-file-{rep}-{n}")
+            ids = [rng.randrange(1, vocab) for _ in range(n)]
+            want = self._files() + n // PAGE_TOKENS
+            self.server.generate(ids, max_new_tokens=1)
+            self._settle(want)
+            self.server.flush_cache()
+            hit = self.server.generate(ids, max_new_tokens=1)
+            device = self.server.generate(ids, max_new_tokens=1)
+            base = f"ttft.l3_file.{n}"
+            problem = source_problem("l3_file", n, hit.cached, {}, PAGE_TOKENS) or \
+                source_problem("device", n, device.cached, {}, PAGE_TOKENS)
+            self.figs.add(f"{base}.source_ok", 0.0 if problem else 1.0, "flag")
+            if problem:
+                self.figs.note("ttft", f"SGLang's file backend, {n:,} tokens, repetition {rep + 1}: {problem}.")
+                continue
+            self.figs.add(base, hit.seconds, "s")
+            for name, value in hit.timings.items():
+                self.figs.add(f"{base}.sglang.{name}", value, "s")
+            self.figs.add(f"{base}.device_after", device.seconds, "s")
+            self.figs.add(f"{base}.added", hit.seconds - device.seconds, "s")
+            self.progress.step(f"ttft {rep + 1}: {n:,} tokens, L3 from SGLang's file backend: "
+                               f"{hit.seconds * 1e3:,.0f} ms (device hit after it {device.seconds * 1e3:,.0f} ms)")

@@ -7,9 +7,30 @@ direct transfer functions in plain torch and builds host pools unpinned.
 It also lowers the host memory SGLang keeps free beside a HiCache host pool
 from 10 GiB to 1 GiB: the servers here are tiny, and several of them (two
 sharing a node in one test) must fit a 24 GiB development machine.
+
+And it gives SGLang's torch_native attention an extend that attends only the
+new tokens' queries (``extend_attention``). SGLang's own builds a query of the
+whole sequence (prefix rows left uninitialised) and runs causal SDPA over all
+of it, so an extend of 16 tokens over a 2,048-token cached prefix cost as
+much as recomputing the prompt's attention (~0.5 s here, varying by tens of
+ms): a device hit, the baseline every cache hit is measured against, was
+mostly wasted attention and its noise hid what an L3 hit adds. Every request
+(recompute included) goes through the same masked SDPA, so recompute and
+hits stay numerically alike; a GPU server never had the waste.
+
+And the scheduler's loop sleeps IDLE_SLEEP_S when it has no batch to run
+(``on_idle``) instead of spinning: SGLang yields with ``time.sleep(0)``
+there, so a server waiting for a prefetch kept one of this machine's two
+cores busy, taking it from the tier daemons and the prefetch threads the
+wait is for (a GPU host has cores to spare for its spinning scheduler). A
+waiting request is admitted at most IDLE_SLEEP_S later than it would be.
 """
 import functools
 import inspect
+import time
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
@@ -18,8 +39,30 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
 
 
+def _whole_pages(indices, page_size):
+    """The page numbers of indices when they are whole pages, each page's slots in order (else None):
+    then a copy moves page blocks, as the CUDA kernel does, instead of gathering row by row."""
+    if indices.numel() == 0 or indices.numel() % page_size:
+        return None
+    rows = indices.view(-1, page_size)
+    starts = rows[:, 0]
+    if bool((starts % page_size).any()) or not bool((rows - starts[:, None] == _slots(page_size)).all()):
+        return None
+    return starts // page_size
+
+
+@functools.lru_cache(maxsize=8)
+def _slots(page_size):
+    return torch.arange(page_size)
+
+
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
     """One layer from a page_first_direct host pool ([page, layer, slot, ...]) into device rows."""
+    src_pages, dst_pages = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    if src_pages is not None and dst_pages is not None:
+        for src, dst in zip(src_ptrs, dst_ptrs):
+            dst.view(-1, page_size, *dst.shape[1:])[dst_pages] = src[src_pages, layer_id]
+        return
     pages, slots = src_indices // page_size, src_indices % page_size
     for src, dst in zip(src_ptrs, dst_ptrs):
         dst[dst_indices.to(dst.device)] = src[pages, layer_id, slots].to(dst.device)
@@ -28,6 +71,13 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
     """Every layer's device rows (K layers then V layers) into a page_first_direct host pool."""
     layers = len(src_ptrs) // 2
+    src_pages, dst_pages = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    if src_pages is not None and dst_pages is not None:
+        for kind, dst in enumerate(dst_ptrs):
+            for layer in range(layers):
+                src = src_ptrs[kind * layers + layer]
+                dst[dst_pages, layer] = src.view(-1, page_size, *src.shape[1:])[src_pages]
+        return
     pages, slots = dst_indices // page_size, dst_indices % page_size
     for kind, dst in enumerate(dst_ptrs):
         for layer in range(layers):
@@ -47,9 +97,62 @@ def _unpinned(init):
 
 
 TEST_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+IDLE_SLEEP_S = 0.0005
+
+
+def _sleeping_on_idle(on_idle):
+    @functools.wraps(on_idle)
+    def sleeping(self):
+        on_idle(self)
+        time.sleep(IDLE_SLEEP_S)
+    sleeping._hicache_sleeps = True
+    return sleeping
+
+
+def _exact_extend(original):
+    """TorchNativeAttnBackend._run_sdpa_forward_extend attending each request's new queries only (causal:
+    query row r, at position prefix + r, sees keys 0..prefix + r); cross-attention and sliding windows go to
+    SGLang's own."""
+    @functools.wraps(original)
+    def extend_attention(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                         extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                         causal=False, is_cross_attn=False, sliding_window_size=None):
+        if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None
+                                                          and sliding_window_size > -1):
+            return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                            extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
+                            enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                            sliding_window_size=sliding_window_size)
+        heads_first = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
+        start = 0
+        for i in range(seq_lens.shape[0]):
+            q_len, prefix, kv_len = int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+            q = heads_first[:, start:start + q_len, :]
+            tokens = req_to_token[req_pool_indices[i], :kv_len]
+            k = k_cache[tokens].movedim(0, query.dim() - 2)
+            v = v_cache[tokens].movedim(0, query.dim() - 2)
+            if not (q.dtype == k.dtype == v.dtype):
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            mask = None
+            if causal:
+                positions = torch.arange(prefix, prefix + q_len, device=q.device)
+                mask = torch.arange(kv_len, device=q.device)[None, :] <= positions[:, None]
+            out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                               enable_gqa=enable_gqa, scale=scaling)
+            output[start:start + q_len] = out.squeeze(0).movedim(query.dim() - 2, 0)
+            start += q_len
+        return output
+    extend_attention._hicache_exact = True
+    return extend_attention
 
 
 def install():
+    from sglang.srt.managers.scheduler import Scheduler
+    if not getattr(Scheduler.on_idle, "_hicache_sleeps", False):
+        Scheduler.on_idle = _sleeping_on_idle(Scheduler.on_idle)
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    if not getattr(TorchNativeAttnBackend._run_sdpa_forward_extend, "_hicache_exact", False):
+        TorchNativeAttnBackend._run_sdpa_forward_extend = _exact_extend(TorchNativeAttnBackend._run_sdpa_forward_extend)
     from sglang.srt.mem_cache.pool_host import base, mha
     base.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_MEMORY_RESERVE_BYTES
     mha.transfer_kv_direct = transfer_kv_direct
