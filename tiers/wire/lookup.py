@@ -24,8 +24,8 @@ TOP_TIER_HEAD_START_S = 0.002
 
 def lookup_all(clients: Sequence[TierClient], keys: List[str],
                head_start: float = TOP_TIER_HEAD_START_S) -> List[Optional[bytes]]:
-    """Ask the top tier, then, unless it held every key within head_start, every other tier at once;
-    held flags or None per tier (None also for a tier not asked).
+    """Ask the top tier, then, unless it held every key within head_start, every other tier at once
+    (head_start 0: every tier at once); held flags or None per tier (None also for a tier not asked).
 
     Returns as soon as the tiers that replied hold every key between them and
     no faster tier is still out (or FASTER_TIER_GRACE_S after the keys were
@@ -39,9 +39,13 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     sent = clients[0].start_lookup(keys)
     if sent is not None:
         waiting[0] = sent
-        _gather(clients, keys, results, waiting, time.monotonic() + head_start)
-        if results[0] == full or len(clients) == 1:
+        if len(clients) == 1:
+            _gather(clients, keys, results, waiting, None)
             return results
+        if head_start > 0:
+            _gather(clients, keys, results, waiting, time.monotonic() + head_start)
+            if results[0] == full:
+                return results
     for i, client in enumerate(clients[1:], start=1):
         sent = client.start_lookup(keys)
         if sent is not None:
