@@ -62,18 +62,25 @@ def test_promotions_past_the_bound_are_dropped_and_counted():
         promoter.close()
 
 
+def _only_nvme_holds_six_pages(runner, engine, salt: int, seed: int):
+    """Six pages written through DRAM and NVMe, then DRAM restarted empty: (keys, their checksums),
+    after a lookup that found all six (NVMe holds them, DRAM none)."""
+    keys = make_keys(6, salt=salt, page_size=16)
+    written, sums = engine.write(keys, 0, seed=seed)
+    assert written == 6
+    runner.kill("dram")
+    runner.start("dram")  # back, empty: only NVMe holds the pages
+    assert eventually(lambda: engine.backend.tier_stats()["dram"] is not None, 10)
+    assert engine.driver.exists(keys) == 6  # the lookup: NVMe holds all six, DRAM none
+    return keys, sums
+
+
 def test_a_read_asks_only_the_tier_the_lookup_named_and_promotes_afterwards(tmp_path):
     config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
     runner = start_node(tmp_path / "node", config)
     engine = Engine(runner, model="plan", pages=16, deadline_base_s=2.0)
     try:
-        keys = make_keys(6, salt=5, page_size=16)
-        written, sums = engine.write(keys, 0, seed=3)
-        assert written == 6
-        runner.kill("dram")
-        runner.start("dram")  # back, empty: only NVMe holds the pages
-        assert eventually(lambda: engine.backend.tier_stats()["dram"] is not None, 10)
-        assert engine.driver.exists(keys) == 6  # the lookup: NVMe holds all six, DRAM none
+        keys, sums = _only_nvme_holds_six_pages(runner, engine, salt=5, seed=3)
         dram = runner.pid("dram")
         os.kill(dram, signal.SIGSTOP)
         try:
@@ -111,13 +118,7 @@ def test_a_promotion_copied_after_the_engine_reused_its_slots_is_refused_not_sto
     runner = start_node(tmp_path / "node", config)
     engine = Engine(runner, model="checked", pages=16, deadline_base_s=5.0)
     try:
-        keys = make_keys(6, salt=9, page_size=16)
-        written, sums = engine.write(keys, 0, seed=4)
-        assert written == 6
-        runner.kill("dram")
-        runner.start("dram")  # back, empty: only NVMe holds the pages
-        assert eventually(lambda: engine.backend.tier_stats()["dram"] is not None, 10)
-        assert engine.driver.exists(keys) == 6
+        keys, sums = _only_nvme_holds_six_pages(runner, engine, salt=9, seed=4)
         dram = runner.pid("dram")
         os.kill(dram, signal.SIGSTOP)
         try:
