@@ -15,7 +15,7 @@ bound; past the bound a promotion is dropped and counted, never waited for.
 The put itself waits until no engine call is in flight and delay_s passed:
 on the real server a put started beside the read it follows took the GIL
 and the CPU from SGLang's prefetch thread and added 7-8 ms to a 32-page
-NVMe read (docs/ttft); a promotion is worth nothing to the request that
+NVMe read (docs/PERFORMANCE.md); a promotion is worth nothing to the request that
 caused it, so it goes last.
 """
 from __future__ import annotations

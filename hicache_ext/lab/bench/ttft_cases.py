@@ -32,6 +32,12 @@ from tiers.bench.ttft_report import CASE_LABELS, L3_CASES, source_problem
 PAGE_TOKENS = 16
 
 
+def record_pair(figs: Figures, case: str, n: int, hit_s: float, device_s: float) -> None:
+    """A hit of case and the device hit of the same prompt right after it: what the hit added."""
+    figs.add(f"ttft.{case}.{n}.device_after", device_s, "s")
+    figs.add(f"ttft.{case}.{n}.added", hit_s - device_s, "s")
+
+
 class Cases:
     """The server, the node's daemons and the figures one run of the part fills."""
 
@@ -64,8 +70,7 @@ class Cases:
             self.figs.note("ttft", f"the device hit after {CASE_LABELS[case]}, {n:,} tokens, repetition "
                                    f"{self.rep + 1}: {problem}; not paired.")
             return
-        self.figs.add(f"ttft.{case}.{n}.device_after", generation.seconds, "s")
-        self.figs.add(f"ttft.{case}.{n}.added", hit.seconds - generation.seconds, "s")
+        record_pair(self.figs, case, n, hit.seconds, generation.seconds)
 
     def _timed(self, case: str, ids: List[int]) -> Sample:
         """One request of case with the stats and /metrics read around it; recorded, its sources checked."""
@@ -194,7 +199,6 @@ class FileReference:
             self.figs.add(base, hit.seconds, "s")
             for name, value in hit.timings.items():
                 self.figs.add(f"{base}.sglang.{name}", value, "s")
-            self.figs.add(f"{base}.device_after", device.seconds, "s")
-            self.figs.add(f"{base}.added", hit.seconds - device.seconds, "s")
+            record_pair(self.figs, "l3_file", n, hit.seconds, device.seconds)
             self.progress.step(f"ttft {rep + 1}: {n:,} tokens, L3 from SGLang's file backend: "
                                f"{hit.seconds * 1e3:,.0f} ms (device hit after it {device.seconds * 1e3:,.0f} ms)")
