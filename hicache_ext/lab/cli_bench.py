@@ -75,7 +75,7 @@ def register(sub) -> None:
                    help="ttft: the node's tiers and so the L3 cases, comma-separated from dram,nvme,remote "
                         "(default all three)")
     p.add_argument("--ttft-model", choices=TTFT_MODELS, default=None,
-                   help="ttft: llama-8l (8 layers, hidden 512, 4 KV heads: 8 KiB of KV a token, 128 KiB pages) or "
+                   help="ttft: llama-8l (8 layers, hidden 256, 4 KV heads: 8 KiB of KV a token, 128 KiB pages) or "
                         "tiny (4 layers, hidden 256, 2 KV heads: 2 KiB, 32 KiB pages) "
                         "(default llama-8l; --quick: tiny)")
     p.add_argument("--ttft-repeat", type=positive_int, default=None, metavar="N",

@@ -110,6 +110,8 @@ class ServerOptions:
     port: int = 0
     # SGLang's own `file` backend writing here instead of ours (node_config unused): the bench's reference
     file_backend_dir: Optional[Path] = None
+    # Another backend SGLang loads (``dynamic``, this extra config) instead of ours: the bench's floor
+    reference_backend: Optional[Dict[str, object]] = None
 
 
 def sglang_flags(node_config: Path, write_policy: Optional[str] = None, runtime_dir: Optional[Path] = None) -> List[str]:
@@ -159,9 +161,12 @@ class SGLangServer:
         o = self.options
         if o.file_backend_dir is not None:
             flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+        elif o.reference_backend is not None:
+            flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+                     "--hicache-storage-backend-extra-config", json.dumps(o.reference_backend)]
         else:
             flags = sglang_flags(o.node_config, o.write_policy, o.runtime_dir)
-        if o.extra_config and o.file_backend_dir is None:
+        if o.extra_config and o.file_backend_dir is None and o.reference_backend is None:
             at = flags.index("--hicache-storage-backend-extra-config") + 1
             flags[at] = json.dumps({**json.loads(flags[at]), **o.extra_config})
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(o.model),

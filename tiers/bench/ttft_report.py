@@ -18,14 +18,15 @@ from tiers.sim.profile import CASES, L3_KINDS as L3_CASES, Fit, break_even_setti
 
 CASE_LABELS = {"recompute": "recompute", "device": "device hit", "host": "host hit", "l3_dram": "L3 from DRAM",
                "l3_nvme": "L3 from NVMe, cold", "l3_remote": "L3 from the remote pool",
-               "l3_file": "L3 from SGLang's file backend"}
+               "l3_file": "L3 from SGLang's file backend", "l3_memory": "L3 from SGLang's in-process memory (floor)"}
 SOURCES = {"recompute": None, "device": "device", "host": "host", "l3_dram": "storage", "l3_nvme": "storage",
-           "l3_remote": "storage", "l3_file": "storage"}
+           "l3_remote": "storage", "l3_file": "storage", "l3_memory": "storage"}
 TIER_LABELS = {"dram": "DRAM", "nvme": "NVMe, cold", "remote": "remote pool"}
 # What an L3 hit may add over a device hit: READ_FACTOR x (KV bytes / the tier's read rate) + FIXED_S;
 # and the 2,048-token L3 hit against recompute.
 READ_FACTOR, FIXED_S = 1.5, 0.005
 RECOMPUTE_TOKENS, RECOMPUTE_RATIO = 2048, 0.5
+REFERENCES = ("l3_file", "l3_memory")  # the same hit through other backends, on their own servers
 
 
 def expected_hit(n: int, page: int) -> int:
@@ -102,6 +103,7 @@ def bound_rows(figs: Figures) -> List[dict]:
             rows.append({"case": case, "kind": kind, "tokens": n, "kv_bytes": kv, "gbps": rate, "bound_s": bound,
                          "added_s": added, "holds": bound is not None and added <= bound,
                          "file_added_s": added_over_device(figs, "l3_file", n),
+                         "floor_added_s": added_over_device(figs, "l3_memory", n),
                          "mismatches": _mismatches(figs, case, n)})
     return rows
 
@@ -129,8 +131,7 @@ def section(figs: Figures) -> List[str]:
     if not info:
         return []
     lengths, cases = info["lengths"], [c for c in CASES if c not in L3_CASES or L3_CASES[c] in info["tiers"]]
-    if any(figs.median(f"ttft.l3_file.{n}") is not None for n in lengths):
-        cases.append("l3_file")
+    cases += [ref for ref in REFERENCES if any(figs.median(f"ttft.{ref}.{n}") is not None for n in lengths)]
     spec = info["spec"]
     out = ["## Time to first token, real SGLang server on CPU (ms)", "",
            f"`python -m sglang.launch_server` on this CPU (torch_native attention) serving a random Llama "
@@ -142,9 +143,12 @@ def section(figs: Figures) -> List[str]:
            "max_new_tokens=1, median of the repetitions (min–max). Host hits come after filler prompts pushed the "
            "prompts off the device pool; L3 hits after /flush_cache; NVMe: " + info["nvme_cold"] +
            "; remote: DRAM and NVMe cleared. Every request's source is checked: SGLang's cached_tokens_details, "
-           "and for L3 which daemon handed the pages out. The last column is the reference: the same hit through "
-           "SGLang's own `file` backend (one file per page, page cache warm) on a server of the same model and "
-           "pools, started after this one.", "",
+           "and for L3 which daemon handed the pages out. The last two columns are references, each on a server of "
+           "the same model and pools started after this one: the same hit through SGLang's own `file` backend "
+           "(one file per page, page cache warm) and through an in-process memory backend (pages in a dict of "
+           "the server's process: SGLang's own L3 path and one copy a page, the floor of any backend; "
+           "hicache_ext/lab/bench/memory_backend.py). Before every L3 hit: /flush_cache, then one untimed "
+           "prompt of new tokens, so SGLang's merge of the host slots the flush freed is not in the hit.", "",
            "| prompt tokens | " + " | ".join(CASE_LABELS[c] for c in cases) + " | sources |",
            "|---|" + "---|" * (len(cases) + 1)]
     for n in lengths:
@@ -159,12 +163,14 @@ def section(figs: Figures) -> List[str]:
                 f"prompt right after it), against {READ_FACTOR} x (KV bytes / the tier's read rate at "
                 f"{info['page_label']} pages, the rig in this run) + {FIXED_S * 1e3:.0f} ms:", "",
                 "| tier | prompt tokens | KV read | read GB/s | bound (ms) | L3 hit − device hit (ms) | holds | "
-                "SGLang's file backend: L3 hit − device hit (ms) |",
-                "|---|---|---|---|---|---|---|---|"]
+                "SGLang's file backend: L3 hit − device hit (ms) | floor, in-process memory: L3 hit − device hit "
+                "(ms) |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in bounds:
             out.append(f"| {TIER_LABELS[r['kind']]} | {r['tokens']:,} | {r['kv_bytes'] / (1 << 20):.1f} MiB | "
                        f"{r['gbps'] or 0:.2f} | {_ms(r['bound_s'])} | {_ms(r['added_s'])} | "
-                       f"{'yes' if r['holds'] else '**no**'} | {_ms(r['file_added_s'])} |")
+                       f"{'yes' if r['holds'] else '**no**'} | {_ms(r['file_added_s'])} | "
+                       f"{_ms(r['floor_added_s'])} |")
         recompute = [f"- {t}: {m}, {h}" for t, m, h in target_rows(figs) if "recompute" in t]
         out += [""] + (recompute + [""] if recompute else [])
     out += breakdown(figs, info)

@@ -34,8 +34,13 @@ STORAGE_BATCH_PAGES = 128  # SGLang's storage batch: what one prefetch read asks
 TIER_KINDS = ("dram", "nvme", "remote")
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 # The bench's models: the 8-layer one has 8 KiB of KV a token (128 KiB pages); the tiny one 2 KiB (32 KiB).
+# llama-8l keeps its KV (8 layers x 4 KV heads x head dim 64) with little compute around it (hidden 256,
+# as many query heads as KV heads, MLP 256): on this CPU bf16 matmuls run at ~5 GFLOP/s, and with hidden
+# 512 / MLP 1,024 a device hit's extend of 16 tokens took 60-125 ms, varying by +-15 ms between two
+# requests in a row, several times the few ms an L3 hit adds; now 35-55 ms (+-3 ms). A GPU's extend is
+# a few ms, so the hits' own costs weigh here about as they do there.
 MODELS: Dict[str, ModelSpec] = {
-    "llama-8l": ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1024),
+    "llama-8l": ModelSpec(layers=8, hidden=256, heads=4, kv_heads=4, intermediate=256),
     "tiny": ModelSpec(),
 }
 
@@ -152,7 +157,7 @@ def run_ttft(figs: Figures, args, progress: Progress) -> None:
             node.close()
         if pool is not None:
             pool.close()
-    _file_reference(figs, args, progress, options, root, lengths, spec)
+    _references(figs, args, progress, options, root, lengths, spec)
     if getattr(args, "ttft_profile", None):
         meta = getattr(args, "run_meta", {})
         machine = meta.get("machine", {}).get("cpu", "?")
@@ -161,23 +166,31 @@ def run_ttft(figs: Figures, args, progress: Progress) -> None:
         progress.done(f"ttft: wrote the profile {args.ttft_profile}")
 
 
-def _file_reference(figs: Figures, args, progress: Progress, options: ServerOptions, root: str,
-                    lengths: List[int], spec: ModelSpec) -> None:
-    """The same L3 hits through SGLang's own file backend, on a server of the same model and pools."""
-    from hicache_ext.lab.bench.ttft_cases import FileReference
+def _references(figs: Figures, args, progress: Progress, options: ServerOptions, root: str,
+                lengths: List[int], spec: ModelSpec) -> None:
+    """The same L3 hits through SGLang's own file backend and through the in-process memory backend (the
+    floor of any backend), each on a server of the same model and pools, started after ours stopped."""
+    from hicache_ext.lab.bench.memory_backend import extra_config
+    from hicache_ext.lab.bench.ttft_cases import FileDirectory, InProcessMemory, ReferenceHits
     directory = Path(root) / "file-backend"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    file_options = dataclasses.replace(options, file_backend_dir=directory)
-    progress.step("ttft: starting SGLang with its own file backend (the reference L3 hit; about a minute)")
-    server = SGLangServer(file_options, Path(root) / "server-file.log").start()
+    references = [("l3_file", "its own file backend", dataclasses.replace(options, file_backend_dir=directory),
+                   FileDirectory(directory, figs)),
+                  ("l3_memory", "the in-process memory backend",
+                   dataclasses.replace(options, reference_backend=extra_config()), InProcessMemory())]
     try:
-        reference = FileReference(server, directory, figs, progress)
-        server.generate([7] * 512, max_new_tokens=1)  # warm-up, untimed
-        for rep in range(args.ttft_repeat):
-            reference.repetition(rep, lengths, spec.vocab)
+        for case, what, reference_options, store in references:
+            progress.step(f"ttft: starting SGLang with {what} (a reference L3 hit; about a minute)")
+            server = SGLangServer(reference_options, Path(root) / f"server-{case}.log").start()
+            try:
+                hits = ReferenceHits(server, case, store, figs, progress)
+                server.generate([7] * 512, max_new_tokens=1)  # warm-up, untimed
+                for rep in range(args.ttft_repeat):
+                    hits.repetition(rep, lengths, spec.vocab)
+            finally:
+                server.stop()
     finally:
-        server.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -6,7 +6,8 @@ share no page):
 1. recompute: the prompt's first request, then its device hit at once;
 2. filler prompts of new tokens, more than the device pool holds, push every
    prompt off the device; the host pool keeps them: the host hits;
-3. /flush_cache, then an L3 hit per prompt from each tier in turn: DRAM (all
+3. /flush_cache (and one untimed prompt of new tokens: ``flush_and_merge``),
+   then an L3 hit per prompt from each tier in turn: DRAM (all
    tiers hold the pages), NVMe (the DRAM tier cleared, the chunk files
    dropped from the page cache before each request) and remote (DRAM and
    NVMe cleared).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from hicache_ext.lab.bench.rig import drop_page_cache
 from hicache_ext.lab.bench.ttft_probe import ProbeError, Sample, TierProbe, sample_of, sglang_figures
@@ -30,6 +31,17 @@ from tiers.bench.stats import Figures, Progress
 from tiers.bench.ttft_report import CASE_LABELS, L3_CASES, source_problem
 
 PAGE_TOKENS = 16
+MERGE_PROMPT_TOKENS = 256
+
+
+def flush_and_merge(server, salt: str, vocab: int) -> None:
+    """/flush_cache, then one untimed prompt of new tokens. A flush frees SGLang's host pool a page at a
+    time (one small index tensor each) and its next host allocation joins them all (torch.cat over
+    every freed page: 5-11 ms here, more with a bigger pool); the prompt's write to the host pool pays
+    that, so the timed hit after it pays only what a hit costs in a running server."""
+    server.flush_cache()
+    rng = random.Random(f"ttft-merge-{salt}")
+    server.generate([rng.randrange(1, vocab) for _ in range(MERGE_PROMPT_TOKENS)], max_new_tokens=1)
 
 
 def record_pair(figs: Figures, case: str, n: int, hit_s: float, device_s: float) -> None:
@@ -133,7 +145,9 @@ class Cases:
         for n in lengths:
             self._paired("host", prompts[n], self._timed("host", prompts[n]))
         for case in [c for c in L3_CASES if L3_CASES[c] in self.kinds]:
-            self.server.flush_cache()
+            before = self.probe.stats()
+            flush_and_merge(self.server, f"{rep}-{case}", self.spec.vocab)
+            self._settle(before, MERGE_PROMPT_TOKENS // PAGE_TOKENS)
             above = self.kinds[:self.kinds.index(L3_CASES[case])]
             if above:  # the tiers above lose the pages (as restarted DRAM and NVMe daemons would)
                 self.probe.clear(above)
@@ -156,16 +170,20 @@ class Cases:
         self.probe.close()
 
 
-class FileReference:
-    """The same L3 hit through SGLang's own ``file`` backend (one file per page in a directory, read from a
-    warm page cache): the floor any L3 backend's hit costs in this SGLang, measured in the same run.
-    Recorded as ``ttft.l3_file.<N>`` with its paired device hit, like the tiers' L3 cases."""
+class FileDirectory:
+    """Waits for SGLang's ``file`` backend to hold more pages: one file each in its directory."""
 
-    def __init__(self, server, directory, figs: Figures, progress: Progress):
-        self.server, self.directory, self.figs, self.progress = server, directory, figs, progress
+    def __init__(self, directory, figs: Figures):
+        self.directory, self.figs = directory, figs
 
     def _files(self) -> int:
         return sum(1 for _ in self.directory.iterdir()) if self.directory.is_dir() else 0
+
+    def holding(self, pages: int, start: Callable[[], object]) -> None:
+        """Run start() (requests that make SGLang back up pages more pages), then wait until all are written."""
+        want = self._files() + pages
+        start()
+        self._settle(want)
 
     def _settle(self, want: int, quiet: float = 0.3, timeout: float = 120.0) -> None:
         """Until the directory holds want files and nothing was added for quiet s (the backups done)."""
@@ -179,26 +197,47 @@ class FileReference:
             time.sleep(0.05)
         self.figs.note("ttft", f"SGLang's file backend wrote {last} of {want} pages within {timeout:g} s.")
 
+
+class InProcessMemory:
+    """Waits for the in-process memory backend to hold more pages. Nothing outside the server sees its
+    dict, so it waits MEMORY_BACKUP_S (its backups are copies in memory, ~100 ms for 512 pages here);
+    a hit that then misses pages shows as a source mismatch, never as a figure."""
+    MEMORY_BACKUP_S = 1.0
+
+    def holding(self, pages: int, start: Callable[[], object]) -> None:
+        start()
+        time.sleep(self.MEMORY_BACKUP_S)
+
+
+class ReferenceHits:
+    """The same L3 hit through a backend other than ours on a server of the same model and pools, in the
+    same run: SGLang's own ``file`` backend (``l3_file``: one file per page, page cache warm) and the
+    in-process memory backend (``l3_memory``: SGLang's own path and one copy a page, the floor of any
+    backend). Recorded as ``ttft.<case>.<N>`` with its paired device hit, like the tiers' L3 cases."""
+
+    def __init__(self, server, case: str, store, figs: Figures, progress: Progress):
+        self.server, self.case, self.store, self.figs, self.progress = server, case, store, figs, progress
+
     def repetition(self, rep: int, lengths: List[int], vocab: int) -> None:
+        label = CASE_LABELS[self.case]
         for n in lengths:
-            rng = random.Random(f"ttft-file-{rep}-{n}")
+            rng = random.Random(f"ttft-{self.case}-{rep}-{n}")
             ids = [rng.randrange(1, vocab) for _ in range(n)]
-            want = self._files() + n // PAGE_TOKENS
-            self.server.generate(ids, max_new_tokens=1)
-            self._settle(want)
-            self.server.flush_cache()
+            self.store.holding(n // PAGE_TOKENS, lambda: self.server.generate(ids, max_new_tokens=1))
+            self.store.holding(MERGE_PROMPT_TOKENS // PAGE_TOKENS,
+                               lambda: flush_and_merge(self.server, f"{self.case}-{rep}-{n}", vocab))
             hit = self.server.generate(ids, max_new_tokens=1)
             device = self.server.generate(ids, max_new_tokens=1)
-            base = f"ttft.l3_file.{n}"
-            problem = source_problem("l3_file", n, hit.cached, {}, PAGE_TOKENS) or \
+            base = f"ttft.{self.case}.{n}"
+            problem = source_problem(self.case, n, hit.cached, {}, PAGE_TOKENS) or \
                 source_problem("device", n, device.cached, {}, PAGE_TOKENS)
             self.figs.add(f"{base}.source_ok", 0.0 if problem else 1.0, "flag")
             if problem:
-                self.figs.note("ttft", f"SGLang's file backend, {n:,} tokens, repetition {rep + 1}: {problem}.")
+                self.figs.note("ttft", f"{label}, {n:,} tokens, repetition {rep + 1}: {problem}.")
                 continue
             self.figs.add(base, hit.seconds, "s")
             for name, value in hit.timings.items():
                 self.figs.add(f"{base}.sglang.{name}", value, "s")
-            record_pair(self.figs, "l3_file", n, hit.seconds, device.seconds)
-            self.progress.step(f"ttft {rep + 1}: {n:,} tokens, L3 from SGLang's file backend: "
-                               f"{hit.seconds * 1e3:,.0f} ms (device hit after it {device.seconds * 1e3:,.0f} ms)")
+            record_pair(self.figs, self.case, n, hit.seconds, device.seconds)
+            self.progress.step(f"ttft {rep + 1}: {n:,} tokens, {label}: {hit.seconds * 1e3:,.0f} ms "
+                               f"(device hit after it {device.seconds * 1e3:,.0f} ms)")

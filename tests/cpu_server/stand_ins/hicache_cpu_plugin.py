@@ -56,12 +56,74 @@ def _slots(page_size):
     return torch.arange(page_size)
 
 
+MAX_RUNS = 8  # past this many runs of consecutive pages, one gather per layer beats a slice copy per run
+
+
+class _PagePlan:
+    """How one transfer's pages move, worked out once for all its layers (SGLang calls the per-layer
+    function with the same index tensors for every layer): the page numbers of both sides (None when the
+    indices are not whole pages) and the runs of pages consecutive on both sides (None past MAX_RUNS)."""
+    _last = None  # (src_indices, dst_indices, their versions, plan): one transfer at a time
+
+    def __init__(self, src_indices, dst_indices, page_size):
+        self.src_pages, self.dst_pages = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+        self.runs = None
+        if self.src_pages is not None and self.dst_pages is not None:
+            self.runs = _runs(self.src_pages, self.dst_pages)
+
+    @classmethod
+    def of(cls, src_indices, dst_indices, page_size):
+        last = cls._last
+        if (last is not None and last[0] is src_indices and last[1] is dst_indices
+                and last[2] == (src_indices._version, dst_indices._version, page_size)):
+            return last[3]
+        plan = cls(src_indices, dst_indices, page_size)
+        cls._last = (src_indices, dst_indices, (src_indices._version, dst_indices._version, page_size), plan)
+        return plan
+
+    @property
+    def whole_pages(self):
+        return self.src_pages is not None and self.dst_pages is not None
+
+    def copy(self, dst_blocks, src_blocks):
+        """dst_blocks[dst_pages] = src_blocks[src_pages] for tensors shaped [pages, ...] (views allowed):
+        a block copy per run (one copy of the bytes, as the CUDA kernel makes), else one gather."""
+        if self.runs is not None:
+            for src, dst, length in self.runs:
+                dst_blocks[dst:dst + length] = src_blocks[src:src + length]
+        elif dst_blocks[0].is_contiguous():
+            _as_rows(dst_blocks).index_copy_(0, self.dst_pages,
+                                             _as_rows(src_blocks.index_select(0, self.src_pages)))
+        else:
+            dst_blocks[self.dst_pages] = src_blocks[self.src_pages]
+
+
+def _runs(src_pages, dst_pages):
+    """(src start, dst start, length) of each run of pages consecutive on both sides, or None past MAX_RUNS."""
+    if src_pages.numel() == 1:
+        return [(int(src_pages[0]), int(dst_pages[0]), 1)]
+    breaks = ((src_pages[1:] - src_pages[:-1] != 1) | (dst_pages[1:] - dst_pages[:-1] != 1)).nonzero().flatten()
+    if breaks.numel() >= MAX_RUNS:
+        return None
+    starts = [0] + (breaks + 1).tolist()
+    ends = starts[1:] + [src_pages.numel()]
+    src, dst = src_pages.tolist(), dst_pages.tolist()
+    return [(src[a], dst[a], b - a) for a, b in zip(starts, ends)]
+
+
+def _as_rows(blocks):
+    """A [pages, ...] tensor as [pages, words]: one gather moves whole pages as 8-byte words (torch's
+    element gather over bf16 rows was 3x slower)."""
+    flat = blocks.flatten(1)  # a view while each page's bytes are contiguous
+    return flat.view(torch.int64) if flat.shape[1] * flat.element_size() % 8 == 0 else flat.view(torch.uint8)
+
+
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
     """One layer from a page_first_direct host pool ([page, layer, slot, ...]) into device rows."""
-    src_pages, dst_pages = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
-    if src_pages is not None and dst_pages is not None:
+    plan = _PagePlan.of(src_indices, dst_indices, page_size)
+    if plan.whole_pages:
         for src, dst in zip(src_ptrs, dst_ptrs):
-            dst.view(-1, page_size, *dst.shape[1:])[dst_pages] = src[src_pages, layer_id]
+            plan.copy(dst.view(-1, page_size, *dst.shape[1:]), src[:, layer_id])
         return
     pages, slots = src_indices // page_size, src_indices % page_size
     for src, dst in zip(src_ptrs, dst_ptrs):
@@ -71,12 +133,12 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
     """Every layer's device rows (K layers then V layers) into a page_first_direct host pool."""
     layers = len(src_ptrs) // 2
-    src_pages, dst_pages = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
-    if src_pages is not None and dst_pages is not None:
+    plan = _PagePlan.of(src_indices, dst_indices, page_size)
+    if plan.whole_pages:
         for kind, dst in enumerate(dst_ptrs):
             for layer in range(layers):
                 src = src_ptrs[kind * layers + layer]
-                dst[dst_pages, layer] = src.view(-1, page_size, *src.shape[1:])[src_pages]
+                plan.copy(dst[:, layer], src.view(-1, page_size, *src.shape[1:]))
         return
     pages, slots = dst_indices // page_size, dst_indices % page_size
     for kind, dst in enumerate(dst_ptrs):
@@ -162,3 +224,6 @@ def install():
         if not getattr(cls.__init__, "_hicache_unpinned", False):
             cls.__init__ = _unpinned(cls.__init__)
             cls.__init__._hicache_unpinned = True
+    import hicache_trace
+    hicache_trace.install()
+    hicache_trace.install_profile()
