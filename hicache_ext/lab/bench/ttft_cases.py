@@ -180,7 +180,8 @@ class FileDirectory:
         return sum(1 for _ in self.directory.iterdir()) if self.directory.is_dir() else 0
 
     def holding(self, pages: int, start: Callable[[], object]) -> None:
-        """Run start() (requests that make SGLang back up pages more pages), then wait until all are written."""
+        """Run start() (requests after which SGLang backs up that many more pages), then wait until all are
+        written."""
         want = self._files() + pages
         start()
         self._settle(want)

@@ -88,5 +88,5 @@ def install_profile():
             return method(*args, **kwargs)
         finally:
             profile.disable()
-            profile.dump_stats(path)
+            profile.dump_stats(path)  # after every call: the server ends by a signal, no exit hook runs
     setattr(cls, name, profiled)
