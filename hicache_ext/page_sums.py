@@ -9,9 +9,9 @@ page there again: a page that does not match is a miss, counted and logged,
 never reported to SGLang as a hit.  A sum of 0 is unknown (a page stored by
 an older writer, a tier kind that keeps none) and is not checked.
 
-xxhash releases the GIL while it hashes.  Hashing each group of pages right
-after its copy (hot in the cache, on a thread beside the next group's copy)
-measured no better than this on the 2 shared cores here (docs/PERFORMANCE.md).
+A batch is hashed in one C call without the GIL, and a copy out of a daemon's
+arena hashes each page right after copying it (tiers/node/checksums.py): one
+GIL hand-over a batch, not one a page, which in a busy server is what counts.
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import logging
 import threading
 from typing import Callable, List, Sequence
 
-from tiers.node.buffers import page_sums
+import numpy as np
+
+from tiers.node.checksums import page_sums, page_sums_at
 from tiers.ops.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
@@ -27,7 +29,7 @@ _warn = RateLimitedLog(log)
 
 __all__ = ["ReadChecks", "page_sums"]
 
-PagesOf = Callable[[List[int]], Sequence[Sequence]]  # page positions -> each page's buffers
+SumsOf = Callable[[List[int]], List[int]]  # page positions -> each page's checksum as its bytes lie now
 
 
 class ReadChecks:
@@ -39,12 +41,13 @@ class ReadChecks:
         self.mismatches = 0
 
     def verify(self, tier: str, keys: List[str], found: List[bool], sums: List[int],
-               pages_of: PagesOf) -> List[bool]:
-        """found, less the pages whose bytes (pages_of(positions): their buffers) do not match their sum."""
+               sums_of: SumsOf) -> List[bool]:
+        """found, less the pages whose bytes (sums_of(positions): the checksums of what we copied) do not
+        match their sum."""
         todo = [i for i, ok in enumerate(found) if ok and sums[i]] if self.enabled else []
         if not todo:
             return found
-        bad = [i for i, got in zip(todo, page_sums(pages_of(todo))) if got != sums[i]]
+        bad = [i for i, got in zip(todo, sums_of(todo)) if got != sums[i]]
         if not bad:
             return found
         with self._lock:
@@ -57,9 +60,15 @@ class ReadChecks:
         return out
 
     def sums_of(self, pages: Sequence[Sequence]) -> bytes:
-        """The encoded sums a write carries (empty, unknown to every tier, when checksums are off)."""
+        """The encoded sums a write of pages (each the buffers that concatenate to it) carries (empty,
+        unknown to every tier, when checksums are off)."""
         from tiers.wire.protocol import encode_sums
         return encode_sums(page_sums(pages)) if self.enabled else b""
+
+    def sums_at(self, pointers: np.ndarray, lengths: np.ndarray) -> bytes:
+        """sums_of for pages given as [pages, regions] addresses and lengths of this process (one C call)."""
+        from tiers.wire.protocol import encode_sums
+        return encode_sums(page_sums_at(pointers, lengths)) if self.enabled else b""
 
     def counters(self) -> dict:
         with self._lock:

@@ -26,6 +26,7 @@ from hicache_ext.page_sums import ReadChecks
 from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
 from tiers.wire import protocol as P
 from tiers.node.buffers import scatter_copy
+from tiers.node.checksums import page_sums, page_sums_at
 from tiers.wire.client import TierClient
 from tiers.wire.lookup import merge_held, per_tier_held
 from tiers.ops.logs import RateLimitedLog
@@ -122,7 +123,7 @@ class TierRouter:
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
-        sums = self.checks.sums_of(batch.views())  # hashed once for every tier: each keeps it with the page
+        sums = self.checks.sums_at(batch.pointers, batch.lengths)  # hashed once for every tier: each keeps it
         return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode, sums=sums))
 
     def _put_fields(self, mode: str, promote: bool = False) -> dict:
@@ -235,12 +236,16 @@ class TierRouter:
         got: List[int] = []
         if client.can_lease():
             # The daemon leases the pages in its arena and this process copies them in: a frozen
-            # daemon can never write into host memory the engine has reused.
-            found = client.get_leased(batch.keys, batch.runs(), got)
+            # daemon can never write into host memory the engine has reused.  Each page is hashed
+            # as it is copied, so the check reads nothing again.
+            copied: Optional[List[int]] = [] if self.checks.enabled else None
+            found = client.get_leased(batch.keys, batch.runs(), got, copied)
+            sums_of = (lambda idx: [copied[i] for i in idx])
         else:
             found, frames = client.get_frames(batch.keys, batch.nbytes, got)
             found = _fill(found, frames, batch.views) if any(found) else found
-        found = self.checks.verify(client.name, batch.keys, found, got, lambda idx: batch.subset(idx).views())
+            sums_of = (lambda idx: page_sums_at(batch.pointers[idx], batch.lengths[idx]))
+        found = self.checks.verify(client.name, batch.keys, found, got, sums_of)
         for position, ok, checksum in zip(positions, found, got):
             if ok:
                 sums[position] = checksum
@@ -253,7 +258,8 @@ class TierRouter:
             asked, got = [keys[i] for i in idx], []
             found, frames = client.get_frames(asked, nbytes, got)
             found = _fill(found, frames, lambda: [pages[i] for i in idx])
-            return self.checks.verify(client.name, asked, found, got, lambda sub: [pages[idx[j]] for j in sub])
+            return self.checks.verify(client.name, asked, found, got,
+                                      lambda sub: page_sums([pages[idx[j]] for j in sub]))
 
         found = [False] * len(keys)
         for i, _depth in self._walk(list(range(len(keys))), fetch):

@@ -10,13 +10,15 @@
 # g++, ninja-build, libssl-dev: SGLang's server compiles its page-hash helper
 #   (OpenSSL SHA-256) on first use; without them a real server fails its
 #   first request that hashes a page.
+# libxxhash-dev: xxhash.h, so the compiled copy (tiers/_guardcopy.c) also hashes pages
+#   (the end-to-end checksums) in one call a batch; without it they are hashed in Python.
 # rdma-core tools (ibverbs-utils: ibv_devices, ibv_devinfo) help check the
 #   NIC names that go into device_name.
 #
 # Usage: sudo scripts/install-system-deps.sh [--rdma-tools]
 set -eu
 
-PACKAGES="libibverbs1 ibverbs-providers g++ ninja-build libssl-dev"
+PACKAGES="libibverbs1 ibverbs-providers g++ ninja-build libssl-dev libxxhash-dev"
 if [ "${1:-}" = "--rdma-tools" ]; then
     PACKAGES="$PACKAGES ibverbs-utils rdmacm-utils"
 fi

@@ -22,8 +22,9 @@ for arg in "$@"; do
 done
 
 # 1. Debian packages (the Transfer Engine links libibverbs even for TCP; SGLang's
-#    server compiles its page-hash helper with g++, ninja and OpenSSL).
-if ! dpkg -s libibverbs1 ibverbs-providers g++ ninja-build libssl-dev >/dev/null 2>&1; then
+#    server compiles its page-hash helper with g++, ninja and OpenSSL; our compiled
+#    copy hashes pages with xxhash.h).
+if ! dpkg -s libibverbs1 ibverbs-providers g++ ninja-build libssl-dev libxxhash-dev >/dev/null 2>&1; then
     if [ "$(id -u)" -eq 0 ]; then
         sh scripts/install-system-deps.sh
     else

@@ -9,6 +9,12 @@
  * copy return -1 instead.  A fault outside a guarded copy goes to the handler
  * that was installed before ours, or kills the process as it would have.
  *
+ * The same guard covers the end-to-end page checksums (xxh3_64 of each page,
+ * hicache_ext/page_sums.py): a batch is hashed, or copied and hashed page by
+ * page while each page is still in the cache, in one call.  Hashing page by
+ * page from Python cost a GIL hand-over per page, which in a busy server
+ * (the scheduler spins on the GIL) was milliseconds a batch.
+ *
  * Loaded with ctypes (which releases the GIL around each call); no Python API.
  */
 #define _GNU_SOURCE
@@ -17,6 +23,12 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__has_include)
+#if __has_include(<xxhash.h>)
+#define HAVE_XXHASH 1 /* header only (tiers/_xxh3_page.h): nothing to link, the same xxh3 as python-xxhash */
+#endif
+#endif
 
 static __thread sigjmp_buf *volatile recovery;
 static struct sigaction previous;
@@ -69,4 +81,105 @@ int64_t guarded_copy_runs(const uint64_t *dst, const uint64_t *src, const uint64
         memcpy((void *)(uintptr_t)dst[done], (const void *)(uintptr_t)src[done], (size_t)lens[done]);
     recovery = NULL;
     return done;
+}
+
+#ifdef HAVE_XXHASH
+#define PAGE_SUM_NAME hicache_page_sum_baseline
+#include "_xxh3_page.h"
+#if defined(__x86_64__)
+uint64_t hicache_page_sum_avx2(const uint64_t *ptrs, const uint64_t *lens, int64_t first, int64_t count);
+uint64_t hicache_page_sum_avx512(const uint64_t *ptrs, const uint64_t *lens, int64_t first, int64_t count);
+#endif
+
+/* xxh3_64 of the bytes of runs [first, first + count): one page, in the widest vector code the CPU has. */
+static uint64_t page_sum(const uint64_t *ptrs, const uint64_t *lens, int64_t first, int64_t count)
+{
+#if defined(__x86_64__)
+    static int unit = -1; /* 2: AVX-512, 1: AVX2, 0: baseline (SSE2) */
+    if (unit < 0) {
+        __builtin_cpu_init();
+        unit = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    if (unit == 2)
+        return hicache_page_sum_avx512(ptrs, lens, first, count);
+    if (unit == 1)
+        return hicache_page_sum_avx2(ptrs, lens, first, count);
+#endif
+    return hicache_page_sum_baseline(ptrs, lens, first, count);
+}
+#endif
+
+/* 1 when the page checksum functions below are built (xxhash.h was found), else 0. */
+int page_sums_built(void)
+{
+#ifdef HAVE_XXHASH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* sums[p] <- xxh3_64 of page p, whose bytes are the runs (ptrs, lens) numbered from
+ * the sum of page_runs[0..p) on, page_runs[p] of them.  Returns the pages hashed whole:
+ * npages, or fewer when a run faulted; -1 when not built. */
+int64_t guarded_page_sums(const uint64_t *ptrs, const uint64_t *lens, const int64_t *page_runs, int64_t npages,
+                          uint64_t *sums)
+{
+#ifdef HAVE_XXHASH
+    sigjmp_buf jump;
+    volatile int64_t done = 0;
+    volatile int64_t first = 0;
+    if (sigsetjmp(jump, 1) != 0)
+        return done;
+    recovery = &jump;
+    for (; done < npages; done++) {
+        sums[done] = page_sum(ptrs, lens, first, page_runs[done]);
+        first += page_runs[done];
+    }
+    recovery = NULL;
+    return done;
+#else
+    (void)ptrs; (void)lens; (void)page_runs; (void)npages; (void)sums;
+    return -1;
+#endif
+}
+
+/* guarded_copy_runs, then each page hashed at its destination as soon as its last byte is
+ * copied (still in the cache): the copy runs (dst, src, lens, count) cover the pages in order,
+ * page p being the runs (ptrs, lens) of guarded_page_sums at the destination.  Returns the copy
+ * runs copied whole (count on success; the sums are then all set); -1 when not built. */
+int64_t guarded_copy_page_sums(const uint64_t *dst, const uint64_t *src, const uint64_t *lens, int64_t count,
+                               const uint64_t *page_ptrs, const uint64_t *page_lens, const int64_t *page_runs,
+                               int64_t npages, uint64_t *sums)
+{
+#ifdef HAVE_XXHASH
+    sigjmp_buf jump;
+    volatile int64_t done = 0;
+    int64_t page = 0, first = 0;
+    uint64_t copied = 0, page_end = 0;
+    if (sigsetjmp(jump, 1) != 0)
+        return done;
+    recovery = &jump;
+    if (npages > 0)
+        for (int64_t r = 0; r < page_runs[0]; r++)
+            page_end += page_lens[r];
+    for (; done < count; done++) {
+        memcpy((void *)(uintptr_t)dst[done], (const void *)(uintptr_t)src[done], (size_t)lens[done]);
+        copied += lens[done];
+        while (page < npages && copied >= page_end) {
+            sums[page] = page_sum(page_ptrs, page_lens, first, page_runs[page]);
+            first += page_runs[page];
+            page++;
+            if (page < npages)
+                for (int64_t r = first; r < first + page_runs[page]; r++)
+                    page_end += page_lens[r];
+        }
+    }
+    recovery = NULL;
+    return done;
+#else
+    (void)dst; (void)src; (void)lens; (void)count; (void)page_ptrs; (void)page_lens; (void)page_runs;
+    (void)npages; (void)sums;
+    return -1;
+#endif
 }

@@ -8,7 +8,6 @@ import mmap
 from typing import List, Sequence, Tuple
 
 import numpy as np
-import xxhash
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -143,7 +142,7 @@ def copy_runs(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int]) ->
     d = np.asarray(dst, dtype=np.uint64)
     s = np.asarray(src, dtype=np.uint64)
     n = np.asarray(lengths, dtype=np.uint64)
-    done = _guarded().copy(d, s, n, count)
+    done = guarded().copy(d, s, n, count)
     if done != count:
         raise MemoryFault(f"a copied region went away during the copy (run {done} of {count}; truncated memfd?)")
     return int(n.sum())
@@ -154,6 +153,7 @@ class _Guard:
 
     def __init__(self):
         self._lib = None
+        self.sums_built = False  # the page checksum functions (built where xxhash.h was found)
         try:
             from importlib.util import find_spec
             spec = find_spec("tiers._guardcopy")
@@ -163,7 +163,15 @@ class _Guard:
                 lib.guarded_copy_runs.argtypes = [ptr, ptr, ptr, ctypes.c_int64]
                 lib.guarded_copy_runs.restype = ctypes.c_int64
                 lib.guard_install.restype = ctypes.c_int
+                lib.page_sums_built.restype = ctypes.c_int
+                runs = np.ctypeslib.ndpointer(dtype=np.int64, ndim=1, flags="C_CONTIGUOUS")
+                lib.guarded_page_sums.argtypes = [ptr, ptr, runs, ctypes.c_int64, ptr]
+                lib.guarded_page_sums.restype = ctypes.c_int64
+                lib.guarded_copy_page_sums.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, runs, ctypes.c_int64,
+                                                       ptr]
+                lib.guarded_copy_page_sums.restype = ctypes.c_int64
                 self._lib = lib
+                self.sums_built = bool(lib.page_sums_built())
         except (OSError, AttributeError, ImportError):
             self._lib = None
         if self._lib is None:
@@ -177,6 +185,17 @@ class _Guard:
             self._lib.guard_install()
             return int(self._lib.guarded_copy_runs(d, s, n, count))
         return _vm_copy(d, s, n, count)
+
+    def sums(self, ptrs: np.ndarray, lens: np.ndarray, page_runs: np.ndarray, out: np.ndarray) -> int:
+        """guarded_page_sums (only when sums_built): the pages hashed whole."""
+        self._lib.guard_install()
+        return int(self._lib.guarded_page_sums(ptrs, lens, page_runs, len(page_runs), out))
+
+    def copy_sums(self, d: np.ndarray, s: np.ndarray, n: np.ndarray, ptrs: np.ndarray, lens: np.ndarray,
+                  page_runs: np.ndarray, out: np.ndarray) -> int:
+        """guarded_copy_page_sums (only when sums_built): the copy runs copied whole."""
+        self._lib.guard_install()
+        return int(self._lib.guarded_copy_page_sums(d, s, n, len(n), ptrs, lens, page_runs, len(page_runs), out))
 
 
 def _vm_copy(d: np.ndarray, s: np.ndarray, n: np.ndarray, count: int) -> int:
@@ -196,7 +215,7 @@ class _Iovec(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=None)
-def _guarded() -> _Guard:
+def guarded() -> _Guard:
     return _Guard()
 
 
@@ -244,18 +263,3 @@ def populate(mapping: mmap.mmap, write: bool = True, step: int = 0) -> bool:
         if _libc.madvise(address + start, min(step, len(mapping) - start), advice) != 0:
             return False
     return True
-
-
-def page_sums(pages: Sequence[Sequence]) -> List[int]:
-    """xxh3_64 of each page, given as the buffers that concatenate to it: the end-to-end page checksum
-    (hicache_ext/page_sums.py) that writers send, tiers keep and readers check. xxhash releases the GIL."""
-    out = []
-    for page in pages:
-        if len(page) == 1:
-            out.append(xxhash.xxh3_64_intdigest(page[0]))
-            continue
-        h = xxhash.xxh3_64()
-        for part in page:
-            h.update(part)
-        out.append(h.intdigest())
-    return out

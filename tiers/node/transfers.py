@@ -21,7 +21,8 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of, copy_runs, page_sums, scatter_pages
+from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_pages
+from tiers.node.checksums import page_sums
 from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import PageStore, StoreError

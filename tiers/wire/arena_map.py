@@ -12,7 +12,10 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from tiers.node.buffers import address_of, copy_runs, populate, scatter_pages
+from tiers.node.checksums import copy_runs_summed
 
 
 class ArenaMap:
@@ -70,15 +73,36 @@ class ArenaMap:
             self._mapping = None
 
     def copy_out(self, extents: Sequence[Sequence[Tuple[int, int]]], dst: Sequence[Sequence[Tuple[int, int]]],
-                 found: Sequence[bool], expiry: float) -> List[bool]:
+                 found: Sequence[bool], expiry: float, copied: Optional[List[int]] = None) -> List[bool]:
         """Copy found page i (extents in this arena, in order) into dst[i], runs of (address, length) of this
         process; the found flags when the copy ended by expiry (time.monotonic()), else all False.
+        copied, when given, gets the checksum of each page as it lies in dst after the copy (0: not copied),
+        each page hashed right after its copy (tiers/node/checksums.py).
 
         MemoryFault or ValueError (a page of another size) propagate to the caller.
         """
         out = [False] * len(found)
+        if copied is not None:
+            copied[:] = [0] * len(found)
         if not self.use():
             return out
+        try:
+            pages = [dst[i] for i, ok in enumerate(found) if ok]
+            # ValueError when the reply's extents are not one per found page, or a page's size differs.
+            runs_d, runs_s, runs_n = scatter_pages(pages, list(extents), self.base)
+            if time.monotonic() < expiry:
+                if copied is None:
+                    copy_runs(runs_d, runs_s, runs_n)
+                else:
+                    flat = np.array([run for page in pages for run in page], dtype=np.uint64).reshape(-1, 2)
+                    sums = iter(copy_runs_summed(runs_d, runs_s, runs_n, flat[:, 0], flat[:, 1],
+                                                 np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))))
+                    copied[:] = [next(sums) if ok else 0 for ok in found]
+                if time.monotonic() <= expiry:
+                    out = list(found)
+        finally:
+            self.done()
+        return out
         try:
             # ValueError when the reply's extents are not one per found page, or a page's size differs.
             runs_d, runs_s, runs_n = scatter_pages([dst[i] for i, ok in enumerate(found) if ok], list(extents),

@@ -342,13 +342,14 @@ class TierClient:
         return self.arena is not None and not self._down
 
     def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]],
-                   sums: Optional[List[int]] = None) -> List[bool]:
+                   sums: Optional[List[int]] = None, copied: Optional[List[int]] = None) -> List[bool]:
         """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
 
         The daemon pins the pages in its arena until our own give-up time; we
         copy them out in one call, and keep them only if the copy ended by then.  A page
         is never written after this call returns.  sums, when given, gets each page's checksum
-        (0: unknown or not found) for the caller to verify what it copied.
+        (0: unknown or not found) for the caller to verify what it copied; copied, when given,
+        the checksum of each page as copied into dst (0: not copied), hashed in the same call.
         """
         arena = self.arena
         n = len(keys)
@@ -382,7 +383,7 @@ class TierClient:
             found_sums = P.decode_sums(reply.header.get("sums"), sum(found))
             if sums is not None:
                 sums[:] = _spread(found, found_sums)
-            out = arena.copy_out(extents, dst, found, expiry)
+            out = arena.copy_out(extents, dst, found, expiry, copied)
         except P.ProtocolError as exc:  # pages we cannot verify are no hits
             self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
             out = [False] * n

@@ -1,8 +1,9 @@
 """Diagnostic: a timeline of SGLang's HiCache steps in the server, one line per step that took time.
 
 Set HICACHE_TRACE_FILE=/path in the server's environment; the test plug-in then wraps the scheduler's,
-the cache controller's and the radix cache's steps and appends "<unix time> <thread> <step> <ms>" lines
-(steps under MIN_MS are left out, so idle loop iterations do not flood the file).
+the cache controller's and the radix cache's steps and appends "<unix time> <pid> <thread> <step> <ms>" lines
+(steps under MIN_MS are left out, so idle loop iterations do not flood the file; the steps in ALWAYS are not,
+so each request's arrival and each backend call mark the timeline).
 """
 import functools
 import os
@@ -10,6 +11,9 @@ import threading
 import time
 
 MIN_MS = 0.3
+ALWAYS = {"Scheduler.handle_generate_request", "TieredHiCacheStorage.batch_exists", "TieredHiCacheStorage.batch_get_v1",
+          "InProcessMemoryStorage.batch_exists", "InProcessMemoryStorage.batch_get_v1", "HiCacheController.prefetch",
+          "HiCacheController.start_loading"}
 
 _STEPS = {
     "sglang.srt.managers.scheduler:Scheduler": ("handle_generate_request", "get_next_batch_to_run", "run_batch",
@@ -28,6 +32,7 @@ _STEPS = {
     "hicache_ext.backend:TieredHiCacheStorage": ("batch_exists", "batch_get_v1", "batch_set_v1"),
     "tiers.wire.client:TierClient": ("call", "get_leased"),
     "tiers.wire.arena_map:ArenaMap": ("copy_out",),
+    "hicache_ext.lab.bench.memory_backend:InProcessMemoryStorage": ("batch_exists", "batch_get_v1"),
     "hicache_ext.page_sums:ReadChecks": ("verify",),
 }
 
@@ -40,13 +45,17 @@ def _timed(method, name, out):
             return method(*args, **kwargs)
         finally:
             ms = (time.time() - start) * 1e3
-            if ms >= MIN_MS:
-                out.write(f"{start:.6f} {threading.current_thread().name} {name} {ms:.2f}\n")
+            if ms >= MIN_MS or name in ALWAYS:
+                out.write(f"{start:.6f} {os.getpid()} {threading.current_thread().name} {name} {ms:.2f}\n")
     timed._hicache_traced = True
     return timed
 
 
 def install():
+    interval = os.environ.get("HICACHE_SWITCH_INTERVAL")  # diagnostic: does GIL hand-over latency matter?
+    if interval:
+        import sys
+        sys.setswitchinterval(float(interval))
     path = os.environ.get("HICACHE_TRACE_FILE")
     if not path:
         return

@@ -1,0 +1,8 @@
+/* The page checksum for AVX-512 CPUs (tiers/_xxh3_page.h). */
+#if defined(__x86_64__) && defined(__has_include)
+#if __has_include(<xxhash.h>)
+#pragma GCC target("avx512f")
+#define PAGE_SUM_NAME hicache_page_sum_avx512
+#include "_xxh3_page.h"
+#endif
+#endif
