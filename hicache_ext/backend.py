@@ -78,7 +78,8 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.transfer_stats = TransferStats()
         self._deadlines = Deadlines(base=self.settings.deadline_base_s,
                                     min_bandwidth=self.settings.deadline_min_gbps * 1e9,
-                                    lookup=self.settings.lookup_timeout_s)
+                                    lookup=self.settings.lookup_timeout_s,
+                                    reply_spin=self.settings.reply_spin_us * 1e-6)
         log.info("hicache-tiers backend: tiers %s, write policy %s, runtime dir %s",
                  ", ".join(t.name for t in node.tiers), self.write_policy, node.runtime_dir)
 

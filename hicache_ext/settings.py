@@ -31,6 +31,8 @@ SETTINGS_HELP = {
     "deadline_base_s": "seconds any call may take, plus its bytes at deadline_min_gbps",
     "deadline_min_gbps": "bandwidth (GB/s) below which a transfer is given up",
     "lookup_timeout_s": "seconds a prefix lookup may take",
+    "reply_spin_us": "microseconds a lookup or leased read waits for its daemon's reply holding the GIL before it "
+                     "waits without it (a busy engine takes the GIL at every release; 0: never hold it)",
     "promote": "copy pages served by a lower tier into the top tier (after the read returned)",
     "promote_max_mib": "MiB of page copies waiting to be promoted; promotions past it are dropped and counted",
     "selective_min_reads": "selective policy: reads before a page is written below",
@@ -56,6 +58,7 @@ class BackendSettings:
     deadline_base_s: float = 1.0  # any call may take this long, plus bytes / deadline_min_gbps
     deadline_min_gbps: float = 0.1
     lookup_timeout_s: float = 0.5
+    reply_spin_us: float = 1000.0  # tiers/wire/held_wait.py; at most 5,000 (CPython's switch interval)
     promote: bool = True  # copy pages read from a lower tier into the top tier
     promote_max_mib: int = 256  # copies waiting for the top tier; past it a promotion is dropped (counted)
     selective_min_reads: int = 2  # selective: reads before a page is written below
@@ -105,6 +108,9 @@ class BackendSettings:
         if isinstance(self.promote_max_mib, bool) or not isinstance(self.promote_max_mib, int) \
                 or self.promote_max_mib < 0:
             raise ValueError(f"extra-config promote_max_mib must be an integer >= 0, got {self.promote_max_mib!r}")
+        if isinstance(self.reply_spin_us, bool) or not isinstance(self.reply_spin_us, (int, float)) \
+                or not 0 <= self.reply_spin_us <= 5000:
+            raise ValueError(f"extra-config reply_spin_us must be a number from 0 to 5000, got {self.reply_spin_us!r}")
         for name in ("recompute_us_per_token", "recompute_growth_us_per_ki_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import zmq
 
+from tiers.wire import held_wait
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
@@ -49,6 +50,9 @@ class Deadlines:
     # service is back within about this long after it answers; one that connects and stays silent
     # costs a deadline a try and backs off up to backoff_max.
     reconnect_max: float = 0.5  # a refused ipc connect costs microseconds: trying twice a second is free
+    # hello, lookups and leased gets wait this long for their reply holding the GIL (tiers/wire/held_wait.py);
+    # 0: every call waits without it
+    reply_spin: float = 0.001
 
     def for_bytes(self, nbytes: int) -> float:
         return self.base + nbytes / self.min_bandwidth
@@ -163,6 +167,12 @@ class TierClient:
     def is_down(self) -> bool:
         return self._down
 
+    def _held_wait(self, op: str, fields: dict) -> Optional[held_wait.HeldWait]:
+        """The GIL-holding send and wait, for the calls whose reply is small and quick."""
+        if self.deadlines.reply_spin <= 0 or not (op in ("hello", "lookup") or (op == "get" and "lease" in fields)):
+            return None
+        return held_wait.shared()
+
     def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
               session: Optional[int] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
         """Send one request; (socket, id, give-up time) or None when the tier is unreachable."""
@@ -170,6 +180,10 @@ class TierClient:
         daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
         header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
         sock = self._socket()
+        held = self._held_wait(op, fields) if not frames else None
+        if held is not None and held.send(sock, header):
+            self._refused = False
+            return sock, req_id, time.monotonic() + timeout
         parts = [header, *frames]
         big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
         try:
@@ -191,8 +205,27 @@ class TierClient:
         self._refused = False
         return sock, req_id, time.monotonic() + timeout
 
-    def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str) -> Optional[Reply]:
+    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held: held_wait.HeldWait) -> Optional[Reply]:
+        """The reply to req_id if it comes within the reply spin (or give_up), waited for holding the GIL."""
+        until = min(give_up, time.monotonic() + self.deadlines.reply_spin)
+        while True:
+            parts = held.receive(sock, until - time.monotonic())
+            if parts is None:
+                return None
+            try:
+                reply = P.unpack(parts[0])
+            except P.ProtocolError:
+                continue
+            if reply.get("id") == req_id:
+                return Reply(reply, [zmq.Frame(part) for part in parts[1:]])
+
+    def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str,
+                 held: Optional[held_wait.HeldWait] = None) -> Optional[Reply]:
         """The reply to req_id, or None after give_up (the socket is then reset)."""
+        if held is not None:
+            reply = self.held_reply(sock, req_id, give_up, held)
+            if reply is not None:
+                return reply
         while True:
             left = give_up - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
@@ -213,7 +246,7 @@ class TierClient:
                    session: Optional[int] = None) -> Optional[Reply]:
         """One request and its reply, or None (timeout, no daemon)."""
         sent = self._send(op, timeout, fields, frames, session)
-        return None if sent is None else self._receive(*sent, op)
+        return None if sent is None else self._receive(*sent, op, self._held_wait(op, fields) if not frames else None)
 
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
@@ -302,6 +335,12 @@ class TierClient:
         self._reset_socket()
         if not self._down:
             self._mark_down(f"{op} got no reply in time")
+
+    def quick_lookup_reply(self, sent: Tuple[zmq.Socket, int, float]) -> Optional[Reply]:
+        """The reply to a start_lookup if it comes within the reply spin (waited for holding the GIL);
+        None: not yet, and the caller waits for it as for any other."""
+        held = self._held_wait("lookup", {})
+        return None if held is None else self.held_reply(*sent, held)
 
     def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
         if reply.header.get("code") == "no_session":

@@ -1,0 +1,113 @@
+"""Short calls that wait for their reply holding the GIL (tiers/wire/held_wait.py): exact messages, nothing
+consumed when nothing came, a frozen daemon holds the GIL no longer than the spin, and a daemon's lookups and
+leased reads through a real node still answer exactly with and without it."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+
+from hicache_ext.lab.sglang_harness import make_keys
+from tests.backend_env import Engine
+from tests.nodes import dram_tier, node_toml, start_node, thaw
+from tiers.wire import held_wait
+from tiers.wire.client import Deadlines, TierClient
+
+pytestmark = pytest.mark.skipif(held_wait.shared() is None, reason="tiers._heldwait is not built here")
+
+
+@pytest.fixture()
+def pair():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    yield router, dealer
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+
+
+def test_send_and_receive_exact_parts(pair):
+    router, dealer = pair
+    held = held_wait.shared()
+    deadline = time.monotonic() + 5
+    while not held.send(dealer, b"request") and time.monotonic() < deadline:
+        time.sleep(0.01)  # the connection comes up
+    identity, body = router.recv_multipart()
+    assert body == b"request"
+    assert held.receive(dealer, 0.0) is None  # nothing yet: None, and nothing consumed
+    router.send_multipart([identity, b"header", b"", os.urandom(70000)])
+    parts = None
+    while parts is None and time.monotonic() < deadline:
+        parts = held.receive(dealer, 0.01)
+    assert parts is not None and parts[0] == b"header" and parts[1] == b"" and len(parts[2]) == 70000
+    router.send_multipart([identity] + [b"x"] * (held_wait.MAX_PARTS + 1))  # malformed: dropped whole
+    time.sleep(0.2)
+    assert held.receive(dealer, 0.5) is None
+    router.send_multipart([identity, b"next"])
+    parts = None
+    while parts is None and time.monotonic() < deadline:
+        parts = held.receive(dealer, 0.01)
+    assert parts == [b"next"]
+
+
+def test_frozen_daemon_holds_the_gil_no_longer_than_the_spin(tmp_path):
+    """A lookup to a SIGSTOPped daemon gives up at its deadline, and another Python thread keeps running
+    meanwhile: the wait holds the GIL only for the reply spin, then waits without it."""
+    runner = start_node(tmp_path, node_toml(dram_tier()))
+    client = TierClient("dram", runner.config.tier("dram").endpoint, "ns", "held-test",
+                        deadlines=Deadlines(lookup=0.4, reply_spin=0.002))
+    pid = runner.pid("dram")
+    stop = threading.Event()
+    gaps = []
+
+    def ticker():
+        last = time.perf_counter()
+        while not stop.is_set():
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            time.sleep(0.0002)
+    try:
+        assert client.lookup(["ab" * 32]) == b"\x00"
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert client.lookup(["ab" * 32]) is None
+            took = time.monotonic() - started
+        finally:
+            thaw(pid)
+            stop.set()
+            thread.join()
+        assert 0.3 < took < 2.0
+        # The ticker never stopped for anything like the 0.4 s deadline (the spin is 2 ms; CPython's
+        # switch interval is 5 ms; the bound is loose so a loaded machine does not fail it).
+        assert max(gaps) < 0.1, f"another thread waited {max(gaps) * 1e3:.0f} ms for the GIL"
+    finally:
+        client.close()
+        runner.stop()
+
+
+@pytest.mark.parametrize("spin_us", [0, 1000])
+def test_lookups_and_leased_reads_exact_with_and_without_spin(tmp_path, spin_us):
+    runner = start_node(tmp_path, node_toml(dram_tier("32MiB")))
+    engine = Engine(runner, pages=64, model=f"held-{spin_us}", reply_spin_us=spin_us)
+    try:
+        keys = make_keys(32, salt=3, page_size=16)
+        stored, written = engine.write(keys, 0, seed=5)
+        assert stored == 32
+        assert engine.driver.exists(keys) == 32
+        assert engine.driver.exists(make_keys(4, salt=4, page_size=16)) == 0
+        done, sums = engine.read(keys, 0)
+        assert done == 32 and sums == written
+    finally:
+        engine.close()
+        runner.stop()

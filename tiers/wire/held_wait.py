@@ -1,0 +1,100 @@
+"""Short calls to a daemon that keep the GIL while they wait (tiers/_heldwait.c).
+
+pyzmq gives up the GIL around every send, poll and receive.  In a serving
+engine another thread is always waiting for it (SGLang's scheduler loop,
+which yields only between iterations of 0.5-1 ms), so each release costs the
+call one of those iterations: in the real server a 128-key lookup that takes
+~250 us alone took 1-3 ms, and a leased read's request as long again.  For
+the calls whose reply is small and quick (hello, lookup, a leased get) the
+client sends without blocking and spins on the socket for up to
+``Deadlines.reply_spin`` (1 ms by default; CPython lets any thread hold the
+GIL for 5 ms) without giving the GIL up, then receives what came.  A reply
+that takes longer is waited for as before, without the GIL.
+
+Used only where tiers._heldwait is built and the libzmq that pyzmq loaded is
+found (Linux: /proc/self/maps); elsewhere every call takes pyzmq's path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from typing import List, Optional
+
+import zmq
+
+log = logging.getLogger("hicache.client")
+
+MAX_PARTS = 8  # a small reply is a header and at most a few frames
+
+
+class HeldWait:
+    """The compiled send and spin-receive, bound to the libzmq pyzmq uses."""
+
+    def __init__(self, lib: ctypes.PyDLL):
+        self._lib = lib
+        self._parts = (ctypes.c_ubyte * (64 * MAX_PARTS))  # zmq_msg_t is 64 bytes
+
+    def send(self, sock: zmq.Socket, data: bytes) -> bool:
+        """Send one single-part message without blocking; False when it could not go at once."""
+        return self._lib.heldwait_send(sock.underlying, data, len(data)) == 0
+
+    def receive(self, sock: zmq.Socket, spin_s: float) -> Optional[List[bytes]]:
+        """The parts of the next message if one is there within spin_s, else None (nothing is consumed
+        then, unless the message was malformed: more than MAX_PARTS parts or a receive error)."""
+        msgs = self._parts()
+        parts = self._lib.heldwait_recv(sock.underlying, int(spin_s * 1e9), msgs, MAX_PARTS)
+        if parts <= 0:
+            return None
+        try:
+            size = ctypes.c_int64()
+            out = []
+            for i in range(parts):
+                data = self._lib.heldwait_part(msgs, i, ctypes.byref(size))
+                out.append(ctypes.string_at(data, size.value) if size.value else b"")
+            return out
+        finally:
+            self._lib.heldwait_close(msgs, parts)
+
+
+@functools.lru_cache(maxsize=None)
+def shared() -> Optional[HeldWait]:
+    """The process's HeldWait, or None where it cannot be built or bound."""
+    try:
+        from importlib.util import find_spec
+        spec = find_spec("tiers._heldwait")
+        zmq_path = _loaded_libzmq()
+        if spec is None or not spec.origin or zmq_path is None:
+            return None
+        lib = ctypes.PyDLL(spec.origin)  # PyDLL: called with the GIL held
+        z = ctypes.CDLL(zmq_path)  # the library already loaded: the same handle, no second copy
+        names = ("zmq_send", "zmq_getsockopt", "zmq_msg_init", "zmq_msg_recv", "zmq_msg_close", "zmq_msg_data",
+                 "zmq_msg_size", "zmq_msg_more")
+        lib.heldwait_bind(*[ctypes.cast(getattr(z, name), ctypes.c_void_p) for name in names])
+        lib.heldwait_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+        lib.heldwait_send.restype = ctypes.c_int
+        lib.heldwait_recv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        lib.heldwait_recv.restype = ctypes.c_int64
+        lib.heldwait_part.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+        lib.heldwait_part.restype = ctypes.c_void_p
+        lib.heldwait_close.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        lib.heldwait_close.restype = None
+        return HeldWait(lib)
+    except (OSError, AttributeError, ImportError) as exc:
+        log.info("calls wait without the GIL only (tiers._heldwait unusable: %s)", exc)
+        return None
+
+
+def _loaded_libzmq() -> Optional[str]:
+    """The path of the libzmq this process loaded for pyzmq (the bundled one of a wheel, or the system's)."""
+    zmq.zmq_version()  # pyzmq's backend is loaded, and with it libzmq
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("libzmq") and ".so" in name:
+                    return path
+    except OSError:
+        return None
+    return None
