@@ -86,15 +86,24 @@ def shared() -> Optional[HeldWait]:
 
 
 def _loaded_libzmq() -> Optional[str]:
-    """The path of the libzmq this process loaded for pyzmq (the bundled one of a wheel, or the system's)."""
+    """The path of the libzmq this process loaded for pyzmq: the one a pyzmq wheel bundles (pyzmq.libs beside
+    the zmq package), else the only one mapped; None when several are mapped and none is pyzmq's (calling the
+    wrong copy with pyzmq's sockets would be undefined)."""
+    import os
     zmq.zmq_version()  # pyzmq's backend is loaded, and with it libzmq
+    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(zmq.__file__))), "pyzmq.libs")
+    mapped = set()
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
-                name = path.rsplit("/", 1)[-1]
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                name = os.path.basename(path)
                 if name.startswith("libzmq") and ".so" in name:
-                    return path
+                    mapped.add(path)
     except OSError:
         return None
-    return None
+    ours = [path for path in mapped if os.path.dirname(path) == bundled]
+    if len(ours) == 1:
+        return ours[0]
+    return next(iter(mapped)) if len(mapped) == 1 else None
