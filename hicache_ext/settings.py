@@ -42,8 +42,8 @@ SETTINGS_HELP = {
     "recompute_growth_us_per_ki_token": "how much a token's prefill grows per 1,024 tokens of context before it "
                                         "(attention), with recompute_us_per_token",
     "page_checksums": "hash each page written (xxh3_64, kept by every tier) and check every page read against it: a "
-                      "wrong byte is a miss, never a page served; costs ~35% of DRAM-tier throughput at 8 MiB pages "
-                      "on a 2-core machine (docs/PERFORMANCE.md)",
+                      "wrong byte is a miss, never a page served; costs ~15-28% of DRAM-tier throughput on a 2-core "
+                      "machine (docs/PERFORMANCE.md)",
     "read_speed_stale_s": "seconds a tier's measured read speed is trusted by the break-even rule; after that "
                           "its pages count as hits until a read measures it again",
 }
