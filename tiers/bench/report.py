@@ -169,7 +169,8 @@ def markdown(figs: Figures, sizes: List[str], meta: dict) -> str:
                        f"{_num(figs.median('lookup.128.busy.p99'), 0)} |")
         p = figs.median("lookup.zmq_rtt.p50")
         if p is not None:
-            out.append(f"| ZeroMQ 64 B round trip, ipc, taken between those lookups (floor) | {p:.0f} | "
+            out.append(f"| ZeroMQ 64 B round trip, ipc, taken between those lookups and waited for as they are (the "
+                       f"GIL held up to 1 ms, tiers/wire/held_wait.py: floor) | {p:.0f} | "
                        f"{_num(figs.median('lookup.zmq_rtt.p99'), 0)} |")
         for t in ("ipc", "tcp"):
             p = figs.median(f"limit.zmq_rtt.{t}.p50")

@@ -86,6 +86,10 @@ def added_over_device(figs: Figures, case: str, n: int) -> Optional[float]:
     return hit - device if hit is not None and device is not None else None
 
 
+def _signed_ms(seconds: Optional[float]) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:+.1f}"
+
+
 def bound_rows(figs: Figures) -> List[dict]:
     """Per tier and prompt length: KV bytes, the tier's read rate, the bound, what the L3 hit added."""
     info = figs.info.get("ttft")
@@ -100,10 +104,14 @@ def bound_rows(figs: Figures) -> List[dict]:
                 continue
             kv = expected_hit(n, info["page_tokens"]) * info["kv_bytes_per_token"]
             bound = READ_FACTOR * kv / (rate * 1e9) + FIXED_S if rate else None
+            floor = added_over_device(figs, "l3_memory", n)
+            # What the bound leaves a backend beyond SGLang's own path (the floor) and reading the bytes at
+            # the rig's rate: at or below 0, no backend that costs anything more can hold the bound.
+            room = bound - floor - kv / (rate * 1e9) if bound is not None and floor is not None else None
             rows.append({"case": case, "kind": kind, "tokens": n, "kv_bytes": kv, "gbps": rate, "bound_s": bound,
                          "added_s": added, "holds": bound is not None and added <= bound,
                          "file_added_s": added_over_device(figs, "l3_file", n),
-                         "floor_added_s": added_over_device(figs, "l3_memory", n),
+                         "floor_added_s": floor, "room_s": room,
                          "mismatches": _mismatches(figs, case, n)})
     return rows
 
@@ -164,13 +172,16 @@ def section(figs: Figures) -> List[str]:
                 f"{info['page_label']} pages, the rig in this run) + {FIXED_S * 1e3:.0f} ms:", "",
                 "| tier | prompt tokens | KV read | read GB/s | bound (ms) | L3 hit − device hit (ms) | holds | "
                 "SGLang's file backend: L3 hit − device hit (ms) | floor, in-process memory: L3 hit − device hit "
-                "(ms) |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "(ms) | left by the floor (ms) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in bounds:
             out.append(f"| {TIER_LABELS[r['kind']]} | {r['tokens']:,} | {r['kv_bytes'] / (1 << 20):.1f} MiB | "
                        f"{r['gbps'] or 0:.2f} | {_ms(r['bound_s'])} | {_ms(r['added_s'])} | "
                        f"{'yes' if r['holds'] else '**no**'} | {_ms(r['file_added_s'])} | "
-                       f"{_ms(r['floor_added_s'])} |")
+                       f"{_ms(r['floor_added_s'])} | {_signed_ms(r['room_s'])} |")
+        out += ["", "Left by the floor: the bound less the floor and less the KV bytes read at the rig's rate, what "
+                    "the bound leaves for everything a backend does beyond SGLang's own path and the read itself; "
+                    "at or below 0 no backend that costs anything more than that holds the bound on this machine."]
         recompute = [f"- {t}: {m}, {h}" for t, m, h in target_rows(figs) if "recompute" in t]
         out += [""] + (recompute + [""] if recompute else [])
     out += breakdown(figs, info)
