@@ -22,7 +22,7 @@ import pytest
 import zmq
 import random
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.nodes import RawPeer, dram_tier, node_toml, rss_bytes, start_node
@@ -172,6 +172,11 @@ edge_keys = st.one_of(
 
 @settings(max_examples=300, **FUZZ_SETTINGS)
 @given(st.lists(edge_keys, max_size=6))
+@example(["a\nb"])  # a separator inside a key once passed the batch check
+@example(["ab", "a\nb", "cd"])
+@example(["k" * P.MAX_KEY_CHARS, "k" * P.MAX_KEY_CHARS])
+@example(["k" * (P.MAX_KEY_CHARS + 1)] * 2)
+@example(["abc", "ab", "abcd"])
 def test_the_batch_key_check_agrees_with_the_per_key_check(keys):
     """keys_field's C-level batch passes accept exactly the batches check_key accepts key by key."""
     def one_by_one() -> bool:

@@ -238,10 +238,17 @@ def _keys_valid(keys: list) -> bool:
         return False
     if not joined.isascii():
         return False
-    # Deleting every allowed byte (and the separators) must leave nothing behind.
-    if joined.encode("ascii").translate(None, _KEY_BYTES + b"\n"):
+    raw = joined.encode("ascii")
+    # Deleting every allowed byte (and the separators) must leave nothing behind; a separator inside a
+    # key would pass that, so the separators must be exactly the n - 1 the join put in.
+    if raw.translate(None, _KEY_BYTES + b"\n") or raw.count(b"\n") != len(keys) - 1:
         return False
-    if "" in keys or max(map(len, keys)) > MAX_KEY_CHARS:  # equality with "" fails at the length: ~10 ns a key
+    width = len(keys[0])
+    if len(raw) == len(keys) * (width + 1) - 1 and raw[width::width + 1] == b"\n" * (len(keys) - 1):
+        # Every key as long as the first (SGLang's are 64 hex digits): the separators sit every width + 1.
+        if not 0 < width <= MAX_KEY_CHARS:
+            return False
+    elif "" in keys or max(map(len, keys)) > MAX_KEY_CHARS:  # equality with "" fails at the length: ~10 ns a key
         return False
     # Keys of dots only are refused; SGLang's hex keys have no dot, so this pass is rare.
     return "." not in joined or all(key.strip(".") for key in keys)
