@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence
 
 import zmq
 
+from tiers.wire import held_wait
 from tiers.wire.client import TierClient
 
 
@@ -55,8 +56,39 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
         sent = client.start_lookup(keys)
         if sent is not None:
             waiting[i] = sent
-    _gather(clients, keys, results, waiting, None)
+    _held_gather(clients, keys, results, waiting)
+    if waiting and not _answered(results, waiting, len(keys)):
+        _gather(clients, keys, results, waiting, None)
     return results
+
+
+def _answered(results: List[Optional[bytes]], waiting: dict, n: int) -> bool:
+    """The tiers that replied hold every key and no faster tier is still out."""
+    if merge_held(results, n) != b"\x01" * n:
+        return False
+    deepest = max(i for i, r in enumerate(results) if r is not None)
+    return not any(i < deepest for i in waiting)
+
+
+def _held_gather(clients: Sequence[TierClient], keys: List[str], results: List[Optional[bytes]],
+                 waiting: dict) -> None:
+    """The replies of the tiers in waiting that come within the reply spin, waited for holding the GIL
+    (tiers/wire/held_wait.py: in a busy engine each release of the GIL costs a scheduler iteration);
+    stops early once the keys are answered.  What is still out stays in waiting."""
+    spin = min((clients[i].deadlines.reply_spin for i in waiting), default=0.0)
+    held = held_wait.shared() if spin > 0 else None
+    if held is None:
+        return
+    until = time.monotonic() + spin
+    while waiting and time.monotonic() < until:
+        for i in list(waiting):
+            sock, req_id, _end = waiting[i]
+            reply = clients[i].held_reply(sock, req_id, time.monotonic(), held)  # one look, no wait
+            if reply is not None:
+                del waiting[i]
+                results[i] = clients[i].lookup_reply(reply, keys)
+        if _answered(results, waiting, len(keys)):
+            return
 
 
 def _gather(clients: Sequence[TierClient], keys: List[str], results: List[Optional[bytes]], waiting: dict,
