@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tiers.node.buffers import view_at
 from tiers.wire import protocol as P
 
 log = logging.getLogger("hicache.backend")
@@ -53,7 +54,7 @@ class PageBatch:
         """Zero-copy views of each page's regions in this process."""
         out = []
         for ptrs, lens in zip(self.pointers.tolist(), self.lengths.tolist()):
-            out.append([memoryview((ctypes.c_char * n).from_address(p)).cast("B") for p, n in zip(ptrs, lens)])
+            out.append([view_at(p, n) for p, n in zip(ptrs, lens)])
         return out
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from tiers.ops.config import WRITE_POLICIES
+from tiers.wire.held_wait import DEFAULT_REPLY_SPIN_S
 
 log = logging.getLogger("hicache.backend")
 
@@ -58,7 +59,7 @@ class BackendSettings:
     deadline_base_s: float = 1.0  # any call may take this long, plus bytes / deadline_min_gbps
     deadline_min_gbps: float = 0.1
     lookup_timeout_s: float = 0.5
-    reply_spin_us: float = 1000.0  # tiers/wire/held_wait.py; at most 5,000 (CPython's switch interval)
+    reply_spin_us: float = DEFAULT_REPLY_SPIN_S * 1e6  # tiers/wire/held_wait.py; at most 5,000 (CPython's switch interval)
     promote: bool = True  # copy pages read from a lower tier into the top tier
     promote_max_mib: int = 256  # copies waiting for the top tier; past it a promotion is dropped (counted)
     selective_min_reads: int = 2  # selective: reads before a page is written below

@@ -20,6 +20,7 @@ import numpy as np
 
 from tiers.bench.stats import gbps
 from tiers.stores.nvme.chunkfile import O_DIRECT, preadv_all, pwritev_all
+from tiers.wire import held_wait
 
 _COPY_BUFFER = 256 << 20  # source and destination each: far beyond any cache, bounded in memory
 
@@ -149,7 +150,6 @@ class EchoServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.body = b"x" * 64
-        from tiers.wire import held_wait
         self.held = held_wait.shared()
         for _ in range(50):  # connect and warm up
             self.round_trip()
@@ -159,7 +159,7 @@ class EchoServer:
         the GIL for up to 1 ms (tiers/wire/held_wait.py, where built), then blocking."""
         start = time.perf_counter()
         if self.held is not None and self.held.send(self.sock, self.body):
-            if self.held.receive(self.sock, 0.001) is None:
+            if self.held.receive(self.sock, held_wait.DEFAULT_REPLY_SPIN_S) is None:
                 self.sock.recv()
         else:
             self.sock.send(self.body)

@@ -37,6 +37,11 @@ def address_of(view) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
+def view_at(address: int, length: int) -> memoryview:
+    """A writable byte view of length bytes of this process at address (address_of's inverse)."""
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
 def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     """Copy the concatenation of src into the concatenation of dst.
 

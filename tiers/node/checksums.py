@@ -10,13 +10,12 @@ the C functions are not built, the same sums come from python-xxhash.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import List, Sequence
 
 import numpy as np
 import xxhash
 
-from tiers.node.buffers import MemoryFault, guarded, copy_runs
+from tiers.node.buffers import MemoryFault, copy_runs, guarded, view_at
 
 __all__ = ["page_sums", "page_sums_at", "copy_runs_summed", "native"]
 
@@ -49,15 +48,9 @@ def page_sums_at(pointers: np.ndarray, lengths: np.ndarray) -> List[int]:
     if not len(pointers):
         return []
     pointers = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(len(pointers), -1)
-    lengths = np.ascontiguousarray(lengths, dtype=np.uint64).reshape(pointers.shape)
     pages, regions = pointers.shape
-    if not native():
-        return page_sums([[_view(a, n) for a, n in zip(p, l)] for p, l in zip(pointers.tolist(), lengths.tolist())])
-    out = np.zeros(pages, dtype=np.uint64)
-    done = guarded().sums(pointers.ravel(), lengths.ravel(), np.full(pages, regions, dtype=np.int64), out)
-    if done != pages:
-        raise MemoryFault(f"a hashed region went away (page {done} of {pages}; truncated memfd?)")
-    return out.tolist()
+    return _sums_flat(pointers.ravel(), np.ascontiguousarray(lengths, dtype=np.uint64).ravel(),
+                      np.full(pages, regions, dtype=np.int64))
 
 
 def copy_runs_summed(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int],
@@ -69,14 +62,11 @@ def copy_runs_summed(dst: Sequence[int], src: Sequence[int], lengths: Sequence[i
     ptrs = np.ascontiguousarray(page_pointers, dtype=np.uint64)
     lens = np.ascontiguousarray(page_lengths, dtype=np.uint64)
     runs = np.ascontiguousarray(page_runs, dtype=np.int64)
-    pages = len(runs)
     if not native():
         copy_runs(dst, src, lengths)
-        ends = np.cumsum(runs).tolist()
-        flat = list(zip(ptrs.tolist(), lens.tolist()))
-        return page_sums([[_view(a, n) for a, n in flat[end - count:end]] for end, count in zip(ends, runs.tolist())])
+        return _sums_flat(ptrs, lens, runs)
     count = len(lengths)
-    out = np.zeros(pages, dtype=np.uint64)
+    out = np.zeros(len(runs), dtype=np.uint64)
     done = guarded().copy_sums(np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64),
                                np.asarray(lengths, dtype=np.uint64), ptrs, lens, runs, out)
     if done != count:
@@ -84,5 +74,14 @@ def copy_runs_summed(dst: Sequence[int], src: Sequence[int], lengths: Sequence[i
     return out.tolist()
 
 
-def _view(address: int, length: int) -> memoryview:
-    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+def _sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray) -> List[int]:
+    """The checksum of each page p, the next runs[p] regions of (ptrs, lens): one C call, or python-xxhash."""
+    if not native():
+        ends = np.cumsum(runs).tolist()
+        flat = list(zip(ptrs.tolist(), lens.tolist()))
+        return page_sums([[view_at(a, n) for a, n in flat[end - count:end]] for end, count in zip(ends, runs.tolist())])
+    out = np.zeros(len(runs), dtype=np.uint64)
+    done = guarded().sums(ptrs, lens, runs, out)
+    if done != len(runs):
+        raise MemoryFault(f"a hashed region went away (page {done} of {len(runs)}; truncated memfd?)")
+    return out.tolist()

@@ -52,7 +52,7 @@ class Deadlines:
     reconnect_max: float = 0.5  # a refused ipc connect costs microseconds: trying twice a second is free
     # hello, lookups and leased gets wait this long for their reply holding the GIL (tiers/wire/held_wait.py);
     # 0: every call waits without it
-    reply_spin: float = 0.001
+    reply_spin: float = held_wait.DEFAULT_REPLY_SPIN_S
 
     def for_bytes(self, nbytes: int) -> float:
         return self.base + nbytes / self.min_bandwidth
@@ -174,14 +174,15 @@ class TierClient:
         return held_wait.shared()
 
     def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
-              session: Optional[int] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
-        """Send one request; (socket, id, give-up time) or None when the tier is unreachable."""
+              session: Optional[int] = None,
+              held: Optional[held_wait.HeldWait] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
+        """Send one request (a single-part one by held when given); (socket, id, give-up time) or None when
+        the tier is unreachable."""
         req_id = next(self._ids)
         daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
         header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
         sock = self._socket()
-        held = self._held_wait(op, fields) if not frames else None
-        if held is not None and held.send(sock, header):
+        if held is not None and not frames and held.send(sock, header):
             self._refused = False
             return sock, req_id, time.monotonic() + timeout
         parts = [header, *frames]
@@ -245,8 +246,9 @@ class TierClient:
     def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
                    session: Optional[int] = None) -> Optional[Reply]:
         """One request and its reply, or None (timeout, no daemon)."""
-        sent = self._send(op, timeout, fields, frames, session)
-        return None if sent is None else self._receive(*sent, op, self._held_wait(op, fields) if not frames else None)
+        held = self._held_wait(op, fields) if not frames else None
+        sent = self._send(op, timeout, fields, frames, session, held)
+        return None if sent is None else self._receive(*sent, op, held)
 
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
@@ -319,7 +321,8 @@ class TierClient:
             return None
         fields = {"keys": keys}
         self._add_done(fields)
-        return self._send("lookup", self.deadlines.lookup, fields, session=session)
+        return self._send("lookup", self.deadlines.lookup, fields, session=session,
+                          held=self._held_wait("lookup", fields))
 
     def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
         """The reply to req_id if it is the next message waiting (None: a stale one was skipped)."""

@@ -26,6 +26,7 @@ import zmq
 log = logging.getLogger("hicache.client")
 
 MAX_PARTS = 8  # a small reply is a header and at most a few frames
+DEFAULT_REPLY_SPIN_S = 0.001  # Deadlines.reply_spin and the backend's reply_spin_us unless set
 
 
 class HeldWait:
