@@ -10,7 +10,7 @@ import pytest
 from tiers.stores.nvme import chunkfile as cf
 from tiers.stores.nvme.codec import Codec, shuffle, unshuffle
 from tiers.stores.nvme.dirsync import DirSyncer
-from tiers.stores.nvme.index import scan
+from tiers.stores.nvme.index import digests_of, scan
 from tiers.stores.nvme.layout import chunk_path, is_temp, key_digest, namespace_hash, parse_name, temp_path
 
 
@@ -69,7 +69,7 @@ def test_scan_keeps_foreign_files_and_drops_misplaced(tmp_path):
     with open(os.path.join(os.path.dirname(good), "README"), "w") as fh:
         fh.write("operator notes")
     found = scan(root)
-    assert [c[1] for c in found.chunks] == [key_digest("ns", "good")]
+    assert digests_of(found.array()) == [key_digest("ns", "good")]
     assert found.foreign_files == 1 and os.path.exists(os.path.join(os.path.dirname(good), "README"))
     assert not os.path.exists(misplaced) and found.torn_removed == 1
 
@@ -97,3 +97,34 @@ def test_dirsync_group_commit(tmp_path):
     with pytest.raises(OSError):
         syncer.sync(str(tmp_path / "missing"))
     syncer.sync(str(dirs[0]))  # a failed round does not poison the next one
+
+
+def test_scan_records_each_chunk_once_oldest_first_and_names_nothing_else(tmp_path):
+    """The scan (tiers/_chunkscan.c) reads names and stats only: records come oldest mtime first; a symlink,
+    a directory or an upper-case name under a chunk's name is not ours and stays; temp files go."""
+    root = str(tmp_path)
+    paths = []
+    for i, age in enumerate([30, 10, 20]):
+        path = chunk_path(root, 7, key_digest("ns", f"k{i}"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(bytes(cf.HEADER_SIZE + i))
+        os.utime(path, (1_700_000_000 - age, 1_700_000_000 - age))
+        paths.append(path)
+    leaf = os.path.dirname(paths[0])
+    name = os.path.basename(chunk_path(root, 7, key_digest("ns", "other")))
+    os.symlink(paths[0], os.path.join(leaf, name))
+    os.mkdir(os.path.join(leaf, os.path.basename(chunk_path(root, 7, key_digest("ns", "dir")))))
+    with open(os.path.join(leaf, name.upper()), "wb") as fh:
+        fh.write(bytes(cf.HEADER_SIZE))
+    temp = os.path.join(leaf, "." + os.path.basename(paths[0]) + ".1.2.tmp")
+    with open(temp, "wb") as fh:
+        fh.write(b"partial")
+    found = scan(root)
+    records = found.array()
+    assert digests_of(records) == [key_digest("ns", f"k{i}") for i in (0, 2, 1)]
+    assert records["size"].tolist() == [cf.HEADER_SIZE, cf.HEADER_SIZE + 2, cf.HEADER_SIZE + 1]
+    assert records["ns"].tolist() == [7, 7, 7] and records["mtime"].tolist() == [1_699_999_970, 1_699_999_980,
+                                                                                   1_699_999_990]
+    assert (found.foreign_files, found.temps_removed, found.torn_removed) == (3, 1, 0)
+    assert not os.path.exists(temp) and os.path.islink(os.path.join(leaf, name))

@@ -148,7 +148,7 @@ def test_restart_rebuilds_index_and_recency(make_store, tmp_path):
         paths[key] = p
     for age, key in enumerate(["k0", "k4", "k2", "k1", "k3"]):
         os.utime(paths[key], ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
-    store = make_store(capacity=5 * CHUNK)
+    store = make_store(capacity=5 * CHUNK, index_snapshot=False)  # as after a crash: from the names
     st = store.stats()
     assert (st.pages, st.used_bytes, st.extra["rebuild_files"]) == (5, 5 * CHUNK, 5)
     assert all(bytes(store.get_bytes(("ns", f"k{i}"))) == page(i) for i in (0, 2, 4))
@@ -177,7 +177,7 @@ def test_temp_files_cleaned_on_restart(make_store):
         fh.write(b"x")
     with open(os.path.join(leaf, "0" * 16 + "-" + "1" * 32 + ".kv"), "wb") as fh:
         fh.write(b"short")  # shorter than a header: a torn file
-    store = make_store()
+    store = make_store(index_snapshot=False)  # as after the kill: the start scans
     st = store.stats()
     assert (st.extra["temp_removed"], st.extra["torn_removed"], st.pages) == (2, 1, 1)
     assert len(chunk_files(store.root)) == 1
@@ -319,7 +319,7 @@ def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_stor
         yield from real_parts(root, stop)
     monkeypatch.setattr(index, "scan_parts", held_back)
     monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
-    store = make_store(capacity=64 * CHUNK, policy="fifo")  # reads below do not reorder it
+    store = make_store(capacity=64 * CHUNK, policy="fifo", index_snapshot=False)  # reads do not reorder it
     try:
         assert store.stats().extra["index_building"] == 1.0
         assert store.contains([("a", "old0")]) == [False]  # not reached yet: a miss, never a wrong page
@@ -347,9 +347,10 @@ def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_stor
 
 
 def test_what_the_store_does_while_the_eviction_order_is_rebuilt_is_replayed_onto_it(make_store, monkeypatch):
-    """The new eviction order is built outside the ledger lock (at 1,000,000 chunks that took seconds under
-    it, stalling writes and stats); writes, deletes and evictions made meanwhile are journaled and replayed,
-    so the order ends holding exactly the indexed pages, the ones written meanwhile last."""
+    """A Python policy's new eviction order is built outside the ledger lock (at 1,000,000 chunks that took
+    seconds under it, stalling writes and stats); writes, deletes and evictions made meanwhile are journaled
+    and replayed, so the order ends holding exactly the indexed pages, the ones written meanwhile last.
+    (LRU and FIFO keep their order in the native index, which places the scanned chunks itself.)"""
     from tiers.stores.nvme import ledger as ledger_mod, rebuild
     store = make_store(capacity=64 * CHUNK)
     for i in range(6):
@@ -366,7 +367,7 @@ def test_what_the_store_does_while_the_eviction_order_is_rebuilt_is_replayed_ont
         return fresh
     monkeypatch.setattr(ledger_mod.Ledger, "begin_reorder", held)
     monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
-    store = make_store(capacity=64 * CHUNK, policy="fifo")
+    store = make_store(capacity=64 * CHUNK, policy="lfu", index_snapshot=False)  # ordered in Python
     try:
         assert reached.wait(30)
         started = time.monotonic()

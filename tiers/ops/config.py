@@ -122,6 +122,9 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "direct_writes": (_bool, False, "O_DIRECT writes too (with direct_io); buffered write + fdatasync measured "
                                         "1.0-1.7x faster on the development disk, and drops its pages from the "
                                         "page cache once written"),
+        "index_snapshot": (_bool, True, "save the index at a clean shutdown and load it at the next start instead "
+                                        "of scanning every chunk name (removed once loaded: after a crash the "
+                                        "start scans)"),
     },
     "remote": {
         **TRANSFER_ENGINE_OPTIONS,

@@ -6,7 +6,12 @@ directories) real keys would have.  The rebuild trusts names and sizes, so
 the scan costs what a real directory of that many chunks costs; a linked name
 would fail its checksum on read (the header names another key), which this
 part never does.  Figures: seconds from the daemon's spawn to its first
-answered lookup (serving), and to the end of the background index build.
+answered lookup (serving), and to the end of the background index build,
+first after a crash (the daemon scans every name), then after a clean stop
+(it loads the index snapshot it saved); the index's RAM a chunk: the
+daemon's anonymous RSS over the directory less what it held over the few
+real pages before, once whole (steady) and the most sampled every 50 ms
+while the index was built (peak).
 """
 from __future__ import annotations
 
@@ -37,51 +42,78 @@ def run_restart(figs: Figures, args, progress: Progress) -> None:
             return
         namespace = rank.backend.namespace
         rank.close()
-        node.runner.stop()
+        empty_rss = anon_rss(node.runner.pid("nvme"))  # the daemon over the real pages only
+        node.runner.kill("nvme")  # a crash: no index snapshot, so the next start scans what is linked below
         root = node.data_path("nvme")
         template = _any_chunk(root)
         progress.step(f"restart: linking {chunks:,} chunk names")
         _link_names(root, template, namespace, chunks - REAL_PAGES, progress)
         os.sync()
-        progress.step(f"restart: starting the NVMe daemon over {chunks:,} chunks")
-        spawned = time.monotonic()
-        node.runner.start(timeout=600.0)
-        client = TierClient("nvme", node.runner.config.tier("nvme").endpoint, namespace)
-        probe_keys = [f"restart-{i}" for i in range(128)]
-        try:
-            while client.lookup(["probe"]) is None:
-                time.sleep(0.01)
-            serving = time.monotonic() - spawned
-            # Lookups while the index is rebuilt: the latency an engine sees from a restarting tier.
-            during, stats, last_stats = [], {}, 0.0
-            while True:
-                start = time.perf_counter()
-                answered = client.lookup(probe_keys) is not None
-                during.append(time.perf_counter() - start if answered else float("inf"))
-                if time.monotonic() - last_stats > 0.5:
-                    last_stats = time.monotonic()
-                    stats = client.stats() or {}
-                    if stats.get("index_building", 1.0) == 0.0:
-                        break
-                time.sleep(0.002)
-            indexed = time.monotonic() - spawned
-            extra = stats
-        finally:
-            client.close()
-        unanswered = sum(1 for d in during if d == float("inf"))
-        answered = [d for d in during if d != float("inf")]
-        if answered:
-            figs.set("restart.lookup_during.p50", percentile(answered, 50) * 1e6, "us")
-            figs.set("restart.lookup_during.p99", percentile(answered, 99) * 1e6, "us")
-        figs.set("restart.lookup_during.unanswered", float(unanswered), "calls")
-        figs.set("restart.serving_s", serving, "s")
-        figs.set("restart.indexed_s", indexed, "s")
-        figs.set("restart.scan_s", extra.get("rebuild_seconds", 0.0), "s")
-        figs.set("restart.chunks", float(extra.get("rebuild_files", 0)), "chunks")
-        if extra.get("rebuild_files") != chunks:
-            figs.failures.append(f"restart: indexed {extra.get('rebuild_files')} of {chunks} chunks")
+        for label, how in (("restart", "after a crash (a scan)"), ("restart.clean", "after a clean stop (the snapshot)")):
+            progress.step(f"restart: starting the NVMe daemon over {chunks:,} chunks {how}")
+            got = _start_and_watch(node, namespace)
+            if got["lookups"]:
+                figs.set(f"{label}.lookup_during.p50", percentile(got["lookups"], 50) * 1e6, "us")
+                figs.set(f"{label}.lookup_during.p99", percentile(got["lookups"], 99) * 1e6, "us")
+            figs.set(f"{label}.lookup_during.unanswered", float(got["unanswered"]), "calls")
+            figs.set(f"{label}.serving_s", got["serving"], "s")
+            figs.set(f"{label}.indexed_s", got["indexed"], "s")
+            figs.set(f"{label}.scan_s", got["stats"].get("rebuild_seconds", 0.0), "s")
+            figs.set(f"{label}.chunks", float(got["stats"].get("rebuild_files", 0)), "chunks")
+            figs.set(f"{label}.rss_per_chunk", (got["steady_rss"] - empty_rss) / chunks, "B")
+            figs.set(f"{label}.rss_per_chunk_peak", (got["peak_rss"] - empty_rss) / chunks, "B")
+            figs.set(f"{label}.index_bytes_per_chunk", float(got["stats"].get("index_bytes", 0)) / chunks, "B")
+            if got["stats"].get("rebuild_files") != chunks:
+                figs.failures.append(f"{label}: indexed {got['stats'].get('rebuild_files')} of {chunks} chunks")
+            node.runner.stop("nvme")  # graceful: the daemon saves its index for the next start
     finally:
         node.close()
+
+
+def _start_and_watch(node: Node, namespace: str) -> dict:
+    """Spawn the NVMe daemon; seconds to its first answered lookup and to a whole index, 128-key lookups
+    meanwhile (inf: unanswered), its anonymous RSS once whole and the most sampled before."""
+    spawned = time.monotonic()
+    node.runner.start(timeout=600.0)
+    pid = node.runner.pid("nvme")
+    peak_rss, last_rss = 0, 0.0
+    client = TierClient("nvme", node.runner.config.tier("nvme").endpoint, namespace)
+    probe_keys = [f"restart-{i}" for i in range(128)]
+    try:
+        while client.lookup(["probe"]) is None:
+            time.sleep(0.01)
+        serving = time.monotonic() - spawned
+        # Lookups while the index is rebuilt: the latency an engine sees from a restarting tier.
+        during, stats, last_stats = [], {}, 0.0
+        while True:
+            if time.monotonic() - last_rss > 0.05:
+                last_rss = time.monotonic()
+                peak_rss = max(peak_rss, anon_rss(pid))
+            start = time.perf_counter()
+            answered = client.lookup(probe_keys) is not None
+            during.append(time.perf_counter() - start if answered else float("inf"))
+            if time.monotonic() - last_stats > 0.5 or not stats:
+                last_stats = time.monotonic()
+                stats = client.stats() or {}
+                if stats.get("index_building", 1.0) == 0.0:
+                    break
+            time.sleep(0.002)
+        indexed = time.monotonic() - spawned
+        steady_rss = anon_rss(pid)
+    finally:
+        client.close()
+    return {"serving": serving, "indexed": indexed, "stats": stats, "steady_rss": steady_rss,
+            "peak_rss": max(peak_rss, steady_rss), "unanswered": sum(1 for d in during if d == float("inf")),
+            "lookups": [d for d in during if d != float("inf")]}
+
+
+def anon_rss(pid: int) -> int:
+    """Anonymous resident bytes of a process (RssAnon: the heap and the index, not mapped files)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _copy_of(path: str, n: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import xxhash
 
@@ -28,6 +28,12 @@ def key_digest(namespace: str, key: str) -> int:
     return xxhash.xxh3_128_intdigest(namespace.encode() + b"\0" + key.encode())
 
 
+def key_digests(namespace: str, keys: List[str]) -> List[int]:
+    """key_digest of each key of one namespace (the pair's prefix encoded once: a lookup's batch)."""
+    prefix, digest = namespace.encode() + b"\0", xxhash.xxh3_128_intdigest
+    return [digest(prefix + key.encode()) for key in keys]
+
+
 def namespace_hash(namespace: str) -> int:
     """The 64-bit namespace tag carried in file names."""
     return xxhash.xxh3_64_intdigest(namespace.encode())
@@ -36,6 +42,44 @@ def namespace_hash(namespace: str) -> int:
 def leaf_dir(root: str, digest: int) -> str:
     """The fan-out directory of a digest."""
     return os.path.join(root, f"{digest & 0xFF:02x}", f"{(digest >> 8) & 0xFF:02x}")
+
+
+class LeafDirs:
+    """The leaf directories known to exist: one bit each of the 65,536 (8 KiB, where a set of their
+    paths took ~7 MB, 7 bytes a chunk at a million chunks).  Takes the paths leaf_dir makes."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray(1 << 13)
+
+    @staticmethod
+    def _number(leaf: str) -> int:
+        # ".../ab/cd": ab the low digest byte, cd the next (leaf_dir)
+        return int(leaf[-5:-3], 16) | (int(leaf[-2:], 16) << 8)
+
+    def __contains__(self, leaf: str) -> bool:
+        n = self._number(leaf)
+        return bool(self._bits[n >> 3] & (1 << (n & 7)))
+
+    def add(self, leaf: str) -> None:
+        n = self._number(leaf)
+        self._bits[n >> 3] |= 1 << (n & 7)
+
+    def discard(self, leaf: str) -> None:
+        n = self._number(leaf)
+        self._bits[n >> 3] &= ~(1 << (n & 7)) & 0xFF
+
+    def to_bytes(self) -> bytes:
+        return bytes(self._bits)
+
+    def load_bytes(self, bits: bytes) -> None:
+        if len(bits) != len(self._bits):
+            raise ValueError("a leaf directory table of the wrong size")
+        self._bits[:] = bits
+
+    def add_numbers(self, numbers) -> None:
+        """Leaves by number (the low 16 bits of their digests), as a scan finds them."""
+        for n in numbers:
+            self._bits[n >> 3] |= 1 << (n & 7)
 
 
 def file_name(ns_hash: int, digest: int) -> str:

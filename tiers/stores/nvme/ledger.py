@@ -6,27 +6,44 @@ of writes in flight.  A write reserves before it touches the disk (evicting
 as needed) and then commits or releases; the victims it gets back are already
 out of the index and their bytes already freed, so the caller deletes their
 files before writing its own and the disk never holds more than capacity.
+
+The index is native (tiers/node/page_index.py): a 48-byte row and a 4-byte
+slot a chunk, the LRU or FIFO order in the rows; a chunk's path is worked
+out from its digest and namespace hash, never stored.  Any other policy
+orders the digests itself (a Python EvictionPolicy a namespace).
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
+import numpy as np
+
 from tiers.node.fairness import FairShare, bounded_top
+from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
 from tiers.policies import EvictionPolicy, make_policy
-from tiers.stores.base import PageKey, StoreFull, StoreStats
+from tiers.stores.base import StoreFull, StoreStats
+from tiers.stores.nvme.index import digests_of
+from tiers.stores.nvme.layout import chunk_path
+
+
+PLACE_SLICE = 65536  # scanned chunks placed in order under one hold of the lock (~5 ms)
 
 
 @dataclass
 class Entry:
+    """A chunk as its row read when asked: gen names that version (a newer write of the page is another)."""
+
     path: str
     ns_hash: int
     disk_size: int
-    page_key: Optional[PageKey] = None  # None until read (an index rebuilt from names)
-    raw_size: Optional[int] = None
+    raw_size: Optional[int] = None  # None until read (an index rebuilt from names)
     reads: int = 0
-    touched: float = 0.0  # monotonic time of the last mtime refresh
+    gen: int = 0
+    stamp: int = 0  # monotonic seconds of the last mtime refresh (0: never; a scan's mtime until placed)
 
 
 Victim = Tuple[int, Entry]
@@ -36,11 +53,11 @@ Victim = Tuple[int, Entry]
 class _Build:
     """What changed while the index was being rebuilt in the background (tiers/stores/nvme/rebuild.py)."""
 
-    fresh: List[int] = field(default_factory=list)  # digests committed meanwhile, in order
+    fresh: List[int] = field(default_factory=list)  # digests committed meanwhile, in order (Python policies)
     gone: Set[int] = field(default_factory=set)  # digests deleted, evicted or dropped meanwhile
     cleared: Set[Optional[int]] = field(default_factory=set)  # namespace hashes cleared (None: all)
-    # Once the new eviction order is being built outside the lock: what the serving store did since,
-    # in order, replayed onto it under the lock at the end ("fresh" | "gone" | "touch", digest, ns hash).
+    # Once a Python policy's eviction order is being built outside the lock: what the serving store did
+    # since, in order, replayed onto it under the lock at the end ("fresh" | "gone" | "touch", digest, ns hash).
     journal: Optional[List[Tuple[str, int, int]]] = None
 
 
@@ -48,7 +65,9 @@ class _Build:
 class _Tenant:
     """One namespace (known by its hash; by name once a page of it was written or read) and its policy."""
 
-    policy: EvictionPolicy
+    number: int  # the tenant of its rows in the index
+    ns_hash: int
+    policy: Optional[EvictionPolicy]  # None: the index keeps the order (LRU, FIFO)
     name: Optional[str] = None
     bytes: int = 0
     reserved: int = 0  # writes in flight: a quota counts them too
@@ -57,15 +76,18 @@ class _Tenant:
 
 
 class Ledger:
-    """Entries by digest, their policy and byte counts; every method takes the lock."""
+    """Chunks by digest, their order and byte counts; every method takes the lock."""
 
-    def __init__(self, capacity: int, policy: str, quotas: Optional[Dict[str, int]] = None):
+    def __init__(self, root: str, capacity: int, policy: str, quotas: Optional[Dict[str, int]] = None):
+        self.root = root
         self.capacity = capacity
         self.lock = threading.Lock()
-        self._index: Dict[int, Entry] = {}
         self._policy_name = policy
         make_policy(policy)  # an unknown name fails here
-        self._tenants: Dict[int, _Tenant] = {}  # by namespace hash: each namespace evicts by its own policy
+        self._order = order_for(policy)
+        self._index = PageIndex(self._order)
+        self._tenants: Dict[int, _Tenant] = {}  # by namespace hash: each namespace evicts by its own order
+        self._numbered: Dict[int, _Tenant] = {}  # the same, by their number in the index
         self._fair = FairShare(capacity, quotas)
         self.used = 0
         self.reserved = 0
@@ -75,34 +97,101 @@ class Ledger:
                                         "raw_bytes_in": 0, "stored_bytes_in": 0, "unaligned_writes": 0,
                                         "checksum_refused": 0}
 
+    @property
+    def native_order(self) -> bool:
+        """True when the index keeps the eviction order (a rebuild then needs no reordering outside the lock)."""
+        return self._order != ORDER_NONE
+
+    # ------------------------------------------------------------ snapshot
+    @property
+    def order_code(self) -> int:
+        return self._order
+
+    def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
+        """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
+        with self.lock:
+            return [(self._numbered[n].ns_hash, self._numbered[n].name) for n in range(len(self._numbered))]
+
+    def save_rows(self, fd: int) -> Tuple[int, int]:
+        with self.lock:
+            return self._index.save(fd)
+
+    def load_rows(self, fd: int, offset: int, rows: int, checksum: int,
+                  tenants: List[Tuple[int, Optional[str]]]) -> int:
+        """Fill this empty ledger from a snapshot's rows at offset of fd (ValueError when they are not sound)."""
+        with self.lock:
+            if len(self._index) or self._tenants:
+                raise ValueError("load into an empty ledger only")
+            for ns_hash, name in tenants:
+                self._tenant_locked(ns_hash, name)
+            if len(self._tenants) != len(tenants):
+                raise ValueError("a namespace hash listed twice")
+            os.lseek(fd, offset, os.SEEK_SET)
+            loaded = self._index.load(fd, rows, checksum)
+            for number, (count, nbytes) in self._index.totals().items():
+                if number >= len(tenants):
+                    raise ValueError("a row of a namespace the snapshot does not list")
+                self._numbered[number].bytes = nbytes
+                self.used += nbytes
+            return loaded
+
+    def reset(self) -> None:
+        """Empty again (a snapshot that was not sound)."""
+        with self.lock:
+            self._index = PageIndex(self._order)
+            self._tenants.clear()
+            self._numbered.clear()
+            self.used = 0
+
     # ------------------------------------------------- background rebuild
     def start_build(self) -> None:
         with self.lock:
             self._build = _Build()
 
-    def add_scanned(self, chunks: Iterable[Tuple[int, int, int, int, str]]) -> List[Tuple[int, str]]:
-        """Index chunks the scan found, unless the serving store decided about them meanwhile: a digest
-        written since wins; one deleted, evicted or of a cleared namespace is stale ((digest, path) returned,
-        for the caller to unlink)."""
-        stale = []
+    def add_scanned(self, records: np.ndarray) -> List[Tuple[int, str]]:
+        """Index chunks the scan found (tiers/stores/nvme/index.py RECORD), unless the serving store decided
+        about them meanwhile: a digest written since wins; one deleted, evicted or of a cleared namespace is
+        stale ((digest, path) returned, for the caller to unlink).  They go to the cold end of their
+        namespace's order, placed by mtime at the end of the scan (place_scanned)."""
+        stale: List[Tuple[int, str]] = []
         with self.lock:
             build = self._build
-            for _mtime, digest, ns_hash, size, path in chunks:
-                if digest in self._index:
-                    continue
-                if digest in build.gone or ns_hash in build.cleared or None in build.cleared:
-                    stale.append((digest, path))
-                    continue
-                self._index[digest] = Entry(path, ns_hash, size)
-                tenant = self._tenant_locked(ns_hash)
-                tenant.policy.insert(digest)
-                tenant.bytes += size
-                self.used += size
+            if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
+                keep = np.ones(len(records), dtype=bool)
+                for i, (digest, ns_hash) in enumerate(zip(digests_of(records), records["ns"].tolist())):
+                    if digest not in self._index and (digest in build.gone or ns_hash in build.cleared
+                                                      or None in build.cleared):
+                        keep[i] = False
+                        stale.append((digest, chunk_path(self.root, ns_hash, digest)))
+                records = records[keep]
+            tenants = {ns: self._tenant_locked(ns).number for ns in np.unique(records["ns"]).tolist()}
+            for number, nbytes in self._index.insert_scanned(records.tobytes(), tenants).items():
+                self._numbered[number].bytes += nbytes
+                self.used += nbytes
         return stale
 
+    def reserve_rows(self, rows: int) -> None:
+        """Room for rows chunks in the index without growing it (a scan's estimate)."""
+        with self.lock:
+            self._index.reserve(max(0, rows))
+
+    def place_scanned(self) -> List[Victim]:
+        """The scan ended (native orders): the scanned chunks no one touched since go behind everything
+        else, oldest mtime first; the build ends and capacity is enforced.  Sorted without the GIL (lookups
+        go on, writes wait for the sort) and placed a slice at a time (they wait for one slice at most)."""
+        with self.lock:  # the sort reads the rows without the GIL: nothing may change them meanwhile
+            order = self._index.scanned_order()
+        for start in range(0, len(order) // 4, PLACE_SLICE):
+            with self.lock:
+                self._index.place_rows(order, start, start + PLACE_SLICE)
+            time.sleep(0)  # the serving threads' turn
+        with self.lock:
+            self._build = None
+            return self._enforce_capacity_locked()
+
     def begin_reorder(self) -> List[int]:
-        """The scan ended: from now on what the store does is journaled for finish_build to replay.
-        Returns the digests committed during the scan, in order (they go after every scanned chunk)."""
+        """The scan ended (Python policies): from now on what the store does is journaled for finish_build
+        to replay.  Returns the digests committed during the scan, in order (they go after every scanned one)."""
         with self.lock:
             self._build.journal = []
             return list(self._build.fresh)
@@ -115,6 +204,7 @@ class Ledger:
         on), after replaying onto them what the store did meanwhile; end the build; evict down to
         capacity.  The lock is held for the journal's length, not the index's."""
         with self.lock:
+            self._index.place_scanned()  # their stamps back to "never refreshed"
             build, self._build = self._build, None
             for op, digest, ns_hash in build.journal or ():
                 policy = policies.get(ns_hash)
@@ -124,17 +214,20 @@ class Ledger:
                     policy.touch(digest)
                     continue
                 policy.remove(digest)
-                if op == "fresh" and self._index.get(digest) is not None:
+                if op == "fresh" and digest in self._index:
                     policy.insert(digest)
             for ns_hash, tenant in self._tenants.items():
                 tenant.policy = policies.get(ns_hash) or make_policy(self._policy_name)
-            victims = []
-            while self.used > self.capacity:  # capacity lowered since the last run, or written meanwhile
-                victim = self._pop_victim_locked(None)
-                if victim is None:
-                    break
-                victims.append(victim)
-            return victims
+            return self._enforce_capacity_locked()
+
+    def _enforce_capacity_locked(self) -> List[Victim]:
+        victims = []
+        while self.used > self.capacity:  # capacity lowered since the last run, or written meanwhile
+            victim = self._pop_victim_locked(None)
+            if victim is None:
+                break
+            victims.append(victim)
+        return victims
 
     def _journal_locked(self, op: str, digest: int, ns_hash: int) -> None:
         if self._build is not None and self._build.journal is not None:
@@ -149,16 +242,37 @@ class Ledger:
     def _tenant_locked(self, ns_hash: int, name: Optional[str] = None) -> _Tenant:
         tenant = self._tenants.get(ns_hash)
         if tenant is None:
-            tenant = self._tenants[ns_hash] = _Tenant(make_policy(self._policy_name))
+            number = len(self._numbered)
+            if number >= MAX_TENANTS:  # reuse the number of a namespace that holds nothing
+                number = next((t.number for t in self._numbered.values() if not t.bytes and not t.reserved
+                               and not self._pages_locked(t)), None)
+                if number is None:
+                    raise StoreFull(f"{MAX_TENANTS} namespaces hold chunks here; no room for another")
+                del self._tenants[self._numbered[number].ns_hash]
+            tenant = _Tenant(number, ns_hash, None if self.native_order else make_policy(self._policy_name))
+            self._tenants[ns_hash] = self._numbered[number] = tenant
         if name is not None:
             tenant.name = name
         return tenant
 
+    def _pages_locked(self, tenant: _Tenant) -> int:
+        return self._index.count(tenant.number) if tenant.policy is None else len(tenant.policy)
+
+    def _entry(self, digest: int, row: Row) -> Entry:
+        ns_hash = self._numbered[row.tenant].ns_hash
+        return Entry(chunk_path(self.root, ns_hash, digest), ns_hash, row.size, row.raw or None, row.reads,
+                     row.gen, row.stamp)
+
     def get(self, digest: int) -> Optional[Entry]:
-        return self._index.get(digest)
+        values = self._index.get(digest)  # one call under the GIL: a whole row or none, no lock needed
+        return None if values is None else self._entry(digest, Row(*values))
 
     def __contains__(self, digest: int) -> bool:
-        return digest in self._index  # one dict lookup: atomic under the GIL, no lock needed
+        return digest in self._index
+
+    def held(self, digests: List[int]) -> bytes:
+        """One byte a digest, 1 where indexed (one native call)."""
+        return self._index.contains_many(digests)
 
     def _pop_victim_locked(self, writer: Optional[int], need: int = 0, only: Optional[int] = None) -> Optional[Victim]:
         """The next victim: of namespace only, or of the namespace tiers/node/fairness.py chooses for writer."""
@@ -167,10 +281,19 @@ class Ledger:
             over = own is not None and own.name is not None and self._fair.over_quota(own.name, own.bytes + need)
             only = self._fair.victim(writer, {h: t.bytes for h, t in self._tenants.items()}, over)
         tenant = self._tenants.get(only) if only is not None else None
-        digest = tenant.policy.pop_victim() if tenant is not None else None
-        if digest is None:
+        if tenant is None:
             return None
-        entry = self._index.pop(digest)
+        if tenant.policy is None:
+            popped = self._index.pop_victim(tenant.number)
+            if popped is None:
+                return None
+            digest, values = popped
+        else:
+            digest = tenant.policy.pop_victim()
+            if digest is None:
+                return None
+            values = self._index.remove(digest)
+        entry = self._entry(digest, Row(*values))
         if self._build is not None:
             self._build.gone.add(digest)
             self._journal_locked("gone", digest, entry.ns_hash)
@@ -226,32 +349,34 @@ class Ledger:
                 self.extra["enospc_retries"] += 1
             return victims
 
-    def commit(self, digest: int, entry: Entry, parent: Optional[int]) -> None:
+    def commit(self, digest: int, ns_hash: int, namespace: str, disk_size: int, raw_size: int, stamp: int,
+               parent: Optional[int]) -> None:
         """A reserved write is on disk under its final name: index it, replacing any older version."""
         with self.lock:
-            self.reserved -= entry.disk_size
-            self._tenant_locked(entry.ns_hash).reserved -= entry.disk_size
-            old = self._index.pop(digest, None)
+            self.reserved -= disk_size
+            tenant = self._tenant_locked(ns_hash, namespace)
+            tenant.reserved -= disk_size
+            old = self._index.remove(digest)
             if old is not None:
-                self._forget_locked(digest, old)
-            self._index[digest] = entry
+                self._forget_locked(digest, Row(*old))
+            self._index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp)
             if self._build is not None:
                 self._build.fresh.append(digest)
-                self._journal_locked("fresh", digest, entry.ns_hash)
-            self.used += entry.disk_size
-            tenant = self._tenant_locked(entry.ns_hash, entry.page_key[0] if entry.page_key else None)
-            tenant.bytes += entry.disk_size
-            tenant.policy.insert(digest, parent)
+                self._journal_locked("fresh", digest, ns_hash)
+            self.used += disk_size
+            tenant.bytes += disk_size
+            if tenant.policy is not None:
+                tenant.policy.insert(digest, parent)
 
-    def _forget_locked(self, digest: int, entry: Entry) -> None:
-        """Bytes and policy of an entry already out of the index."""
+    def _forget_locked(self, digest: int, row: Row) -> None:
+        """Bytes and order of a row already out of the index."""
+        tenant = self._numbered[row.tenant]
         if self._build is not None:
             self._build.gone.add(digest)
-            self._journal_locked("gone", digest, entry.ns_hash)
-        self.used -= entry.disk_size
-        tenant = self._tenants.get(entry.ns_hash)
-        if tenant is not None:
-            tenant.bytes -= entry.disk_size
+            self._journal_locked("gone", digest, tenant.ns_hash)
+        self.used -= row.size
+        tenant.bytes -= row.size
+        if tenant.policy is not None:
             tenant.policy.remove(digest)
 
     def count(self, name: str) -> None:
@@ -267,14 +392,14 @@ class Ledger:
             self.extra["stored_bytes_in"] += stored
 
     def drop(self, digest: int, entry: Entry, corrupt: bool = False) -> bool:
-        """Forget digest if it still maps to entry (a newer version is left alone); True if it did."""
+        """Forget digest if it still maps to entry's version (a newer one is left alone); True if it did."""
         with self.lock:
             if corrupt:
                 self.extra["corrupt_removed"] += 1
-            if self._index.get(digest) is not entry:
+            values = self._index.remove(digest, entry.gen)
+            if values is None:
                 return False
-            del self._index[digest]
-            self._forget_locked(digest, entry)
+            self._forget_locked(digest, Row(*values))
             return True
 
     def pop_many(self, digests: Iterable[int]) -> List[Victim]:
@@ -284,33 +409,38 @@ class Ledger:
             for digest in digests:
                 if self._build is not None:  # also one the scan has not reached: it must not come back
                     self._build.gone.add(digest)
-                entry = self._index.pop(digest, None)
-                if entry is not None:
-                    self._forget_locked(digest, entry)
-                    out.append((digest, entry))
+                values = self._index.remove(digest)
+                if values is not None:
+                    row = Row(*values)
+                    out.append((digest, self._entry(digest, row)))
+                    self._forget_locked(digest, row)
             return out
 
     def digests(self, ns_hash: Optional[int] = None) -> List[int]:
         """Every digest (of one namespace hash)."""
         with self.lock:
-            return [d for d, e in self._index.items() if ns_hash is None or e.ns_hash == ns_hash]
+            if ns_hash is None:
+                return self._index.digests()
+            tenant = self._tenants.get(ns_hash)
+            return self._index.digests(tenant.number) if tenant is not None else []
 
-    def hit(self, digest: int, entry: Entry, key: PageKey, raw_size: int, now: float, every: float) -> bool:
-        """Count a verified read; True when the file's mtime should be refreshed."""
+    def hit(self, digest: int, entry: Entry, namespace: str, raw_size: int, now: float, every: float) -> bool:
+        """Count a verified read of entry's version; True when the file's mtime should be refreshed (never
+        since it was indexed, or every seconds ago or more)."""
+        now_s = max(1, int(now))
+        refresh = not entry.stamp or entry.stamp > now_s or now_s - entry.stamp >= every
         with self.lock:
-            if self._index.get(digest) is entry:
-                entry.reads += 1
-                entry.page_key, entry.raw_size = key, raw_size
-                tenant = self._tenant_locked(entry.ns_hash, key[0])
-                tenant.policy.touch(digest)
+            reads = self._index.touch(digest, entry.gen, raw_size, now_s if refresh else 0)
+            if reads >= 0:
+                tenant = self._tenants[entry.ns_hash]
+                tenant.name = namespace
+                if tenant.policy is not None:
+                    tenant.policy.touch(digest)
                 self._journal_locked("touch", digest, entry.ns_hash)
                 tenant.hits += 1
             self.stats.hits += 1
             self.stats.bytes_read += raw_size
-            if now - entry.touched > every:
-                entry.touched = now
-                return True
-            return False
+        return refresh and reads >= 0
 
     def miss(self, read_error: bool = False) -> bool:
         """Count a miss; returns False for the caller to return."""
@@ -324,12 +454,14 @@ class Ledger:
         with self.lock:
             snap = StoreStats(**{k: v for k, v in self.stats.__dict__.items() if k != "extra"})
             snap.pages = len(self._index)
+            index_bytes = self._index.nbytes()
             snap.used_bytes = self.used
             extra = dict(self.extra)
             extra["reserved_bytes"] = self.reserved
             extra["index_building"] = float(self._build is not None)  # 1 while the restart scan runs
+            extra["index_bytes"] = index_bytes  # the native index's rows and slots (tiers/node/page_index.py)
             active = sum(1 for t in self._tenants.values() if t.bytes)
-            per_ns = {(t.name or f"#{h:x}"): {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits,
+            per_ns = {(t.name or f"#{h:x}"): {"bytes": t.bytes, "pages": self._pages_locked(t), "hits": t.hits,
                                               "evictions": t.evictions, "fair_share": int(self._fair.share(active)),
                                               "quota": (self._fair.quota(t.name) or 0) if t.name else 0}
                       for h, t in self._tenants.items() if t.bytes or t.hits or t.evictions}

@@ -6,47 +6,39 @@ store starts serving at once (after at most ``wait`` seconds, enough for a
 small directory to be indexed exactly as before) while a thread scans the
 fan-out directories and adds what it finds.  Until the scan ends, a chunk it
 has not reached yet reads as a miss: a cache may miss, it may not serve a
-stale page.  What the serving store does meanwhile wins over the scan
+stale page.  Scanned chunks wait at the cold end of their namespace's order.  What the serving store does meanwhile wins over the scan
 (tiers/stores/nvme/ledger.py ``_Build``): a page written since is not
 replaced by its older file, a page deleted, evicted or cleared since is not
-brought back (its file is removed when the scan meets it).  At the end each
-namespace's eviction order is rebuilt oldest first and capacity enforced.
+brought back (its file is removed when the scan meets it).  At the end the
+scanned chunks nothing touched meanwhile are placed oldest mtime first (in
+the native index for LRU and FIFO; a Python policy's order is rebuilt from
+the list of them) and capacity is enforced.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from tiers.stores.nvme import index
 from tiers.stores.nvme.index import ScanResult
 from tiers.policies import EvictionPolicy
+from tiers.stores.nvme.layout import LeafDirs
 from tiers.stores.nvme.ledger import Ledger, Victim
 
 log = logging.getLogger("hicache.nvme")
 
 START_WAIT_S = 0.2  # a directory indexed within this is served only once complete, as before
-ADD_SLICE = 256  # chunks indexed under one hold of the ledger lock: a lookup waits for at most this many
-
-
-def _oldest_first(order: List[tuple]) -> List[tuple]:
-    """Scanned chunks (mtime, digest, ...) oldest first, ties broken by the digest's low 64 bits, so the
-    rebuilt order is deterministic.  Sorted in numpy: list.sort of 1,000,000 tuples holds the GIL for
-    ~0.9 s, and the serving threads' lookups timed out behind it."""
-    if not order:
-        return order
-    mtimes = np.fromiter((c[0] for c in order), dtype=np.float64, count=len(order))
-    low = np.fromiter((c[1] & 0xFFFFFFFFFFFFFFFF for c in order), dtype=np.uint64, count=len(order))
-    return [order[i] for i in np.lexsort((low, mtimes)).tolist()]
+ADD_SLICE = 4096  # chunks indexed under one hold of the ledger lock (~0.5 ms native): a lookup waits that long at most
 
 
 class IndexBuild:
     """Scan root into ledger on a thread of its own."""
 
-    def __init__(self, root: str, ledger: Ledger, name: str, dirs: Set[str],
+    def __init__(self, root: str, ledger: Ledger, name: str, dirs: LeafDirs,
                  discard: Callable[[int, object], None], unlink_stale: Callable[[int, str], None]):
         self.root, self.name = root, name
         self._ledger = ledger
@@ -66,39 +58,59 @@ class IndexBuild:
     def _run(self) -> None:
         started = time.perf_counter()
         totals = ScanResult()
-        order: List[tuple] = []
+        order: List[np.ndarray] = []
         stale = 0
+        files = 0
+        # A native order (LRU, FIFO) places the scanned chunks by mtime in the index itself: nothing a chunk
+        # is kept here.  A Python policy's order is built from the records afterwards (32 bytes a chunk).
+        keep = not self._ledger.native_order
+        done_parts, sized = 0, False
         try:
             for part in index.scan_parts(self.root, self._stop):
-                self._dirs |= part.dirs
-                for start in range(0, len(part.chunks), ADD_SLICE):
-                    for digest, path in self._ledger.add_scanned(part.chunks[start:start + ADD_SLICE]):
+                self._dirs.add_numbers(part.leaves)
+                records = part.array()
+                done_parts += 1 if part.parts else 0  # the first part (the top level) holds no chunks
+                if not sized and part.parts and done_parts >= min(4, part.parts):
+                    # The digests spread evenly over the fan-out: a few parts tell the whole's size.  The
+                    # index takes its full size now, while it holds little, instead of rehashing ever
+                    # larger tables under the GIL as it grows (30 ms at a million, 0.3 s at ten).
+                    sized = True
+                    self._ledger.reserve_rows(int((files + len(records)) * part.parts / done_parts * 1.1))
+                for start in range(0, len(records), ADD_SLICE):
+                    for digest, path in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
                         self._unlink_stale(digest, path)
                         stale += 1
                     time.sleep(0)  # let the serving loop have the GIL and the ledger between slices
-                order.extend(part.chunks)
-                part.chunks = []
+                files += len(records)
+                if keep:
+                    order.append(records)
+                part.records, part.leaves = b"", []
                 totals.merge(part)
             if self._stop.is_set():
                 return
-            order = _oldest_first(order)
-            victims: List[Victim] = self._ledger.finish_build(self._eviction_order(order))
+            victims: List[Victim] = self._finish(order)
             for victim in victims:
                 self._discard(*victim)
             seconds = time.perf_counter() - started
-            self._ledger.extra.update(rebuild_seconds=seconds, rebuild_files=len(order),
+            self._ledger.extra.update(rebuild_seconds=seconds, rebuild_files=files,
                                       temp_removed=totals.temps_removed, torn_removed=totals.torn_removed,
                                       foreign_files=totals.foreign_files, stale_removed=stale)
             log.info("%s: indexed %d chunks (%d bytes) in %.2f s; removed %d temp, %d torn and %d stale files",
-                     self.name, len(order), self._ledger.used, seconds, totals.temps_removed,
+                     self.name, files, self._ledger.used, seconds, totals.temps_removed,
                      totals.torn_removed, stale)
         except Exception:  # a scan that fails leaves a partial index: misses, never wrong pages
             log.exception("%s: the index rebuild failed; chunks not indexed read as misses", self.name)
-            self._ledger.finish_build(self._eviction_order(order))
+            self._finish(order)
         finally:
             self.done.set()
 
-    def _eviction_order(self, order: List[tuple]) -> Dict[int, EvictionPolicy]:
+    def _finish(self, order: List[np.ndarray]) -> List[Victim]:
+        if self._ledger.native_order:
+            return self._ledger.place_scanned()
+        records = np.concatenate(order) if order else np.empty(0, dtype=index.RECORD)
+        return self._ledger.finish_build(self._eviction_order(index.oldest_first(records)))
+
+    def _eviction_order(self, records: np.ndarray) -> Dict[int, EvictionPolicy]:
         """Each namespace's policy rebuilt oldest first, outside the ledger lock (1,000,000 chunks take
         seconds; under the lock they stalled every write and stats call): the scanned chunks still
         indexed by mtime, then the pages committed during the scan in order.  The ledger replays
@@ -107,10 +119,9 @@ class IndexBuild:
         skip = set(fresh)
         policies: Dict[int, EvictionPolicy] = {}
         ledger = self._ledger
-        for n, (_mtime, digest, _ns, _size, _path) in enumerate(order):
-            entry = ledger.get(digest)  # one dict lookup, no lock: what changes from now on is journaled
-            if entry is not None and digest not in skip:
-                self._policy(policies, entry.ns_hash).insert(digest)
+        for n, (digest, ns_hash) in enumerate(zip(index.digests_of(records), records["ns"].tolist())):
+            if digest in ledger and digest not in skip:  # one native lookup, no lock: changes from now on are journaled
+                self._policy(policies, ns_hash).insert(digest)
             if n % 65536 == 65535:
                 time.sleep(0)  # let the serving threads have the GIL
         for digest in dict.fromkeys(fresh):

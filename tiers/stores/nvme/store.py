@@ -21,11 +21,11 @@ from typing import Iterable, List, Optional, Tuple
 
 from tiers.node.buffers import as_bytes_view
 from tiers.ops.logs import RateLimitedLog
-from tiers.stores.nvme import chunkfile as cf
+from tiers.stores.nvme import chunkfile as cf, snapshot
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.rebuild import IndexBuild
-from tiers.stores.nvme.layout import chunk_path, key_digest, namespace_hash, temp_path
+from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, key_digests, namespace_hash, temp_path
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError,
                                StoreStats, total_size)
@@ -47,6 +47,7 @@ class NvmeStore(PageStore):
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
                  direct_io: bool = True, direct_writes: bool = False, io_threads: int = 4, name: str = "nvme",
+                 index_snapshot: bool = True,
                  quotas: Optional[dict] = None, evictions: Optional[EvictionListener] = None):
         if capacity < cf.HEADER_SIZE + 1:
             raise ValueError("capacity must hold at least one chunk")
@@ -57,7 +58,8 @@ class NvmeStore(PageStore):
         self.name = name
         self.io_threads = io_threads  # the daemon's I/O pool size for this store (several reads in flight)
         self._codec = Codec(compression, compression_level)
-        self._ledger = Ledger(capacity, policy, quotas)
+        self._ledger = Ledger(self.root, capacity, policy, quotas)
+        self._snapshots = index_snapshot
         self._stripes = [threading.Lock() for _ in range(N_STRIPES)]
         self._dirsync = DirSyncer()
         self._warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
@@ -86,7 +88,7 @@ class NvmeStore(PageStore):
         return cls(opt["path"], tier.capacity, policy=tier.policy, max_page_bytes=tier.max_page_bytes,
                    fsync=opt["fsync"], compression=opt["compression"], compression_level=opt["compression_level"],
                    direct_io=opt["direct_io"], direct_writes=opt["direct_writes"], io_threads=opt["io_threads"],
-                   name=tier.name, quotas=quotas,
+                   index_snapshot=opt["index_snapshot"], name=tier.name, quotas=quotas,
                    evictions=evictions)
 
     # ------------------------------------------------------------ start-up
@@ -112,10 +114,22 @@ class NvmeStore(PageStore):
         return True
 
     def _rebuild(self) -> None:
-        """Index the chunk files: at once for a small directory, else in the background while serving."""
-        self._dirs: set = set()
+        """Index the chunk files: from the snapshot of a clean shutdown, else by a scan (at once for a small
+        directory, else in the background while serving)."""
+        self._dirs = LeafDirs()
         self._build = IndexBuild(self.root, self._ledger, self.name, self._dirs, self._discard, self._unlink_stale)
-        if not self._build.start():
+        started = time.perf_counter()
+        loaded = snapshot.load(self.root, self._ledger, self._dirs) if self._snapshots else None
+        if loaded is not None:
+            self._ledger.extra.update(rebuild_seconds=time.perf_counter() - started, rebuild_files=loaded,
+                                      snapshot_loaded=1.0)
+            self._build.done.set()
+            log.info("%s: index of %d chunks loaded from the snapshot of the last clean shutdown in %.2f s",
+                     self.name, loaded, time.perf_counter() - started)
+            for victim in self._ledger.evict_bytes(self._ledger.used - self.capacity, full_disk=False) \
+                    if self._ledger.used > self.capacity else ():
+                self._discard(*victim)  # capacity lowered since
+        elif not self._build.start():
             log.info("%s: serving while the index is rebuilt in the background (chunks not yet indexed miss)",
                      self.name)
         try:
@@ -146,15 +160,13 @@ class NvmeStore(PageStore):
 
     def _notify_evict(self, entry: Entry) -> None:
         try:
-            if entry.page_key is None or entry.raw_size is None:
-                hdr = cf.read_header(entry.path)
-                entry.page_key, entry.raw_size = (hdr.namespace, hdr.key), hdr.raw_len
-            buf = bytearray(entry.raw_size)
-            hdr = cf.read_chunk(entry.path, *entry.page_key, [memoryview(buf)], entry.raw_size, self._codec.decode,
-                                False)
+            hdr = cf.read_header(entry.path)  # the index keeps no key text: the header names the page
+            key = (hdr.namespace, hdr.key)
+            buf = bytearray(hdr.raw_len)
+            hdr = cf.read_chunk(entry.path, *key, [memoryview(buf)], hdr.raw_len, self._codec.decode, False)
         except (OSError, cf.CorruptChunk, cf.SizeMismatch):
             return  # nothing sound to hand on
-        self._evictions.page_evicted(entry.page_key, [memoryview(buf)], entry.reads, hdr.page_sum)
+        self._evictions.page_evicted(key, [memoryview(buf)], entry.reads, hdr.page_sum)
 
     def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
         """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""
@@ -205,8 +217,8 @@ class NvmeStore(PageStore):
             raise StoreFull(f"{self.name}: {exc}") from None
         try:
             tmp = self._write_temp(path, [header, *payload], encoded is None, disk)
-            entry = Entry(path, ns_hash, disk, key, size, touched=time.monotonic())
-            self._rename_commit(digest, tmp, entry, key_digest(namespace, parent) if parent else None)
+            self._rename_commit(digest, tmp, path, (ns_hash, namespace, disk, size, max(1, int(time.monotonic()))),
+                                key_digest(namespace, parent) if parent else None)
         except BaseException:
             self._ledger.release(disk, ns_hash)
             raise
@@ -271,15 +283,18 @@ class NvmeStore(PageStore):
             cf.fsync_dir(self.root)
         self._dirs.add(leaf)
 
-    def _rename_commit(self, digest: int, tmp: str, entry: Entry, parent: Optional[int]) -> None:
+    def _rename_commit(self, digest: int, tmp: str, path: str, chunk: Tuple[int, str, int, int, int],
+                       parent: Optional[int]) -> None:
+        """Rename the written chunk into place and index it: chunk is (ns_hash, namespace, disk bytes, page
+        bytes, stamp), as Ledger.commit takes them."""
         with self._stripe(digest):
             try:
-                os.rename(tmp, entry.path)
+                os.rename(tmp, path)
             except OSError as exc:
                 cf.unlink_quietly(tmp)
                 cls = StoreFull if exc.errno in _FULL_ERRNOS else StoreIOError
-                raise cls(f"{self.name}: rename to {entry.path}: {exc.strerror}") from None
-            self._ledger.commit(digest, entry, parent)
+                raise cls(f"{self.name}: rename to {path}: {exc.strerror}") from None
+            self._ledger.commit(digest, *chunk, parent)
 
     # ------------------------------------------------------------ reading
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
@@ -340,7 +355,7 @@ class NvmeStore(PageStore):
             self._forget(digest, entry, None, exc.strerror or "I/O error")
             self._ledger.miss(read_error=True)
             return None
-        if self._ledger.hit(digest, entry, key, hdr.raw_len, time.monotonic(), TOUCH_INTERVAL):
+        if self._ledger.hit(digest, entry, key[0], hdr.raw_len, time.monotonic(), TOUCH_INTERVAL):
             try:
                 os.utime(entry.path)  # the mtime is the recency a restart rebuilds from
             except OSError:
@@ -349,8 +364,10 @@ class NvmeStore(PageStore):
 
     # ---------------------------------------------------------- the rest
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
-        ledger = self._ledger
-        return [key_digest(ns, k) in ledger for ns, k in keys]
+        return [b != 0 for b in self._ledger.held([key_digest(ns, k) for ns, k in keys])]
+
+    def held(self, namespace: str, keys: List[str]) -> bytes:
+        return self._ledger.held(key_digests(namespace, keys))
 
     def _remove(self, digests: Iterable[int]) -> int:
         victims: List[Victim] = self._ledger.pop_many(digests)
@@ -380,8 +397,16 @@ class NvmeStore(PageStore):
         return snap
 
     def close(self) -> None:
-        """Release the directory lock; every acknowledged chunk is already in its file."""
+        """Save the index for the next start (when it is whole) and release the directory lock; every
+        acknowledged chunk is already in its file."""
         self._build.stop()
+        if self._snapshots and self._build.done.is_set() and self._lock_fd is not None:
+            try:
+                rows = snapshot.save(self.root, self._ledger, self._dirs)
+                if rows is not None:
+                    log.info("%s: index of %d chunks saved for the next start", self.name, rows)
+            except OSError as exc:  # the next start scans instead
+                log.warning("%s: could not save the index snapshot: %s", self.name, exc)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

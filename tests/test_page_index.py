@@ -1,0 +1,203 @@
+"""The native page index (tiers/_pageindex.c) against a plain Python model, operation by operation.
+
+Random sequences of inserts, removals (by version too), touches, victims,
+restart-scan placements and growth past every resize are run on the index
+and on dicts and ordered dicts that say what LRU and FIFO mean; after every
+step both must agree on what is held, each row's figures and every tenant's
+eviction order.
+"""
+import random
+from collections import OrderedDict
+
+import pytest
+
+from tiers.node.page_index import (MAX_TENANTS, ORDER_FIFO, ORDER_LRU, ORDER_NONE, ROW_BYTES, PageIndex, Row,
+                                   order_for, row)
+
+
+class Model:
+    def __init__(self, order):
+        self.order = order
+        self.rows = {}  # digest -> [gen, tenant, size, raw, reads, stamp]
+        self.lists = {}  # tenant -> OrderedDict digest -> None, first = next victim
+        self.scanned = set()
+
+    def insert(self, digest, tenant, size, gen, raw=0, stamp=0, scanned=False):
+        self.rows[digest] = [gen, tenant, size, raw, 0, stamp]
+        q = self.lists.setdefault(tenant, OrderedDict())
+        q[digest] = None
+        if scanned:
+            q.move_to_end(digest, last=False)
+            self.scanned.add(digest)
+
+    def remove(self, digest):
+        values = self.rows.pop(digest)
+        del self.lists[values[1]][digest]
+        self.scanned.discard(digest)
+        return tuple(values)
+
+    def touch(self, digest, raw=0, stamp=0):
+        values = self.rows[digest]
+        values[4] += 1
+        if raw:
+            values[3] = raw
+        if stamp:
+            values[5] = stamp
+        if self.order == ORDER_LRU:
+            self.lists[values[1]].move_to_end(digest)
+            self.scanned.discard(digest)
+        return values[4]
+
+    def place_scanned(self):
+        placed = sorted(self.scanned, key=lambda d: (self.rows[d][5], d & (2**64 - 1)))
+        for digest in reversed(placed):
+            self.lists[self.rows[digest][1]].move_to_end(digest, last=False)
+            self.rows[digest][5] = 0
+        self.scanned.clear()
+        return len(placed)
+
+
+def agree(ix, model):
+    assert len(ix) == len(model.rows)
+    for digest, values in model.rows.items():
+        assert ix.get(digest) == tuple(values)
+    for tenant, q in model.lists.items():
+        assert ix.count(tenant) == len(q)
+        if model.order != ORDER_NONE:
+            assert ix.digests(tenant) == list(q)
+        else:
+            assert sorted(ix.digests(tenant)) == sorted(q)
+
+
+@pytest.mark.parametrize("order", [ORDER_LRU, ORDER_FIFO, ORDER_NONE])
+def test_the_index_does_what_the_model_says(order):
+    rng = random.Random(order)
+    ix, model = PageIndex(order), Model(order)
+    pool = [rng.getrandbits(128) for _ in range(3000)]
+    for step in range(12000):
+        digest = rng.choice(pool)
+        op = rng.random()
+        if op < 0.45:
+            if digest in model.rows:
+                with pytest.raises(KeyError):
+                    ix.insert(digest, 0, 1)
+                continue
+            tenant, size = rng.randrange(4), rng.randrange(1, 2**32)
+            scanned = rng.random() < 0.2
+            stamp = rng.randrange(1, 50) if scanned else 0
+            gen = ix.insert(digest, tenant, size, stamp=stamp, scanned=scanned)
+            model.insert(digest, tenant, size, gen, stamp=stamp, scanned=scanned)
+        elif op < 0.6:
+            got = ix.remove(digest)
+            assert got == (model.remove(digest) if digest in model.rows else None)
+        elif op < 0.65 and digest in model.rows:
+            stale = model.rows[digest][0] + 1  # another version: left alone
+            assert ix.remove(digest, stale) is None and ix.touch(digest, stale) == -1
+            assert ix.remove(digest, model.rows[digest][0]) == model.remove(digest)
+        elif op < 0.85:
+            raw, stamp = rng.choice([(0, 0), (rng.randrange(1, 2**32), rng.randrange(1, 2**32))])
+            got = ix.touch(digest, 0, raw, stamp)
+            assert got == (model.touch(digest, raw, stamp) if digest in model.rows else -1)
+        elif op < 0.95 and order != ORDER_NONE:
+            tenant = rng.randrange(4)
+            q = model.lists.get(tenant)
+            victim = ix.pop_victim(tenant)
+            if not q:
+                assert victim is None
+            else:
+                expected = next(iter(q))
+                assert victim == (expected, model.remove(expected))
+        elif op > 0.995:
+            assert ix.place_scanned() == model.place_scanned()
+        elif op > 0.99:  # the same, a slice at a time
+            keys = ix.scanned_order()
+            expected = model.place_scanned()
+            placed = sum(ix.place_rows(keys, start, start + 7) for start in range(0, len(keys) // 4, 7))
+            assert placed == expected
+        if step % 500 == 0:
+            agree(ix, model)
+            assert ix.contains_many(pool) == bytes(d in model.rows for d in pool)
+    agree(ix, model)
+
+
+def test_growth_and_bytes_per_row():
+    ix = PageIndex(ORDER_LRU)
+    digests = [((i * 0x9E3779B97F4A7C15 & (2**64 - 1)) << 64) | i for i in range(1, 200_001)]
+    for i, d in enumerate(digests):
+        ix.insert(d, i % 7, 4096)
+    assert len(ix) == len(digests) and all(d in ix for d in digests[::997])
+    assert ROW_BYTES == 48
+    per_row = ix.nbytes() / len(ix)
+    assert 48 < per_row <= 48 + 4 * 2.67 + 1, per_row  # a 4-byte slot at a load of 0.375-0.75
+    for d in digests[::2]:
+        assert ix.remove(d) is not None
+    assert len(ix) == 100_000 and not any(ix.contains_many(digests[::2]))
+    assert all(ix.contains_many(digests[1::2]))
+    for d in digests[::2]:  # freed rows are reused: the row array does not grow
+        ix.insert(d, 0, 1)
+    assert ix.nbytes() / len(ix) == per_row
+
+
+def test_digests_that_share_their_low_bits_still_find_their_rows():
+    ix = PageIndex(ORDER_FIFO)
+    digests = [(i << 64) | 0xABCDEF for i in range(1, 20_001)]  # the same low 64 bits: the seeded mix spreads them
+    for d in digests:
+        ix.insert(d, 1, 1)
+    assert ix.digests(1) == digests
+    for d in digests[:10_000]:
+        ix.remove(d)
+    assert ix.contains_many(digests) == b"\0" * 10_000 + b"\1" * 10_000
+
+
+def test_bad_arguments_are_refused():
+    ix = PageIndex(ORDER_LRU)
+    with pytest.raises(TypeError):
+        ix.insert("abc", 0, 1)
+    with pytest.raises(OverflowError):
+        ix.insert(-1, 0, 1)
+    with pytest.raises(OverflowError):
+        ix.insert(2**128, 0, 1)
+    with pytest.raises(ValueError):
+        ix.insert(1, MAX_TENANTS, 1)
+    with pytest.raises(OverflowError):
+        ix.insert(1, 0, 2**32)
+    with pytest.raises(ValueError):
+        PageIndex(7)
+    with pytest.raises(TypeError):
+        PageIndex(ORDER_NONE).pop_victim(0)
+    assert len(ix) == 0 and ix.pop_victim(0) is None
+
+
+def test_rows_read_as_named_tuples_and_policies_map_to_orders():
+    ix = PageIndex(ORDER_LRU)
+    gen = ix.insert(5, 2, 10, raw=8, stamp=3)
+    assert row(ix.get(5)) == Row(gen, 2, 10, 8, 0, 3) and row(ix.get(6)) is None
+    assert (order_for("lru"), order_for("fifo"), order_for("lfu")) == (ORDER_LRU, ORDER_FIFO, ORDER_NONE)
+
+
+def test_victims_taken_while_scanned_rows_are_placed_are_always_the_oldest():
+    """Placement runs a slice at a time with the index serving between slices: whatever is evicted then is
+    never newer than a scanned row still waiting (the cold end holds the oldest placed, the rest is newer)."""
+    rng = random.Random(3)
+    ix = PageIndex(ORDER_LRU)
+    fresh = [rng.getrandbits(128) for _ in range(50)]
+    for d in fresh:
+        ix.insert(d, 0, 1)
+    stamps = rng.sample(range(1, 10**6), 2000)
+    scanned = {rng.getrandbits(128): stamp for stamp in stamps}
+    for d, stamp in scanned.items():
+        ix.insert(d, 0, 1, stamp=stamp, scanned=True)
+    keys = ix.scanned_order()
+    evicted, touched = [], set()
+    for start in range(0, len(keys) // 4, 100):
+        ix.place_rows(keys, start, start + 100)
+        for _ in range(10):
+            digest, values = ix.pop_victim(0)
+            evicted.append(digest)
+            waiting = [scanned[d] for d in scanned if d in ix and ix.get(d)[5] != 0 and d not in touched]
+            assert digest in scanned and digest not in touched and (not waiting or scanned[digest] < min(waiting))
+        hit = rng.choice([d for d in scanned if d in ix and d not in touched])
+        ix.touch(hit)  # a hit meanwhile: out of the scanned rows, to the hot end
+        touched.add(hit)
+    assert [scanned[d] for d in evicted] == sorted(scanned[d] for d in evicted)
+    assert all(d in ix for d in fresh)  # written before the scan ended: behind every scanned row

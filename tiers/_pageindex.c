@@ -1,0 +1,813 @@
+/* A page index for a whole node: 128-bit digest -> one fixed 48-byte row (tiers/node/page_index.py).
+ *
+ * A tier of tens of millions of pages cannot afford a Python dict entry, an
+ * entry object and a policy node a page (the NVMe tier spent ~470 bytes a
+ * chunk that way).  Here a page is one row in an array that grows with
+ * mremap (no copy, so no second array at the peak) and one 4-byte slot in an
+ * open-addressing table (linear probing, deletions shift back: no
+ * tombstones).  The slot of a digest mixes it with a per-index random seed,
+ * so digests chosen to share their low bits do not pile up in one run.
+ *
+ * Eviction order lives in the rows too: each tenant (a namespace, a small
+ * integer the caller assigns) has a doubly-linked list through the rows'
+ * prev/next, head = the next victim.  ORDER_LRU moves a row to the tail on
+ * every touch, ORDER_FIFO never; ORDER_NONE keeps no list (a Python policy
+ * plug-in orders the digests itself).
+ *
+ * Every call runs holding the GIL: the GIL is the index's lock (a lookup from
+ * another thread sees a whole row or none, never a table half rehashed).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+#include <errno.h>
+
+#define NIL 0xFFFFFFFFu
+#define F_USED 1u
+#define F_SCANNED 2u /* added by a restart scan, not yet placed in order: kept at the cold end */
+#define MAX_TENANTS 65536
+#define MIN_SLOTS 1024u
+
+enum { ORDER_NONE = 0, ORDER_LRU = 1, ORDER_FIFO = 2 };
+
+typedef struct {
+    uint64_t lo, hi;                 /* the digest */
+    uint32_t size, raw, reads, stamp; /* caller's figures: bytes held, page bytes, reads, a time in seconds */
+    uint32_t prev, next;             /* order list of the tenant; next also chains free rows */
+    uint32_t gen;                    /* which version of the digest this row holds (changes at each insert) */
+    uint16_t tenant, flags;
+} row_t;
+
+typedef struct { uint32_t head, tail, count, placed; } list_t; /* placed: the last row place_rows placed */
+
+typedef struct {
+    PyObject_HEAD
+    row_t *rows;
+    size_t rows_cap, rows_top; /* rows mapped, rows ever used */
+    uint32_t free_head, used;
+    uint32_t *slots;           /* row index + 1; 0 = empty */
+    size_t nslots;
+    uint64_t seed;
+    uint32_t gen;
+    int order;
+    list_t *lists;             /* MAX_TENANTS of them (1 MiB an index) */
+} PageIndex;
+
+static inline size_t slot_of(const PageIndex *ix, uint64_t lo, uint64_t hi) {
+    uint64_t h = (lo ^ ix->seed) * 0x9E3779B97F4A7C15ull ^ (hi + ix->seed);
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    return (size_t)(((unsigned __int128)h * ix->nslots) >> 64); /* any table size, not only powers of two */
+}
+
+static inline size_t next_slot(const PageIndex *ix, size_t s) { return s + 1 == ix->nslots ? 0 : s + 1; }
+
+/* Probe steps from slot a forward to slot b (the table wraps around). */
+static inline size_t steps(const PageIndex *ix, size_t a, size_t b) { return b >= a ? b - a : b + ix->nslots - a; }
+
+static int digest_of(PyObject *v, uint64_t *lo, uint64_t *hi) {
+    if (!PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "a digest is an int");
+        return -1;
+    }
+    unsigned char b[16];
+    if (_PyLong_AsByteArray((PyLongObject *)v, b, 16, 1, 0) < 0)
+        return -1;
+    memcpy(lo, b, 8);
+    memcpy(hi, b + 8, 8);
+    return 0;
+}
+
+static PyObject *digest_obj(const row_t *r) {
+    unsigned char b[16];
+    memcpy(b, &r->lo, 8);
+    memcpy(b + 8, &r->hi, 8);
+    return _PyLong_FromByteArray(b, 16, 1, 0);
+}
+
+/* The row of a digest, or NIL. */
+static uint32_t find(const PageIndex *ix, uint64_t lo, uint64_t hi) {
+    for (size_t s = slot_of(ix, lo, hi);; s = next_slot(ix, s)) {
+        uint32_t v = ix->slots[s];
+        if (!v) return NIL;
+        const row_t *r = &ix->rows[v - 1];
+        if (r->lo == lo && r->hi == hi) return v - 1;
+    }
+}
+
+static void place(PageIndex *ix, uint32_t row) {
+    size_t s = slot_of(ix, ix->rows[row].lo, ix->rows[row].hi);
+    while (ix->slots[s]) s = next_slot(ix, s);
+    ix->slots[s] = row + 1;
+}
+
+/* Room for want rows at a load of at most 0.8.  Sized for a known count (exact: reserve, load) the table is
+   loaded 0.75; one that grows as rows come grows by 1.5x at least: 5-7.5 bytes of slots a row (powers of two
+   held 5.3-10.7). */
+static int grow_slots(PageIndex *ix, size_t want, int exact) {
+    if (ix->nslots && want * 5 <= ix->nslots * 4) return 0;
+    size_t n = want * 4 / 3 + 1;
+    if (!exact && n < ix->nslots + ix->nslots / 2) n = ix->nslots + ix->nslots / 2;
+    if (n < MIN_SLOTS) n = MIN_SLOTS;
+    uint32_t *slots = mmap(NULL, n * sizeof(uint32_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (slots == MAP_FAILED) { PyErr_NoMemory(); return -1; }
+    uint32_t *old = ix->slots;
+    size_t old_n = ix->nslots;
+    ix->slots = slots;
+    ix->nslots = n;
+    for (size_t i = 0; i < old_n; i++)
+        if (old[i]) place(ix, old[i] - 1);
+    if (old) munmap(old, old_n * sizeof(uint32_t));
+    return 0;
+}
+
+static int grow_rows(PageIndex *ix, size_t want) {
+    if (want <= ix->rows_cap) return 0;
+    if (want > NIL) { PyErr_SetString(PyExc_OverflowError, "a page index holds at most 2**32 - 1 rows"); return -1; }
+    size_t cap = ix->rows_cap ? ix->rows_cap : 4096;
+    while (cap < want) cap *= 2;
+    if (cap > NIL) cap = NIL;
+    void *p = ix->rows ? mremap(ix->rows, ix->rows_cap * sizeof(row_t), cap * sizeof(row_t), MREMAP_MAYMOVE)
+                       : mmap(NULL, cap * sizeof(row_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) { PyErr_NoMemory(); return -1; }
+    ix->rows = p;
+    ix->rows_cap = cap;
+    return 0;
+}
+
+/* Take the row out of the slot table (backward-shift deletion keeps probe runs whole). */
+static void unslot(PageIndex *ix, uint32_t row) {
+    size_t s = slot_of(ix, ix->rows[row].lo, ix->rows[row].hi);
+    while (ix->slots[s] != row + 1) s = next_slot(ix, s);
+    size_t hole = s;
+    for (size_t j = next_slot(ix, hole); ix->slots[j]; j = next_slot(ix, j)) {
+        const row_t *r = &ix->rows[ix->slots[j] - 1];
+        size_t home = slot_of(ix, r->lo, r->hi);
+        /* The entry at j may fill the hole when its home is not cyclically within (hole, j]. */
+        if (steps(ix, home, j) >= steps(ix, hole, j)) {
+            ix->slots[hole] = ix->slots[j];
+            hole = j;
+        }
+    }
+    ix->slots[hole] = 0;
+}
+
+static inline list_t *list_of(PageIndex *ix, uint16_t tenant) { return &ix->lists[tenant]; }
+
+static void list_unlink(PageIndex *ix, uint32_t row) {
+    row_t *r = &ix->rows[row];
+    list_t *q = list_of(ix, r->tenant);
+    if (r->prev != NIL) ix->rows[r->prev].next = r->next; else q->head = r->next;
+    if (r->next != NIL) ix->rows[r->next].prev = r->prev; else q->tail = r->prev;
+    if (q->placed == row) q->placed = r->prev; /* placed rows are a head segment: its new last is the one before */
+    q->count--;
+}
+
+static void list_push_tail(PageIndex *ix, uint32_t row) {
+    row_t *r = &ix->rows[row];
+    list_t *q = list_of(ix, r->tenant);
+    r->next = NIL;
+    r->prev = q->tail;
+    if (q->tail != NIL) ix->rows[q->tail].next = row; else q->head = row;
+    q->tail = row;
+    q->count++;
+}
+
+static void list_push_head(PageIndex *ix, uint32_t row) {
+    row_t *r = &ix->rows[row];
+    list_t *q = list_of(ix, r->tenant);
+    r->prev = NIL;
+    r->next = q->head;
+    if (q->head != NIL) ix->rows[q->head].prev = row; else q->tail = row;
+    q->head = row;
+    q->count++;
+}
+
+static PyObject *row_tuple(const row_t *r) {
+    return Py_BuildValue("(IIIIII)", r->gen, (unsigned)r->tenant, r->size, r->raw, r->reads, r->stamp);
+}
+
+static void drop_row(PageIndex *ix, uint32_t row) {
+    row_t *r = &ix->rows[row];
+    unslot(ix, row);
+    if (ix->order != ORDER_NONE) list_unlink(ix, row);
+    r->flags = 0;
+    r->next = ix->free_head;
+    ix->free_head = row;
+    ix->used--;
+}
+
+/* ------------------------------------------------------------------ methods */
+
+static PyObject *PageIndex_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"order", "expected", NULL};
+    int order = ORDER_LRU;
+    Py_ssize_t expected = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|in", names, &order, &expected)) return NULL;
+    if (order < ORDER_NONE || order > ORDER_FIFO) {
+        PyErr_SetString(PyExc_ValueError, "order is ORDER_NONE, ORDER_LRU or ORDER_FIFO");
+        return NULL;
+    }
+    PageIndex *ix = (PageIndex *)type->tp_alloc(type, 0);
+    if (!ix) return NULL;
+    ix->order = order;
+    ix->free_head = NIL;
+    if (getrandom(&ix->seed, sizeof ix->seed, 0) != sizeof ix->seed) ix->seed = (uint64_t)(uintptr_t)ix ^ 0x5851F42D4C957F2Dull;
+    ix->lists = mmap(NULL, MAX_TENANTS * sizeof(list_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ix->lists == MAP_FAILED) { ix->lists = NULL; Py_DECREF(ix); return PyErr_NoMemory(); }
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t] = (list_t){NIL, NIL, 0, NIL};
+    if (grow_slots(ix, expected > 0 ? (size_t)expected : 0, 1) < 0 || grow_rows(ix, expected > 0 ? (size_t)expected : 1) < 0) {
+        Py_DECREF(ix);
+        return NULL;
+    }
+    return (PyObject *)ix;
+}
+
+static void PageIndex_dealloc(PageIndex *ix) {
+    if (ix->rows) munmap(ix->rows, ix->rows_cap * sizeof(row_t));
+    if (ix->slots) munmap(ix->slots, ix->nslots * sizeof(uint32_t));
+    if (ix->lists) munmap(ix->lists, MAX_TENANTS * sizeof(list_t));
+    Py_TYPE(ix)->tp_free((PyObject *)ix);
+}
+
+static Py_ssize_t PageIndex_len(PageIndex *ix) { return ix->used; }
+
+static int PageIndex_contains(PageIndex *ix, PyObject *key) {
+    uint64_t lo, hi;
+    if (digest_of(key, &lo, &hi) < 0) return -1;
+    return find(ix, lo, hi) != NIL;
+}
+
+static PyObject *PageIndex_get(PageIndex *ix, PyObject *key) {
+    uint64_t lo, hi;
+    if (digest_of(key, &lo, &hi) < 0) return NULL;
+    uint32_t row = find(ix, lo, hi);
+    if (row == NIL) Py_RETURN_NONE;
+    return row_tuple(&ix->rows[row]);
+}
+
+static int tenant_arg(long tenant) {
+    if (tenant < 0 || tenant >= MAX_TENANTS) {
+        PyErr_Format(PyExc_ValueError, "tenant %ld outside 0..%d", tenant, MAX_TENANTS - 1);
+        return -1;
+    }
+    return 0;
+}
+
+/* insert(digest, tenant, size, raw=0, stamp=0, scanned=False) -> gen; the digest must be absent. */
+static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
+    static char *names[] = {"digest", "tenant", "size", "raw", "stamp", "scanned", NULL};
+    PyObject *key;
+    long tenant;
+    unsigned long long size, raw = 0, stamp = 0;
+    int scanned = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OlK|KKp", names, &key, &tenant, &size, &raw, &stamp, &scanned))
+        return NULL;
+    uint64_t lo, hi;
+    if (digest_of(key, &lo, &hi) < 0 || tenant_arg(tenant) < 0) return NULL;
+    if (size > 0xFFFFFFFFull || raw > 0xFFFFFFFFull || stamp > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_OverflowError, "size, raw and stamp are 32-bit");
+        return NULL;
+    }
+    if (find(ix, lo, hi) != NIL) {
+        PyErr_SetString(PyExc_KeyError, "digest already indexed");
+        return NULL;
+    }
+    if (grow_slots(ix, (size_t)ix->used + 1, 0) < 0) return NULL;
+    uint32_t row;
+    if (ix->free_head != NIL) {
+        row = ix->free_head;
+        ix->free_head = ix->rows[row].next;
+    } else {
+        if (grow_rows(ix, ix->rows_top + 1) < 0) return NULL;
+        row = (uint32_t)ix->rows_top++;
+    }
+    row_t *r = &ix->rows[row];
+    r->lo = lo; r->hi = hi;
+    r->size = (uint32_t)size; r->raw = (uint32_t)raw; r->reads = 0; r->stamp = (uint32_t)stamp;
+    r->gen = ++ix->gen ? ix->gen : ++ix->gen; /* never 0: 0 means "any version" to remove and touch */
+    r->tenant = (uint16_t)tenant;
+    r->flags = F_USED | (scanned ? F_SCANNED : 0);
+    place(ix, row);
+    if (ix->order != ORDER_NONE) {
+        if (scanned) list_push_head(ix, row); else list_push_tail(ix, row);
+    }
+    ix->used++;
+    return PyLong_FromUnsignedLong(r->gen);
+}
+
+/* remove(digest, gen=0) -> the row's tuple, or None when absent (or holding another version than gen). */
+static PyObject *PageIndex_remove(PageIndex *ix, PyObject *args) {
+    PyObject *key;
+    unsigned int gen = 0;
+    if (!PyArg_ParseTuple(args, "O|I", &key, &gen)) return NULL;
+    uint64_t lo, hi;
+    if (digest_of(key, &lo, &hi) < 0) return NULL;
+    uint32_t row = find(ix, lo, hi);
+    if (row == NIL || (gen && ix->rows[row].gen != gen)) Py_RETURN_NONE;
+    PyObject *out = row_tuple(&ix->rows[row]);
+    if (out) drop_row(ix, row);
+    return out;
+}
+
+/* touch(digest, gen=0, raw=0, stamp=0) -> reads after this one, or -1 when absent; a hit: counts the read,
+   moves the row to the tail under LRU, sets raw and stamp when given (non-zero). */
+static PyObject *PageIndex_touch(PageIndex *ix, PyObject *args) {
+    PyObject *key;
+    unsigned int gen = 0, raw = 0, stamp = 0;
+    if (!PyArg_ParseTuple(args, "O|III", &key, &gen, &raw, &stamp)) return NULL;
+    uint64_t lo, hi;
+    if (digest_of(key, &lo, &hi) < 0) return NULL;
+    uint32_t row = find(ix, lo, hi);
+    if (row == NIL || (gen && ix->rows[row].gen != gen)) return PyLong_FromLong(-1);
+    row_t *r = &ix->rows[row];
+    r->reads++;
+    if (raw) r->raw = raw;
+    if (stamp) r->stamp = stamp;
+    if (ix->order == ORDER_LRU) {
+        r->flags &= ~F_SCANNED;
+        list_unlink(ix, row);
+        list_push_tail(ix, row);
+    }
+    return PyLong_FromUnsignedLong(r->reads);
+}
+
+/* pop_victim(tenant) -> (digest, tuple) of the tenant's head row, taken out; None when it has none. */
+static PyObject *PageIndex_pop_victim(PageIndex *ix, PyObject *arg) {
+    long tenant = PyLong_AsLong(arg);
+    if (tenant == -1 && PyErr_Occurred()) return NULL;
+    if (tenant_arg(tenant) < 0) return NULL;
+    if (ix->order == ORDER_NONE) {
+        PyErr_SetString(PyExc_TypeError, "this index keeps no order (ORDER_NONE)");
+        return NULL;
+    }
+    uint32_t row = ix->lists[tenant].head;
+    if (row == NIL) Py_RETURN_NONE;
+    PyObject *digest = digest_obj(&ix->rows[row]);
+    PyObject *tuple = digest ? row_tuple(&ix->rows[row]) : NULL;
+    if (!tuple) { Py_XDECREF(digest); return NULL; }
+    drop_row(ix, row);
+    return Py_BuildValue("(NN)", digest, tuple);
+}
+
+static PyObject *PageIndex_count(PageIndex *ix, PyObject *arg) {
+    long tenant = PyLong_AsLong(arg);
+    if (tenant == -1 && PyErr_Occurred()) return NULL;
+    if (tenant_arg(tenant) < 0) return NULL;
+    if (ix->order == ORDER_NONE) {
+        size_t n = 0;
+        for (size_t i = 0; i < ix->rows_top; i++)
+            n += (ix->rows[i].flags & F_USED) && ix->rows[i].tenant == tenant;
+        return PyLong_FromSize_t(n);
+    }
+    return PyLong_FromUnsignedLong(ix->lists[tenant].count);
+}
+
+/* contains_many(digests) -> one byte a digest (1 held), in one call. */
+static PyObject *PageIndex_contains_many(PageIndex *ix, PyObject *seq) {
+    PyObject *fast = PySequence_Fast(seq, "digests must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (!out) { Py_DECREF(fast); return NULL; }
+    char *held = PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t lo, hi;
+        if (digest_of(items[i], &lo, &hi) < 0) { Py_DECREF(fast); Py_DECREF(out); return NULL; }
+        held[i] = find(ix, lo, hi) != NIL;
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+/* digests(tenant=-1) -> every digest (of one tenant), in list order when the index keeps one. */
+static PyObject *PageIndex_digests(PageIndex *ix, PyObject *args) {
+    long tenant = -1;
+    if (!PyArg_ParseTuple(args, "|l", &tenant)) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    if (tenant >= 0 && tenant < MAX_TENANTS && ix->order != ORDER_NONE) {
+        for (uint32_t row = ix->lists[tenant].head; row != NIL; row = ix->rows[row].next) {
+            PyObject *d = digest_obj(&ix->rows[row]);
+            if (!d || PyList_Append(out, d) < 0) { Py_XDECREF(d); Py_DECREF(out); return NULL; }
+            Py_DECREF(d);
+        }
+        return out;
+    }
+    for (size_t i = 0; i < ix->rows_top; i++) {
+        const row_t *r = &ix->rows[i];
+        if (!(r->flags & F_USED) || (tenant >= 0 && r->tenant != tenant)) continue;
+        PyObject *d = digest_obj(r);
+        if (!d || PyList_Append(out, d) < 0) { Py_XDECREF(d); Py_DECREF(out); return NULL; }
+        Py_DECREF(d);
+    }
+    return out;
+}
+
+/* Row a sorts before row b: older stamp, then lower digest. */
+static inline int older(const row_t *rows, uint32_t a, uint32_t b) {
+    const row_t *x = &rows[a], *y = &rows[b];
+    return x->stamp != y->stamp ? x->stamp < y->stamp : x->lo < y->lo;
+}
+
+/* In-place sort of row numbers by (stamp, digest): no second buffer, so the scan's peak RAM is the index's
+   plus 4 bytes a row (glibc's qsort may allocate as much again). */
+static void sort_rows_by_age(const row_t *rows, uint32_t *a, size_t n) {
+    while (n > 16) {
+        uint32_t x = a[0], y = a[n / 2], z = a[n - 1], pivot;
+        if (older(rows, x, y)) pivot = older(rows, y, z) ? y : (older(rows, x, z) ? z : x);
+        else pivot = older(rows, x, z) ? x : (older(rows, y, z) ? z : y);
+        size_t i = 0, j = n - 1;
+        for (;;) {
+            while (older(rows, a[i], pivot)) i++;
+            while (older(rows, pivot, a[j])) j--;
+            if (i >= j) break;
+            uint32_t t = a[i]; a[i] = a[j]; a[j] = t;
+            i++; j--;
+        }
+        /* recurse into the smaller side, loop on the larger: the stack stays O(log n) */
+        if (j + 1 < n - j - 1) { sort_rows_by_age(rows, a, j + 1); a += j + 1; n -= j + 1; }
+        else { sort_rows_by_age(rows, a + j + 1, n - j - 1); n = j + 1; }
+    }
+    for (size_t i = 1; i < n; i++) {
+        uint32_t v = a[i];
+        size_t k = i;
+        while (k && older(rows, v, a[k - 1])) { a[k] = a[k - 1]; k--; }
+        a[k] = v;
+    }
+}
+
+#define SCANNED_ROW(r) (((r)->flags & (F_USED | F_SCANNED)) == (F_USED | F_SCANNED))
+
+/* scanned_order() -> bytes: the rows a scan added that nothing touched since, as uint32 row numbers sorted
+   oldest stamp first, ties by digest; placing starts (each tenant's placed segment is empty).
+   The sort runs without the GIL and reads the rows: the caller keeps every call that changes the index
+   out meanwhile (the ledger holds its lock); lookups, which only read, run. */
+static PyObject *PageIndex_scanned_order(PageIndex *ix, PyObject *unused) {
+    (void)unused;
+    size_t n = 0;
+    for (size_t i = 0; i < ix->rows_top; i++) n += SCANNED_ROW(&ix->rows[i]);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(uint32_t)));
+    if (!out) return NULL;
+    uint32_t *keys = (uint32_t *)PyBytes_AS_STRING(out);
+    size_t k = 0;
+    for (size_t i = 0; i < ix->rows_top; i++)
+        if (SCANNED_ROW(&ix->rows[i])) keys[k++] = (uint32_t)i;
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+    const row_t *rows = ix->rows;
+    Py_BEGIN_ALLOW_THREADS
+    sort_rows_by_age(rows, keys, n);
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
+/* place_rows(order, start, stop) -> rows placed: keys [start, stop) of scanned_order, oldest first, each row
+   still untouched goes right behind the rows placed before it (the first to the head): the cold end always
+   holds the oldest placed, and every unplaced scanned row is newer, however the calls interleave with others.
+   Their stamps reset to 0 (never refreshed). */
+static PyObject *PageIndex_place_rows(PageIndex *ix, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "y*nn", &buf, &start, &stop)) return NULL;
+    const uint32_t *keys = buf.buf;
+    Py_ssize_t n = buf.len / (Py_ssize_t)sizeof(uint32_t);
+    if (start < 0) start = 0;
+    if (stop > n) stop = n;
+    size_t placed = 0;
+    for (Py_ssize_t i = start; i < stop; i++) {
+        uint32_t row = keys[i];
+        if (row >= ix->rows_top || !SCANNED_ROW(&ix->rows[row])) continue; /* removed or touched meanwhile */
+        row_t *r = &ix->rows[row];
+        if (ix->order != ORDER_NONE) {
+            list_t *q = list_of(ix, r->tenant);
+            list_unlink(ix, row);
+            uint32_t after = q->placed;
+            if (after == NIL) {
+                list_push_head(ix, row);
+            } else { /* insert behind the last placed row */
+                r->prev = after;
+                r->next = ix->rows[after].next;
+                if (r->next != NIL) ix->rows[r->next].prev = row; else q->tail = row;
+                ix->rows[after].next = row;
+                q->count++;
+            }
+            q->placed = row;
+        }
+        r->flags &= ~F_SCANNED;
+        r->stamp = 0;
+        placed++;
+    }
+    PyBuffer_Release(&buf);
+    return PyLong_FromSize_t(placed);
+}
+
+/* place_scanned() -> rows placed: scanned_order and place_rows of all of it in one call. */
+static PyObject *PageIndex_place_scanned(PageIndex *ix, PyObject *unused) {
+    PyObject *order = PageIndex_scanned_order(ix, unused);
+    if (!order) return NULL;
+    PyObject *args = Py_BuildValue("(Onn)", order, (Py_ssize_t)0, PyBytes_GET_SIZE(order) / 4);
+    PyObject *out = args ? PageIndex_place_rows(ix, args) : NULL;
+    Py_XDECREF(args);
+    Py_DECREF(order);
+    return out;
+}
+
+static PyObject *PageIndex_nbytes(PageIndex *ix, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(ix->rows_top * sizeof(row_t) + ix->nslots * sizeof(uint32_t));
+}
+
+static PyObject *PageIndex_reserve(PageIndex *ix, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "reserve a count >= 0");
+    if (grow_slots(ix, (size_t)n, 1) < 0 || grow_rows(ix, (size_t)n) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+
+/* ------------------------------------------------------------- snapshots */
+
+/* What a snapshot keeps of a row: the digest and the caller's figures (the order is the file's order). */
+typedef struct {
+    uint64_t lo, hi;
+    uint32_t size, raw, reads;
+    uint16_t tenant, pad;
+} saved_t; /* 32 bytes */
+
+static inline uint64_t mix_in(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 31;
+    }
+    return h;
+}
+
+static int write_all(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) { if (errno == EINTR) continue; return -1; }
+        p += w; n -= (size_t)w;
+    }
+    return 0;
+}
+
+#define SNAP_BATCH 2048
+
+/* save(fd) -> (rows, checksum): every row at fd's position, each tenant's list from its head (the next victim),
+   32 bytes a row; the caller writes the header around it. */
+static PyObject *PageIndex_save(PageIndex *ix, PyObject *arg) {
+    int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0) return NULL;
+    if (ix->order == ORDER_NONE) {
+        PyErr_SetString(PyExc_TypeError, "an index without order (ORDER_NONE) is not saved");
+        return NULL;
+    }
+    saved_t *buf = PyMem_RawMalloc(SNAP_BATCH * sizeof(saved_t));
+    if (!buf) return PyErr_NoMemory();
+    uint64_t h = 0x243F6A8885A308D3ull, rows = 0;
+    size_t k = 0;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS /* the caller holds the index still (a store that is closing): no other call runs */
+    for (size_t t = 0; t < MAX_TENANTS && !failed; t++) {
+        for (uint32_t row = ix->lists[t].head; row != NIL && !failed; row = ix->rows[row].next) {
+            const row_t *r = &ix->rows[row];
+            buf[k++] = (saved_t){r->lo, r->hi, r->size, r->raw, r->reads, r->tenant, 0};
+            if (k == SNAP_BATCH) {
+                h = mix_in(h, buf, k * sizeof(saved_t));
+                failed = write_all(fd, buf, k * sizeof(saved_t));
+                rows += k; k = 0;
+            }
+        }
+    }
+    if (!failed && k) {
+        h = mix_in(h, buf, k * sizeof(saved_t));
+        failed = write_all(fd, buf, k * sizeof(saved_t));
+        rows += k;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(buf);
+    if (failed) return PyErr_SetFromErrno(PyExc_OSError);
+    return Py_BuildValue("(KK)", (unsigned long long)rows, (unsigned long long)h);
+}
+
+static void reset(PageIndex *ix) {
+    memset(ix->slots, 0, ix->nslots * sizeof(uint32_t));
+    ix->rows_top = 0; ix->used = 0; ix->free_head = NIL;
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t] = (list_t){NIL, NIL, 0, NIL};
+}
+
+/* load(fd, rows, checksum) -> rows: fill an empty index from save's bytes at fd's position, in their order.
+   ValueError (and an empty index) when the bytes are short, do not add up to checksum, or repeat a digest. */
+static PyObject *PageIndex_load(PageIndex *ix, PyObject *args) {
+    PyObject *file;
+    unsigned long long rows, want;
+    if (!PyArg_ParseTuple(args, "OKK", &file, &rows, &want)) return NULL;
+    int fd = PyObject_AsFileDescriptor(file);
+    if (fd < 0) return NULL;
+    if (ix->used) { PyErr_SetString(PyExc_ValueError, "load into an empty index only"); return NULL; }
+    if (grow_slots(ix, rows, 1) < 0 || grow_rows(ix, ix->rows_top + (rows ? rows : 1)) < 0) return NULL;
+    saved_t *buf = PyMem_RawMalloc(SNAP_BATCH * sizeof(saved_t));
+    if (!buf) return PyErr_NoMemory();
+    uint64_t h = 0x243F6A8885A308D3ull, done = 0;
+    const char *why = NULL;
+    while (done < rows && !why) {
+        size_t n = rows - done < SNAP_BATCH ? (size_t)(rows - done) : SNAP_BATCH, got = 0;
+        while (got < n * sizeof(saved_t)) {
+            ssize_t r = read(fd, (char *)buf + got, n * sizeof(saved_t) - got);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) { why = "the snapshot is shorter than its header says"; break; }
+            got += (size_t)r;
+        }
+        if (why) break;
+        h = mix_in(h, buf, n * sizeof(saved_t));
+        for (size_t i = 0; i < n; i++) {
+            const saved_t *s = &buf[i];
+            if (find(ix, s->lo, s->hi) != NIL) { why = "the snapshot holds a digest twice"; break; }
+            uint32_t row = (uint32_t)ix->rows_top++;
+            row_t *r = &ix->rows[row];
+            *r = (row_t){s->lo, s->hi, s->size, s->raw, s->reads, 0, NIL, NIL, ++ix->gen ? ix->gen : ++ix->gen,
+                         s->tenant, F_USED};
+            place(ix, row);
+            if (ix->order != ORDER_NONE) list_push_tail(ix, row);
+            ix->used++;
+        }
+        done += n;
+    }
+    PyMem_RawFree(buf);
+    if (!why && h != want) why = "the snapshot's checksum does not match";
+    if (why) {
+        reset(ix);
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(done);
+}
+
+/* totals() -> {tenant: (rows, size summed)} of an index that keeps order (empty for ORDER_NONE) */
+static PyObject *PageIndex_totals(PageIndex *ix, PyObject *unused) {
+    (void)unused;
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (size_t t = 0; t < MAX_TENANTS; t++) {
+        size_t n = 0;
+        unsigned long long bytes = 0;
+        if (ix->order == ORDER_NONE || !ix->lists[t].count) continue; /* only ordered indexes are saved */
+        for (uint32_t row = ix->lists[t].head; row != NIL; row = ix->rows[row].next, n++) bytes += ix->rows[row].size;
+        PyObject *key = PyLong_FromSize_t(t), *value = Py_BuildValue("(nK)", (Py_ssize_t)n, bytes);
+        if (!key || !value || PyDict_SetItem(out, key, value) < 0) {
+            Py_XDECREF(key); Py_XDECREF(value); Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(key); Py_DECREF(value);
+    }
+    return out;
+}
+
+static int add_total(PyObject *totals, long tenant, unsigned long long bytes) {
+    PyObject *key = PyLong_FromLong(tenant);
+    if (!key) return -1;
+    PyObject *old = PyDict_GetItemWithError(totals, key);
+    unsigned long long sum = bytes + (old ? PyLong_AsUnsignedLongLong(old) : 0);
+    PyObject *value = PyErr_Occurred() ? NULL : PyLong_FromUnsignedLongLong(sum);
+    int rc = value ? PyDict_SetItem(totals, key, value) : -1;
+    Py_DECREF(key);
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* A restart scan's record (tiers/_chunkscan.c): digest, namespace hash, on-disk bytes, mtime in seconds. */
+typedef struct { uint64_t lo, hi, ns; uint32_t size, mtime; } scanned_t;
+
+/* insert_scanned(records, tenants) -> {tenant: bytes added}: every record whose digest is not indexed yet, as
+   insert(..., stamp=mtime, scanned=True) would; tenants maps each namespace hash of the records to its tenant. */
+static PyObject *PageIndex_insert_scanned(PageIndex *ix, PyObject *args) {
+    Py_buffer buf;
+    PyObject *tenants;
+    if (!PyArg_ParseTuple(args, "y*O!", &buf, &PyDict_Type, &tenants)) return NULL;
+    PyObject *out = NULL;
+    size_t n = (size_t)buf.len / sizeof(scanned_t);
+    const scanned_t *recs = buf.buf;
+    enum { CACHE = 16 };
+    uint64_t cached_ns[CACHE];
+    long cached_tenant[CACHE];
+    unsigned long long added[CACHE];
+    int ncached = 0;
+    PyObject *totals = PyDict_New();
+    if (!totals) goto done;
+    if ((size_t)buf.len % sizeof(scanned_t)) { PyErr_SetString(PyExc_ValueError, "records of 32 bytes"); goto done; }
+    if (grow_slots(ix, (size_t)ix->used + n, 0) < 0 || grow_rows(ix, ix->rows_top + n) < 0) goto done;
+    for (size_t i = 0; i < n; i++) {
+        const scanned_t *s = &recs[i];
+        if (find(ix, s->lo, s->hi) != NIL) continue;
+        int c = 0;
+        while (c < ncached && cached_ns[c] != s->ns) c++;
+        if (c == ncached) { /* a namespace not seen in this batch: ask the map (flushing the cache when full) */
+            PyObject *key = PyLong_FromUnsignedLongLong(s->ns);
+            PyObject *value = key ? PyDict_GetItemWithError(tenants, key) : NULL;
+            Py_XDECREF(key);
+            if (!value) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "a namespace hash without a tenant"); goto done; }
+            long tenant = PyLong_AsLong(value);
+            if ((tenant == -1 && PyErr_Occurred()) || tenant_arg(tenant) < 0) goto done;
+            if (ncached == CACHE) {
+                for (int k = 0; k < ncached; k++)
+                    if (add_total(totals, cached_tenant[k], added[k]) < 0) goto done;
+                ncached = c = 0;
+            }
+            cached_ns[c] = s->ns; cached_tenant[c] = tenant; added[c] = 0;
+            ncached++;
+        }
+        uint32_t row;
+        if (ix->free_head != NIL) { row = ix->free_head; ix->free_head = ix->rows[row].next; }
+        else row = (uint32_t)ix->rows_top++;
+        row_t *r = &ix->rows[row];
+        *r = (row_t){s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, NIL, NIL, ++ix->gen ? ix->gen : ++ix->gen,
+                     (uint16_t)cached_tenant[c], F_USED | F_SCANNED};
+        place(ix, row);
+        if (ix->order != ORDER_NONE) list_push_head(ix, row);
+        ix->used++;
+        added[c] += s->size;
+    }
+    for (int k = 0; k < ncached; k++)
+        if (add_total(totals, cached_tenant[k], added[k]) < 0) goto done;
+    out = totals;
+    totals = NULL;
+done:
+    Py_XDECREF(totals);
+    PyBuffer_Release(&buf);
+    return out;
+}
+
+static PyMethodDef PageIndex_methods[] = {
+    {"get", (PyCFunction)PageIndex_get, METH_O, "get(digest) -> (gen, tenant, size, raw, reads, stamp) or None"},
+    {"insert", (PyCFunction)(void (*)(void))PageIndex_insert, METH_VARARGS | METH_KEYWORDS,
+     "insert(digest, tenant, size, raw=0, stamp=0, scanned=False) -> gen (KeyError when present)"},
+    {"remove", (PyCFunction)PageIndex_remove, METH_VARARGS, "remove(digest, gen=0) -> the row's tuple or None"},
+    {"touch", (PyCFunction)PageIndex_touch, METH_VARARGS, "touch(digest, gen=0, raw=0, stamp=0) -> reads or -1"},
+    {"pop_victim", (PyCFunction)PageIndex_pop_victim, METH_O, "pop_victim(tenant) -> (digest, tuple) or None"},
+    {"count", (PyCFunction)PageIndex_count, METH_O, "count(tenant) -> rows of the tenant"},
+    {"contains_many", (PyCFunction)PageIndex_contains_many, METH_O, "contains_many(digests) -> bytes"},
+    {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
+    {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,
+     "place_scanned() -> rows moved to the cold end, oldest stamp first"},
+    {"scanned_order", (PyCFunction)PageIndex_scanned_order, METH_NOARGS,
+     "scanned_order() -> bytes: untouched scanned rows, uint32 row numbers oldest first"},
+    {"place_rows", (PyCFunction)PageIndex_place_rows, METH_VARARGS,
+     "place_rows(order, start, stop) -> rows placed behind the ones placed before"},
+    {"nbytes", (PyCFunction)PageIndex_nbytes, METH_NOARGS, "nbytes() -> bytes of rows and slots in use"},
+    {"reserve", (PyCFunction)PageIndex_reserve, METH_O, "reserve(n): room for n rows without growing"},
+    {"save", (PyCFunction)PageIndex_save, METH_O, "save(fd) -> (rows, checksum): the rows in order at fd"},
+    {"load", (PyCFunction)PageIndex_load, METH_VARARGS, "load(fd, rows, checksum) -> rows read (ValueError if bad)"},
+    {"totals", (PyCFunction)PageIndex_totals, METH_NOARGS, "totals() -> {tenant: (rows, bytes)}"},
+    {"insert_scanned", (PyCFunction)PageIndex_insert_scanned, METH_VARARGS,
+     "insert_scanned(records, tenants) -> {tenant: bytes}: a restart scan's records not indexed yet"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods PageIndex_as_sequence = {
+    .sq_length = (lenfunc)PageIndex_len,
+    .sq_contains = (objobjproc)PageIndex_contains,
+};
+
+static PyTypeObject PageIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tiers._pageindex.PageIndex",
+    .tp_basicsize = sizeof(PageIndex),
+    .tp_dealloc = (destructor)PageIndex_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "128-bit digest -> a fixed row, with per-tenant eviction lists (tiers/node/page_index.py)",
+    .tp_methods = PageIndex_methods,
+    .tp_as_sequence = &PageIndex_as_sequence,
+    .tp_new = PageIndex_new,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "tiers._pageindex", .m_size = -1};
+
+PyMODINIT_FUNC PyInit__pageindex(void) {
+    if (PyType_Ready(&PageIndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&PageIndexType);
+    if (PyModule_AddObject(m, "PageIndex", (PyObject *)&PageIndexType) < 0 ||
+        PyModule_AddIntConstant(m, "ORDER_NONE", ORDER_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "ORDER_LRU", ORDER_LRU) < 0 ||
+        PyModule_AddIntConstant(m, "ORDER_FIFO", ORDER_FIFO) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_TENANTS", MAX_TENANTS) < 0 ||
+        PyModule_AddIntConstant(m, "ROW_BYTES", sizeof(row_t)) < 0 ||
+        PyModule_AddIntConstant(m, "SAVED_ROW_BYTES", sizeof(saved_t)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
