@@ -41,15 +41,15 @@ class Model:
         values[4] += 1
         if raw:
             values[3] = raw
-        if stamp:
-            values[5] = stamp
         if self.order == ORDER_LRU:
             self.lists[values[1]].move_to_end(digest)
             self.scanned.discard(digest)
+        if stamp and digest not in self.scanned:  # a scanned row keeps its mtime until placed
+            values[5] = stamp
         return values[4]
 
     def place_scanned(self):
-        placed = sorted(self.scanned, key=lambda d: (self.rows[d][5], d & (2**64 - 1)))
+        placed = sorted(self.scanned, key=lambda d: self.rows[d][5])
         for digest in reversed(placed):
             self.lists[self.rows[digest][1]].move_to_end(digest, last=False)
             self.rows[digest][5] = 0
@@ -74,6 +74,7 @@ def test_the_index_does_what_the_model_says(order):
     rng = random.Random(order)
     ix, model = PageIndex(order), Model(order)
     pool = [rng.getrandbits(128) for _ in range(3000)]
+    stamps = iter(rng.sample(range(1, 10**6), 12000))
     for step in range(12000):
         digest = rng.choice(pool)
         op = rng.random()
@@ -84,7 +85,7 @@ def test_the_index_does_what_the_model_says(order):
                 continue
             tenant, size = rng.randrange(4), rng.randrange(1, 2**32)
             scanned = rng.random() < 0.2
-            stamp = rng.randrange(1, 50) if scanned else 0
+            stamp = next(stamps) if scanned else 0  # distinct: ties go in the order of the rows
             gen = ix.insert(digest, tenant, size, stamp=stamp, scanned=scanned)
             model.insert(digest, tenant, size, gen, stamp=stamp, scanned=scanned)
         elif op < 0.6:
@@ -109,10 +110,15 @@ def test_the_index_does_what_the_model_says(order):
                 assert victim == (expected, model.remove(expected))
         elif op > 0.995:
             assert ix.place_scanned() == model.place_scanned()
-        elif op > 0.99:  # the same, a slice at a time
-            keys = ix.scanned_order()
-            expected = model.place_scanned()
-            placed = sum(ix.place_rows(keys, start, start + 7) for start in range(0, len(keys) // 4, 7))
+        elif op > 0.99:  # the same, in batches of at most 5 rows' keys, a slice of 2 at a time
+            expected, placed = model.place_scanned(), 0
+            ix.start_placing()
+            bounds = ix.scanned_bounds(5)
+            assert bounds == sorted(bounds)
+            for lo, hi in zip([0] + bounds, bounds + [None]):
+                keys = ix.scanned_order(lo, hi)
+                assert 0 < len(keys) // 8 <= 5 or (hi is None and not bounds)  # distinct stamps: no bucket over 5
+                placed += sum(ix.place_rows(keys, start, start + 2) for start in range(0, len(keys) // 8, 2))
             assert placed == expected
         if step % 500 == 0:
             agree(ix, model)
@@ -187,9 +193,10 @@ def test_victims_taken_while_scanned_rows_are_placed_are_always_the_oldest():
     scanned = {rng.getrandbits(128): stamp for stamp in stamps}
     for d, stamp in scanned.items():
         ix.insert(d, 0, 1, stamp=stamp, scanned=True)
+    ix.start_placing()
     keys = ix.scanned_order()
     evicted, touched = [], set()
-    for start in range(0, len(keys) // 4, 100):
+    for start in range(0, len(keys) // 8, 100):
         ix.place_rows(keys, start, start + 100)
         for _ in range(10):
             digest, values = ix.pop_victim(0)

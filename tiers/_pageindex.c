@@ -109,11 +109,11 @@ static void place(PageIndex *ix, uint32_t row) {
 }
 
 /* Room for want rows at a load of at most 0.8.  Sized for a known count (exact: reserve, load) the table is
-   loaded 0.75; one that grows as rows come grows by 1.5x at least: 5-7.5 bytes of slots a row (powers of two
-   held 5.3-10.7). */
+   loaded 0.8; one that grows as rows come grows by 1.5x at least: 5-7.5 bytes of slots a row (powers of two
+   held 5.3-10.7).  Linear probing at 0.8 takes ~3 probes for a hit, ~13 for a miss, on 4-byte slots. */
 static int grow_slots(PageIndex *ix, size_t want, int exact) {
     if (ix->nslots && want * 5 <= ix->nslots * 4) return 0;
-    size_t n = want * 4 / 3 + 1;
+    size_t n = want * 5 / 4 + 1;
     if (!exact && n < ix->nslots + ix->nslots / 2) n = ix->nslots + ix->nslots / 2;
     if (n < MIN_SLOTS) n = MIN_SLOTS;
     uint32_t *slots = mmap(NULL, n * sizeof(uint32_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -330,12 +330,12 @@ static PyObject *PageIndex_touch(PageIndex *ix, PyObject *args) {
     row_t *r = &ix->rows[row];
     r->reads++;
     if (raw) r->raw = raw;
-    if (stamp) r->stamp = stamp;
     if (ix->order == ORDER_LRU) {
         r->flags &= ~F_SCANNED;
         list_unlink(ix, row);
         list_push_tail(ix, row);
     }
+    if (stamp && !(r->flags & F_SCANNED)) r->stamp = stamp; /* a scanned row's stamp is its mtime until placed */
     return PyLong_FromUnsignedLong(r->reads);
 }
 
@@ -412,60 +412,125 @@ static PyObject *PageIndex_digests(PageIndex *ix, PyObject *args) {
     return out;
 }
 
-/* Row a sorts before row b: older stamp, then lower digest. */
-static inline int older(const row_t *rows, uint32_t a, uint32_t b) {
-    const row_t *x = &rows[a], *y = &rows[b];
-    return x->stamp != y->stamp ? x->stamp < y->stamp : x->lo < y->lo;
-}
-
-/* In-place sort of row numbers by (stamp, digest): no second buffer, so the scan's peak RAM is the index's
-   plus 4 bytes a row (glibc's qsort may allocate as much again). */
-static void sort_rows_by_age(const row_t *rows, uint32_t *a, size_t n) {
+/* In-place sort of 64-bit keys, no second buffer. */
+static void sort_keys(uint64_t *a, size_t n) {
     while (n > 16) {
-        uint32_t x = a[0], y = a[n / 2], z = a[n - 1], pivot;
-        if (older(rows, x, y)) pivot = older(rows, y, z) ? y : (older(rows, x, z) ? z : x);
-        else pivot = older(rows, x, z) ? x : (older(rows, y, z) ? z : y);
+        uint64_t x = a[0], y = a[n / 2], z = a[n - 1];
+        uint64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
         size_t i = 0, j = n - 1;
         for (;;) {
-            while (older(rows, a[i], pivot)) i++;
-            while (older(rows, pivot, a[j])) j--;
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
             if (i >= j) break;
-            uint32_t t = a[i]; a[i] = a[j]; a[j] = t;
+            uint64_t t = a[i]; a[i] = a[j]; a[j] = t;
             i++; j--;
         }
         /* recurse into the smaller side, loop on the larger: the stack stays O(log n) */
-        if (j + 1 < n - j - 1) { sort_rows_by_age(rows, a, j + 1); a += j + 1; n -= j + 1; }
-        else { sort_rows_by_age(rows, a + j + 1, n - j - 1); n = j + 1; }
+        if (j + 1 < n - j - 1) { sort_keys(a, j + 1); a += j + 1; n -= j + 1; }
+        else { sort_keys(a + j + 1, n - j - 1); n = j + 1; }
     }
     for (size_t i = 1; i < n; i++) {
-        uint32_t v = a[i];
+        uint64_t v = a[i];
         size_t k = i;
-        while (k && older(rows, v, a[k - 1])) { a[k] = a[k - 1]; k--; }
+        while (k && a[k - 1] > v) { a[k] = a[k - 1]; k--; }
         a[k] = v;
     }
 }
 
 #define SCANNED_ROW(r) (((r)->flags & (F_USED | F_SCANNED)) == (F_USED | F_SCANNED))
 
-/* scanned_order() -> bytes: the rows a scan added that nothing touched since, as uint32 row numbers sorted
-   oldest stamp first, ties by digest; placing starts (each tenant's placed segment is empty).
-   The sort runs without the GIL and reads the rows: the caller keeps every call that changes the index
-   out meanwhile (the ledger holds its lock); lookups, which only read, run. */
-static PyObject *PageIndex_scanned_order(PageIndex *ix, PyObject *unused) {
-    (void)unused;
+static inline uint64_t scan_key(const row_t *rows, size_t i) { return ((uint64_t)rows[i].stamp << 32) | i; }
+
+static int key_range(PyObject *args, uint64_t *lo, uint64_t *hi) {
+    PyObject *lo_obj = NULL, *hi_obj = NULL;
+    *lo = 0;
+    *hi = UINT64_MAX;
+    if (!PyArg_ParseTuple(args, "|OO", &lo_obj, &hi_obj)) return -1;
+    if (lo_obj && lo_obj != Py_None && (*lo = PyLong_AsUnsignedLongLong(lo_obj)) == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    if (hi_obj && hi_obj != Py_None && (*hi = PyLong_AsUnsignedLongLong(hi_obj)) == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* Passes over every row hold the GIL a million rows at a time (~5 ms), then let waiting threads run: a daemon
+   of ten million chunks would otherwise stop answering for the length of a pass.  The rows may move and change
+   meanwhile, so a pass reads ix->rows anew after each yield and takes what it sees. */
+#define YIELD_ROWS (1u << 20)
+#define MAYBE_YIELD(i) do { if (((i) & (YIELD_ROWS - 1)) == YIELD_ROWS - 1) { Py_BEGIN_ALLOW_THREADS Py_END_ALLOW_THREADS } } while (0)
+
+/* scanned_order(lo=0, hi=None) -> bytes: the rows a scan added that nothing touched since whose key
+   (stamp << 32 | row) lies in [lo, hi), as sorted uint64 keys: oldest stamp first, ties in the order the scan
+   stored them.  The keys are a copy, sorted without the GIL and without any lock of the caller while the
+   index serves and changes (place_rows skips a row that changed meanwhile).  scanned_bounds picks ranges
+   that keep the copy small. */
+static PyObject *PageIndex_scanned_order(PageIndex *ix, PyObject *args) {
+    uint64_t lo, hi;
+    if (key_range(args, &lo, &hi) < 0) return NULL;
     size_t n = 0;
-    for (size_t i = 0; i < ix->rows_top; i++) n += SCANNED_ROW(&ix->rows[i]);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(uint32_t)));
+    for (size_t i = 0; i < ix->rows_top; i++) {
+        if (SCANNED_ROW(&ix->rows[i])) { uint64_t k = scan_key(ix->rows, i); n += k >= lo && k < hi; }
+        MAYBE_YIELD(i);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(uint64_t)));
     if (!out) return NULL;
-    uint32_t *keys = (uint32_t *)PyBytes_AS_STRING(out);
+    uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(out);
     size_t k = 0;
-    for (size_t i = 0; i < ix->rows_top; i++)
-        if (SCANNED_ROW(&ix->rows[i])) keys[k++] = (uint32_t)i;
-    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
-    const row_t *rows = ix->rows;
-    Py_BEGIN_ALLOW_THREADS
-    sort_rows_by_age(rows, keys, n);
+    for (size_t i = 0; i < ix->rows_top && k < n; i++) {
+        if (SCANNED_ROW(&ix->rows[i])) { uint64_t key = scan_key(ix->rows, i); if (key >= lo && key < hi) keys[k++] = key; }
+        MAYBE_YIELD(i);
+    }
+    Py_BEGIN_ALLOW_THREADS /* the keys are ours alone until returned */
+    sort_keys(keys, k);
     Py_END_ALLOW_THREADS
+    if (k < n && _PyBytes_Resize(&out, (Py_ssize_t)(k * sizeof(uint64_t))) < 0) return NULL; /* rows went meanwhile */
+    return out;
+}
+
+#define BOUND_BUCKETS 65536
+
+/* scanned_bounds(budget) -> [hi, ...]: ascending key bounds that cut the scanned rows' keys into batches of
+   about budget (a batch is [previous bound or 0, bound), the last one open-ended, so the list may be empty):
+   two passes over the rows, a histogram of the keys in between.  A single bucket of more than budget keys
+   (many files of one second) makes a batch larger than budget. */
+static PyObject *PageIndex_scanned_bounds(PageIndex *ix, PyObject *arg) {
+    unsigned long long budget = PyLong_AsUnsignedLongLong(arg);
+    if (budget == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!budget) budget = 1;
+    uint64_t bottom = UINT64_MAX, top = 0;
+    size_t n = 0;
+    for (size_t i = 0; i < ix->rows_top; i++) {
+        if (SCANNED_ROW(&ix->rows[i])) {
+            uint64_t k = scan_key(ix->rows, i);
+            n++;
+            if (k < bottom) bottom = k;
+            if (k > top) top = k;
+        }
+        MAYBE_YIELD(i);
+    }
+    PyObject *out = PyList_New(0);
+    if (!out || n <= budget) return out;
+    size_t *counts = PyMem_RawCalloc(BOUND_BUCKETS, sizeof(size_t));
+    if (!counts) { Py_DECREF(out); return PyErr_NoMemory(); }
+    uint64_t width = (top - bottom) / BOUND_BUCKETS + 1;
+    for (size_t i = 0; i < ix->rows_top; i++) {
+        if (SCANNED_ROW(&ix->rows[i])) {
+            uint64_t k = scan_key(ix->rows, i);
+            if (k >= bottom && k <= top) counts[(k - bottom) / width]++;
+        }
+        MAYBE_YIELD(i);
+    }
+    size_t batch = 0;
+    for (size_t b = 0; b < BOUND_BUCKETS; b++) {
+        if (batch && batch + counts[b] > budget) {
+            PyObject *bound = PyLong_FromUnsignedLongLong(bottom + (uint64_t)b * width);
+            if (!bound || PyList_Append(out, bound) < 0) { Py_XDECREF(bound); Py_CLEAR(out); break; }
+            Py_DECREF(bound);
+            batch = 0;
+        }
+        batch += counts[b];
+    }
+    PyMem_RawFree(counts);
     return out;
 }
 
@@ -477,13 +542,13 @@ static PyObject *PageIndex_place_rows(PageIndex *ix, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t start, stop;
     if (!PyArg_ParseTuple(args, "y*nn", &buf, &start, &stop)) return NULL;
-    const uint32_t *keys = buf.buf;
-    Py_ssize_t n = buf.len / (Py_ssize_t)sizeof(uint32_t);
+    const uint64_t *keys = buf.buf;
+    Py_ssize_t n = buf.len / (Py_ssize_t)sizeof(uint64_t);
     if (start < 0) start = 0;
     if (stop > n) stop = n;
     size_t placed = 0;
     for (Py_ssize_t i = start; i < stop; i++) {
-        uint32_t row = keys[i];
+        uint32_t row = (uint32_t)keys[i];
         if (row >= ix->rows_top || !SCANNED_ROW(&ix->rows[row])) continue; /* removed or touched meanwhile */
         row_t *r = &ix->rows[row];
         if (ix->order != ORDER_NONE) {
@@ -509,11 +574,21 @@ static PyObject *PageIndex_place_rows(PageIndex *ix, PyObject *args) {
     return PyLong_FromSize_t(placed);
 }
 
+static PyObject *PageIndex_start_placing(PageIndex *ix, PyObject *unused) {
+    (void)unused;
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+    Py_RETURN_NONE;
+}
+
 /* place_scanned() -> rows placed: scanned_order and place_rows of all of it in one call. */
 static PyObject *PageIndex_place_scanned(PageIndex *ix, PyObject *unused) {
-    PyObject *order = PageIndex_scanned_order(ix, unused);
+    (void)unused;
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+    PyObject *none = PyTuple_New(0);
+    PyObject *order = none ? PageIndex_scanned_order(ix, none) : NULL;
+    Py_XDECREF(none);
     if (!order) return NULL;
-    PyObject *args = Py_BuildValue("(Onn)", order, (Py_ssize_t)0, PyBytes_GET_SIZE(order) / 4);
+    PyObject *args = Py_BuildValue("(Onn)", order, (Py_ssize_t)0, PyBytes_GET_SIZE(order) / 8);
     PyObject *out = args ? PageIndex_place_rows(ix, args) : NULL;
     Py_XDECREF(args);
     Py_DECREF(order);
@@ -761,8 +836,12 @@ static PyMethodDef PageIndex_methods[] = {
     {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
     {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,
      "place_scanned() -> rows moved to the cold end, oldest stamp first"},
-    {"scanned_order", (PyCFunction)PageIndex_scanned_order, METH_NOARGS,
-     "scanned_order() -> bytes: untouched scanned rows, uint32 row numbers oldest first"},
+    {"scanned_order", (PyCFunction)PageIndex_scanned_order, METH_VARARGS,
+     "scanned_order(lo=0, hi=None) -> bytes: untouched scanned rows' keys (stamp << 32 | row) in [lo, hi), sorted"},
+    {"scanned_bounds", (PyCFunction)PageIndex_scanned_bounds, METH_O,
+     "scanned_bounds(budget) -> [bound, ...]: key bounds cutting the scanned rows into batches of ~budget"},
+    {"start_placing", (PyCFunction)PageIndex_start_placing, METH_NOARGS,
+     "start_placing(): each tenant's placed segment empty (place_rows puts the first row at the head)"},
     {"place_rows", (PyCFunction)PageIndex_place_rows, METH_VARARGS,
      "place_rows(order, start, stop) -> rows placed behind the ones placed before"},
     {"nbytes", (PyCFunction)PageIndex_nbytes, METH_NOARGS, "nbytes() -> bytes of rows and slots in use"},

@@ -75,7 +75,7 @@ class IndexBuild:
                     # index takes its full size now, while it holds little, instead of rehashing ever
                     # larger tables under the GIL as it grows (30 ms at a million, 0.3 s at ten).
                     sized = True
-                    self._ledger.reserve_rows(int((files + len(records)) * part.parts / done_parts * 1.1))
+                    self._ledger.reserve_rows(int((files + len(records)) * part.parts / done_parts * 1.05))
                 for start in range(0, len(records), ADD_SLICE):
                     for digest, path in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
                         self._unlink_stale(digest, path)
@@ -89,6 +89,7 @@ class IndexBuild:
             if self._stop.is_set():
                 return
             victims: List[Victim] = self._finish(order)
+            index.trim()  # the scan's and the placement's freed buffers back to the system
             for victim in victims:
                 self._discard(*victim)
             seconds = time.perf_counter() - started
