@@ -430,6 +430,8 @@ class TierDaemon:
         stats["regions"] = len(self._regions) if self._regions is not None else 0
         stats["attach_refused"] = self._regions.refused if self._regions is not None else 0
         stats["leases"] = self.arena.lease_count()
+        # 1 once the daemon's arena and the store's own (a pool's) are faulted in: copies run at full speed
+        stats["arena_prefaulted"] = float(self.arena.prefaulted.is_set() and stats.get("store_prefaulted", 1.0) == 1.0)
         stats["leases_expired"] = self.arena.leases_expired
         stats["staging_full"] = self.transfers.staging_full
         stats["source_gone"] = self.transfers.source_gone

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import List, Optional
 
 from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, create_backend, fill_pages,
@@ -64,6 +65,24 @@ class Node:
         self.runner = NodeRunner(config_text, os.path.join(root, "run"), os.path.join(root, "data"),
                                  config_path=os.path.join(root, "node.toml"), log_level="warning")
         self.runner.start(timeout=120.0)
+        self.wait_prefaulted()
+
+    def wait_prefaulted(self, timeout: float = 120.0) -> None:
+        """Wait until each daemon says its arenas are faulted in (stats: arena_prefaulted): a daemon serves at
+        once and faults its staging in behind it, and a measurement taken meanwhile would time the faults
+        (~10x a warm copy), not the daemon a user runs for hours."""
+        from tiers.wire.client import TierClient
+        end = time.monotonic() + timeout
+        for tier in self.runner.config.tiers:
+            client = TierClient(tier.name, tier.endpoint, "bench-probe", curve=tier.curve)
+            try:
+                while time.monotonic() < end:
+                    stats = client.stats()
+                    if stats is None or stats.get("arena_prefaulted", 1.0) == 1.0:
+                        break
+                    time.sleep(0.1)
+            finally:
+                client.close()
 
     def data_path(self, tier: str) -> str:
         return self.runner.config.tier(tier).options.get("path") or os.path.join(self.runner.data_dir, tier)

@@ -331,7 +331,8 @@ class PoolStore(PageStore):
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items() if k != "extra"})
             snap.pages = len(self._index)
             snap.extra = {"block_size": self.block_size, "free_blocks": self.blocks.free_blocks(),
-                          "reserved_bytes": self._reserved_bytes, "leases": len(self._leases)}
+                          "reserved_bytes": self._reserved_bytes, "leases": len(self._leases),
+                          "store_prefaulted": float(self.blocks.prefaulted.is_set())}
             return snap
 
     def close(self) -> None:
