@@ -1,4 +1,5 @@
-"""The cuts a batched copy is made of: scatter_pages (numpy, whole batch) against scatter_runs (page by page).
+"""The cuts a batched copy is made of: scatter_pages (numpy for a batch, page by page for a small group)
+against scatter_runs (page by page).
 
 Every copy between a host pool and an arena is planned by scatter_pages;
 a wrong cut copies the wrong bytes into another tenant's page, so it is
@@ -10,6 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiers.node import buffers
 from tiers.node.buffers import copy_runs, scatter_pages, scatter_runs
 
 @st.composite
@@ -34,7 +36,13 @@ def test_the_batch_cut_is_the_page_by_page_cut(layout, base):
     for d, s in zip(dst, src):
         for into, part in zip(reference, scatter_runs(d, [(base + a, n) for a, n in s])):
             into.extend(part)
-    assert scatter_pages(dst, src, base) == reference
+    small = buffers.SMALL_BATCH
+    try:
+        for threshold in (0, 1 << 30):  # the whole batch in numpy, then page by page in Python
+            buffers.SMALL_BATCH = threshold
+            assert scatter_pages(dst, src, base) == reference
+    finally:
+        buffers.SMALL_BATCH = small
 
 @settings(max_examples=100, deadline=None)
 @given(layouts())
@@ -42,11 +50,17 @@ def test_a_page_of_another_size_is_refused(layout):
     dst, src = layout
     src = [list(p) for p in src]
     src[-1].append((0, 1))
+    small = buffers.SMALL_BATCH
     try:
-        scatter_pages(dst, src)
-    except ValueError:
-        return
-    raise AssertionError("a page one byte longer on one side was planned")
+        for threshold in (0, 1 << 30):
+            buffers.SMALL_BATCH = threshold
+            try:
+                scatter_pages(dst, src)
+            except ValueError:
+                continue
+            raise AssertionError("a page one byte longer on one side was planned")
+    finally:
+        buffers.SMALL_BATCH = small
 
 def test_copying_with_the_plan_moves_each_page_into_its_own_runs():
     rng = np.random.default_rng(3)

@@ -56,6 +56,9 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     return copy_runs(*scatter_runs(pairs_d, pairs_s))
 
 
+SMALL_BATCH = 32  # pages: below it scatter_pages cuts page by page in Python, at or above it in numpy
+
+
 def scatter_pages(a: Sequence[Sequence[Tuple[int, int]]], b: Sequence[Sequence[Tuple[int, int]]],
                   b_base: int = 0) -> Tuple[List[int], List[int], List[int]]:
     """line_up_runs for many pages at once: page i's runs in a against its runs in b (offsets from b_base):
@@ -75,6 +78,18 @@ def scatter_pages(a: Sequence[Sequence[Tuple[int, int]]], b: Sequence[Sequence[T
         if lengths != [p[0][1] for p in b]:
             raise ValueError("page size mismatch")
         return [p[0][0] for p in a], [b_base + p[0][0] for p in b], lengths
+    if len(a) < SMALL_BATCH:
+        # numpy's fixed cost (~30 us a call) is a page's whole copy at 64 KiB; a writer that evicts flushes a
+        # group of one page at a time (tiers/node/transfers.py), so small groups are cut page by page (~2 us).
+        d_at: List[int] = []
+        s_at: List[int] = []
+        lengths = []
+        for page_a, page_b in zip(a, b):
+            d, s, n = scatter_runs(page_a, [(b_base + off, length) for off, length in page_b])
+            d_at += d
+            s_at += s
+            lengths += n
+        return d_at, s_at, lengths
     d_addr, d_len, d_pages = _flatten(a, 0)
     s_addr, s_len, s_pages = _flatten(b, b_base)
     if not np.array_equal(_page_totals(d_len, d_pages), _page_totals(s_len, s_pages)):
