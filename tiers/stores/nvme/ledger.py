@@ -434,7 +434,9 @@ class Ledger:
         """Count a verified read of entry's version; True when the file's mtime should be refreshed (never
         since it was indexed, or every seconds ago or more)."""
         now_s = max(1, int(now))
-        refresh = not entry.stamp or entry.stamp > now_s or now_s - entry.stamp >= every
+        # Stamps are whole seconds: more than every whole seconds apart means at least every seconds passed
+        # (">=" refreshed a page read 0.1 s after its write across a second's boundary: a metadata write a read).
+        refresh = not entry.stamp or entry.stamp > now_s or now_s - entry.stamp > every
         with self.lock:
             reads = self._index.touch(digest, entry.gen, raw_size, now_s if refresh else 0)
             if reads >= 0:
