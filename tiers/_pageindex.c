@@ -14,8 +14,11 @@
  * every touch, ORDER_FIFO never; ORDER_NONE keeps no list (a Python policy
  * plug-in orders the digests itself).
  *
- * Every call runs holding the GIL: the GIL is the index's lock (a lookup from
- * another thread sees a whole row or none, never a table half rehashed).
+ * Every call that changes the index runs holding the GIL: the GIL is the
+ * index's lock (a lookup from another thread sees a whole row or none, never
+ * a table half rehashed).  Three calls let other threads run: save (its
+ * caller keeps every change out), and the passes of scanned_order and
+ * scanned_bounds, which read ix->rows anew after each pause and sort a copy.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -204,6 +207,44 @@ static void drop_row(PageIndex *ix, uint32_t row) {
     ix->used--;
 }
 
+/* A new row for a digest not in the index (the caller made room: grow_slots for used + 1, grow_rows when no
+   row is free): filled, placed in the table, in its tenant's list (a scanned row at the cold end); its row. */
+static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t raw, uint32_t reads,
+                        uint32_t stamp, uint16_t tenant, int scanned) {
+    uint32_t row;
+    if (ix->free_head != NIL) {
+        row = ix->free_head;
+        ix->free_head = ix->rows[row].next;
+    } else {
+        row = (uint32_t)ix->rows_top++;
+    }
+    uint32_t gen = ++ix->gen ? ix->gen : ++ix->gen; /* never 0: 0 means "any version" to remove and touch */
+    ix->rows[row] = (row_t){lo, hi, size, raw, reads, stamp, NIL, NIL, gen, tenant,
+                            F_USED | (scanned ? F_SCANNED : 0)};
+    place(ix, row);
+    if (ix->order != ORDER_NONE) {
+        if (scanned) list_push_head(ix, row); else list_push_tail(ix, row);
+    }
+    ix->used++;
+    return row;
+}
+
+/* Row goes right behind row after in after's list. */
+static void list_insert_after(PageIndex *ix, uint32_t after, uint32_t row) {
+    row_t *r = &ix->rows[row];
+    list_t *q = list_of(ix, r->tenant);
+    r->prev = after;
+    r->next = ix->rows[after].next;
+    if (r->next != NIL) ix->rows[r->next].prev = row; else q->tail = row;
+    ix->rows[after].next = row;
+    q->count++;
+}
+
+/* Each tenant's placed segment empty: the next place_rows puts its first row at the head. */
+static void clear_placed(PageIndex *ix) {
+    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+}
+
 /* ------------------------------------------------------------------ methods */
 
 static PyObject *PageIndex_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -281,26 +322,9 @@ static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
         return NULL;
     }
     if (grow_slots(ix, (size_t)ix->used + 1, 0) < 0) return NULL;
-    uint32_t row;
-    if (ix->free_head != NIL) {
-        row = ix->free_head;
-        ix->free_head = ix->rows[row].next;
-    } else {
-        if (grow_rows(ix, ix->rows_top + 1) < 0) return NULL;
-        row = (uint32_t)ix->rows_top++;
-    }
-    row_t *r = &ix->rows[row];
-    r->lo = lo; r->hi = hi;
-    r->size = (uint32_t)size; r->raw = (uint32_t)raw; r->reads = 0; r->stamp = (uint32_t)stamp;
-    r->gen = ++ix->gen ? ix->gen : ++ix->gen; /* never 0: 0 means "any version" to remove and touch */
-    r->tenant = (uint16_t)tenant;
-    r->flags = F_USED | (scanned ? F_SCANNED : 0);
-    place(ix, row);
-    if (ix->order != ORDER_NONE) {
-        if (scanned) list_push_head(ix, row); else list_push_tail(ix, row);
-    }
-    ix->used++;
-    return PyLong_FromUnsignedLong(r->gen);
+    if (ix->free_head == NIL && grow_rows(ix, ix->rows_top + 1) < 0) return NULL;
+    uint32_t row = add_row(ix, lo, hi, (uint32_t)size, (uint32_t)raw, 0, (uint32_t)stamp, (uint16_t)tenant, scanned);
+    return PyLong_FromUnsignedLong(ix->rows[row].gen);
 }
 
 /* remove(digest, gen=0) -> the row's tuple, or None when absent (or holding another version than gen). */
@@ -554,16 +578,7 @@ static PyObject *PageIndex_place_rows(PageIndex *ix, PyObject *args) {
         if (ix->order != ORDER_NONE) {
             list_t *q = list_of(ix, r->tenant);
             list_unlink(ix, row);
-            uint32_t after = q->placed;
-            if (after == NIL) {
-                list_push_head(ix, row);
-            } else { /* insert behind the last placed row */
-                r->prev = after;
-                r->next = ix->rows[after].next;
-                if (r->next != NIL) ix->rows[r->next].prev = row; else q->tail = row;
-                ix->rows[after].next = row;
-                q->count++;
-            }
+            if (q->placed == NIL) list_push_head(ix, row); else list_insert_after(ix, q->placed, row);
             q->placed = row;
         }
         r->flags &= ~F_SCANNED;
@@ -576,14 +591,14 @@ static PyObject *PageIndex_place_rows(PageIndex *ix, PyObject *args) {
 
 static PyObject *PageIndex_start_placing(PageIndex *ix, PyObject *unused) {
     (void)unused;
-    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+    clear_placed(ix);
     Py_RETURN_NONE;
 }
 
 /* place_scanned() -> rows placed: scanned_order and place_rows of all of it in one call. */
 static PyObject *PageIndex_place_scanned(PageIndex *ix, PyObject *unused) {
     (void)unused;
-    for (size_t t = 0; t < MAX_TENANTS; t++) ix->lists[t].placed = NIL;
+    clear_placed(ix);
     PyObject *none = PyTuple_New(0);
     PyObject *order = none ? PageIndex_scanned_order(ix, none) : NULL;
     Py_XDECREF(none);
@@ -710,13 +725,7 @@ static PyObject *PageIndex_load(PageIndex *ix, PyObject *args) {
         for (size_t i = 0; i < n; i++) {
             const saved_t *s = &buf[i];
             if (find(ix, s->lo, s->hi) != NIL) { why = "the snapshot holds a digest twice"; break; }
-            uint32_t row = (uint32_t)ix->rows_top++;
-            row_t *r = &ix->rows[row];
-            *r = (row_t){s->lo, s->hi, s->size, s->raw, s->reads, 0, NIL, NIL, ++ix->gen ? ix->gen : ++ix->gen,
-                         s->tenant, F_USED};
-            place(ix, row);
-            if (ix->order != ORDER_NONE) list_push_tail(ix, row);
-            ix->used++;
+            add_row(ix, s->lo, s->hi, s->size, s->raw, s->reads, 0, s->tenant, 0);
         }
         done += n;
     }
@@ -803,15 +812,7 @@ static PyObject *PageIndex_insert_scanned(PageIndex *ix, PyObject *args) {
             cached_ns[c] = s->ns; cached_tenant[c] = tenant; added[c] = 0;
             ncached++;
         }
-        uint32_t row;
-        if (ix->free_head != NIL) { row = ix->free_head; ix->free_head = ix->rows[row].next; }
-        else row = (uint32_t)ix->rows_top++;
-        row_t *r = &ix->rows[row];
-        *r = (row_t){s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, NIL, NIL, ++ix->gen ? ix->gen : ++ix->gen,
-                     (uint16_t)cached_tenant[c], F_USED | F_SCANNED};
-        place(ix, row);
-        if (ix->order != ORDER_NONE) list_push_head(ix, row);
-        ix->used++;
+        add_row(ix, s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, (uint16_t)cached_tenant[c], 1);
         added[c] += s->size;
     }
     for (int k = 0; k < ncached; k++)
