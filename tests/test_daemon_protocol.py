@@ -152,3 +152,33 @@ def test_evict_and_clear_by_namespace(peer):
     assert reply["cleared"] == 3
     reply, _ = peer.call("evict", s=a, bytes=1 << 30)
     assert reply["evicted_pages"] == 1
+
+
+def test_lookups_by_packed_digests_answer_as_lookups_by_key(peer):
+    """A tier whose store is keyed by key_digest says so in hello and answers a lookup of packed digests
+    exactly as the same keys, per namespace; malformed digests get error replies."""
+    reply, _ = peer.call("hello", ns="digests-a")
+    assert reply["ok"] and reply["digests"] is True
+    a, b = reply["session"], peer.hello("digests-b")
+    keys = [f"dg-{i}" for i in range(6)]
+    reply, _ = peer.call("put", s=a, keys=keys[:4], frames=[b"d" * 64] * 4)
+    assert reply["stored"] == b"\x01" * 4
+    probe = keys[:2] + ["dg-absent"] + keys[2:]
+    by_key, _ = peer.call("lookup", s=a, keys=probe)
+    by_digest, _ = peer.call("lookup", s=a, digests=P.pack_key_digests("digests-a", probe))
+    assert by_key["held"] == by_digest["held"] == b"\x01\x01\x00\x01\x01\x00\x00"
+    assert by_digest["prefix"] == 2
+    # the digest of namespace b's name for the same keys: b holds nothing
+    reply, _ = peer.call("lookup", s=b, digests=P.pack_key_digests("digests-b", probe))
+    assert reply["held"] == bytes(len(probe))
+    reply, _ = peer.call("lookup", s=a, digests=b"")
+    assert reply["ok"] and reply["held"] == b"" and reply["prefix"] == 0
+    for digests, code in [(b"\0" * 15, "bad_request"), ("text", "bad_request"), ([b"\0" * 16], "bad_request"),
+                          (b"\0" * 16 * (P.MAX_BATCH + 1), "too_large")]:
+        reply, _ = peer.call("lookup", s=a, digests=digests)
+        assert (reply["ok"], reply["code"]) == (False, code), (digests[:4], reply)
+    # a deleted page is no longer held by digest either
+    peer.call("delete", s=a, keys=[keys[0]])
+    reply, _ = peer.call("lookup", s=a, digests=P.pack_key_digests("digests-a", keys[:2]))
+    assert reply["held"] == b"\x00\x01"
+    still_serving(peer)

@@ -208,3 +208,31 @@ def test_victims_taken_while_scanned_rows_are_placed_are_always_the_oldest():
         touched.add(hit)
     assert [scanned[d] for d in evicted] == sorted(scanned[d] for d in evicted)
     assert all(d in ix for d in fresh)  # written before the scan ended: behind every scanned row
+
+
+def test_key_digests_are_the_protocols_key_digest_packed():
+    """The native batch hash is xxh3_128 of namespace, NUL, key (short, long and non-ASCII keys alike),
+    16 bytes each, low half first: what every index and a lookup by digest use."""
+    from tiers.wire import protocol as P
+    keys = ["0" * 64, "k", "é" * 40, "x" * 700, ""]
+    packed = P.pack_key_digests("ns-é", keys)
+    assert len(packed) == 16 * len(keys)
+    for i, key in enumerate(keys):
+        assert int.from_bytes(packed[16 * i:16 * i + 16], "little") == P.key_digest("ns-é", key)
+    with pytest.raises(TypeError):
+        P.pack_key_digests("ns", ["a", 3])
+
+
+def test_contains_packed_answers_each_digest_and_filters_by_tenant():
+    index = PageIndex(ORDER_NONE)
+    assert index.contains_packed(b"\0" * 32) == b"\0\0"  # an index that never held a row
+    digests = [random.getrandbits(128) for _ in range(300)]
+    for d in digests[:200]:
+        index.insert(d, 7 if d % 2 else 3, 10)
+    packed = b"".join(d.to_bytes(16, "little") for d in digests)
+    assert index.contains_packed(packed) == b"\1" * 200 + b"\0" * 100
+    assert index.contains_packed(packed, 7) == bytes(int(d % 2 == 1) for d in digests[:200]) + b"\0" * 100
+    index.remove(digests[0])
+    assert index.contains_packed(packed[:32]) == b"\0\1"
+    with pytest.raises(ValueError):
+        index.contains_packed(b"\0" * 17)

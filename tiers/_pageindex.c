@@ -30,6 +30,8 @@
 #include <sys/random.h>
 #include <unistd.h>
 #include <errno.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #define NIL 0xFFFFFFFFu
 #define F_USED 1u
@@ -409,6 +411,35 @@ static PyObject *PageIndex_contains_many(PageIndex *ix, PyObject *seq) {
         held[i] = find(ix, lo, hi) != NIL;
     }
     Py_DECREF(fast);
+    return out;
+}
+
+/* contains_packed(digests, tenant=-1) -> one byte a digest of a packed batch (16 bytes each: the low and
+   high 64 bits, little-endian, as key_digests makes them), 1 where held (by tenant, when given).  A
+   lookup's keys never become Python objects: a 1,024-key batch is one call. */
+static PyObject *PageIndex_contains_packed(PageIndex *ix, PyObject *args) {
+    Py_buffer buf;
+    long tenant = -1;
+    if (!PyArg_ParseTuple(args, "y*|l", &buf, &tenant)) return NULL;
+    if (buf.len % 16) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "packed digests are 16 bytes each");
+        return NULL;
+    }
+    Py_ssize_t n = buf.len / 16;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out) {
+        char *held = PyBytes_AS_STRING(out);
+        const unsigned char *p = buf.buf;
+        for (Py_ssize_t i = 0; i < n; i++, p += 16) {
+            uint64_t lo, hi;
+            memcpy(&lo, p, 8);
+            memcpy(&hi, p + 8, 8);
+            uint32_t row = ix->nslots ? find(ix, lo, hi) : NIL;
+            held[i] = row != NIL && (tenant < 0 || ix->rows[row].tenant == tenant);
+        }
+    }
+    PyBuffer_Release(&buf);
     return out;
 }
 
@@ -834,6 +865,8 @@ static PyMethodDef PageIndex_methods[] = {
     {"pop_victim", (PyCFunction)PageIndex_pop_victim, METH_O, "pop_victim(tenant) -> (digest, tuple) or None"},
     {"count", (PyCFunction)PageIndex_count, METH_O, "count(tenant) -> rows of the tenant"},
     {"contains_many", (PyCFunction)PageIndex_contains_many, METH_O, "contains_many(digests) -> bytes"},
+    {"contains_packed", (PyCFunction)PageIndex_contains_packed, METH_VARARGS,
+     "contains_packed(digests, tenant=-1) -> bytes: one byte a 16-byte digest of the packed batch"},
     {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
     {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,
      "place_scanned() -> rows moved to the cold end, oldest stamp first"},
@@ -872,7 +905,59 @@ static PyTypeObject PageIndexType = {
     .tp_new = PageIndex_new,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "tiers._pageindex", .m_size = -1};
+/* key_digests(prefix, keys) -> bytes: xxh3_128(prefix + key) of each str key, 16 bytes each (low then high
+   64 bits, little-endian; the int of xxhash.xxh3_128_intdigest, as bytes).  The page key's digest on the
+   wire and in every index (tiers/wire/protocol.py key_digest): hashed in one call, no object a key. */
+#define KEY_STACK 512
+static PyObject *key_digests(PyObject *self, PyObject *args) {
+    Py_buffer prefix;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*O", &prefix, &keys)) return NULL;
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence of str");
+    if (!fast) { PyBuffer_Release(&prefix); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 16);
+    unsigned char stack[KEY_STACK];
+    if (out) {
+        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+        PyObject **items = PySequence_Fast_ITEMS(fast);
+        for (Py_ssize_t i = 0; i < n; i++, dst += 16) {
+            if (!PyUnicode_Check(items[i])) {
+                PyErr_Format(PyExc_TypeError, "key %zd is not a str", i);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_ssize_t len;
+            const char *key = PyUnicode_AsUTF8AndSize(items[i], &len);
+            if (!key) { Py_CLEAR(out); break; }
+            XXH128_hash_t h;
+            if (prefix.len + len <= KEY_STACK) {
+                memcpy(stack, prefix.buf, prefix.len);
+                memcpy(stack + prefix.len, key, len);
+                h = XXH3_128bits(stack, prefix.len + len);
+            } else { /* a long key: hashed in two parts, same digest */
+                XXH3_state_t state;
+                XXH3_128bits_reset(&state);
+                XXH3_128bits_update(&state, prefix.buf, prefix.len);
+                XXH3_128bits_update(&state, key, len);
+                h = XXH3_128bits_digest(&state);
+            }
+            memcpy(dst, &h.low64, 8);
+            memcpy(dst + 8, &h.high64, 8);
+        }
+    }
+    Py_DECREF(fast);
+    PyBuffer_Release(&prefix);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"key_digests", key_digests, METH_VARARGS, "key_digests(prefix, keys) -> bytes: xxh3_128(prefix + key), 16 bytes each"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "tiers._pageindex", .m_size = -1,
+                                     .m_methods = module_methods};
 
 PyMODINIT_FUNC PyInit__pageindex(void) {
     if (PyType_Ready(&PageIndexType) < 0) return NULL;

@@ -112,6 +112,7 @@ class PageStore(ABC):
     batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
     persistent = False  # True: pages survive a restart of the daemon (a store built on the same path finds them)
     keeps_checksums = False  # True: the *_with_sum methods keep each page's checksum and return it
+    answers_digests = False  # True: held_digests answers lookups named by key digests (its daemon says so)
 
     @abstractmethod
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
@@ -150,6 +151,14 @@ class PageStore(ABC):
     def held(self, namespace: str, keys: List[str]) -> bytes:
         """One byte per key of namespace, 1 when present (the lookup's answer; stores may do it faster)."""
         return bytes(1 if ok else 0 for ok in self.contains([(namespace, k) for k in keys]))
+
+    def held_digests(self, namespace: str, digests: bytes) -> bytes:
+        """held for keys named by their packed digests (16 bytes each, tiers/wire/protocol.py key_digest).
+
+        Stores with ``answers_digests`` index pages by those digests; the daemon
+        sends no digests to any other (its hello says the tier takes keys).
+        """
+        raise NotImplementedError(f"{type(self).__name__} answers lookups by key only")
 
     @abstractmethod
     def delete(self, keys: Iterable[PageKey]) -> int:

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.node.fairness import FairShare, bounded_top
+from tiers.node.page_index import ORDER_NONE, PageIndex
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
                                StoreStats, total_size)
 from tiers.plugins import StoreKind
+from tiers.wire.protocol import key_digest, pack_key_digests
 
 log = logging.getLogger("hicache.dram")
 
@@ -45,9 +47,6 @@ class _Tenant:
     bytes: int = 0
     hits: int = 0
     evictions: int = 0
-    # The names this namespace holds, beside the index: a lookup tests each key against this set
-    # without building and hashing a (namespace, name) tuple a key (half a 1,024-key lookup's cost).
-    names: Set[str] = field(default_factory=set)
 
 
 class DramStore(PageStore):
@@ -55,6 +54,7 @@ class DramStore(PageStore):
 
     parallel_io = False  # one copy at a time: two copies on two cores ran slower than one here
     keeps_checksums = True
+    answers_digests = True  # self._held is keyed by key_digest
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
                  max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
@@ -66,6 +66,9 @@ class DramStore(PageStore):
         self._policy_name = policy
         make_policy(policy)  # an unknown name fails here, not at the first write
         self._index: Dict[PageKey, _Entry] = {}
+        # Every page's key_digest, beside the index: a lookup of 1,024 keys (or of their packed digests) is one
+        # native call, with no Python object a key (tiers/node/page_index.py; the GIL is its lock).
+        self._held = PageIndex(ORDER_NONE)
         self._tenants: Dict[str, _Tenant] = {}
         self._fair = FairShare(self.capacity, quotas)
         self._lock = threading.Lock()
@@ -88,7 +91,7 @@ class DramStore(PageStore):
             self.arena.give(entry.alloc)  # parked while a reader's lease holds them
             self._stats.used_bytes -= entry.size
             tenant = self._tenants[key[0]]
-            tenant.names.discard(key[1])
+            self._held.remove(key_digest(*key))
             tenant.bytes -= entry.size
             tenant.policy.remove(key)
         return entry
@@ -149,7 +152,7 @@ class DramStore(PageStore):
             self._release_locked(key)
             self._index[key] = _Entry(alloc, checksum=checksum)
             tenant = self._tenant(key[0])
-            tenant.names.add(key[1])
+            self._held.insert(key_digest(*key), 0, size)
             tenant.policy.insert(key, (key[0], parent) if parent else None)
             tenant.bytes += size
             self._stats.used_bytes += size
@@ -262,9 +265,10 @@ class DramStore(PageStore):
             return entry.reads if entry else 0
 
     def held(self, namespace: str, keys: List[str]) -> bytes:
-        # One C-level pass: a lookup of 1,024 keys is on the engine's prefetch path.
-        tenant = self._tenants.get(namespace)
-        return bytes(map(tenant.names.__contains__, keys)) if tenant is not None else bytes(len(keys))
+        return self._held.contains_packed(pack_key_digests(namespace, keys))
+
+    def held_digests(self, namespace: str, digests: bytes) -> bytes:
+        return self._held.contains_packed(digests)
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         index = self._index

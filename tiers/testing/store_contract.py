@@ -174,6 +174,20 @@ class StoreContract:
         assert store.held("b", ["k0", "k1", "k2"]) == b"\x01\x01\x01"
         assert store.clear() == 3 and store.stats().pages == 0
 
+    def test_lookups_by_digest_answer_as_by_key(self, store):
+        if not store.answers_digests:
+            pytest.skip("answers lookups by key only (answers_digests = False)")
+        from tiers.wire.protocol import pack_key_digests
+        for ns in ("a", "b"):
+            store.put((ns, f"d-{ns}"), [memoryview(page(3, self.page_bytes))])
+        store.put(("a", "d-2"), [memoryview(page(4, self.page_bytes))])
+        keys = ["d-a", "d-b", "d-2", "d-absent"]
+        for ns in ("a", "b"):
+            assert store.held_digests(ns, pack_key_digests(ns, keys)) == store.held(ns, keys)
+        assert store.held("a", keys) == b"\x01\x00\x01\x00"
+        store.delete([("a", "d-2")])
+        assert store.held_digests("a", pack_key_digests("a", keys)) == b"\x01\x00\x00\x00"
+
     def test_a_refused_page_leaves_nothing_visible(self, store):
         too_big = page(9, self.max_page_bytes + 1)
         with pytest.raises(StoreError):

@@ -90,6 +90,7 @@ class TierClient:
         self._done_leases: List[int] = []  # read leases copied out: released with the next get
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
+        self.answers_digests = False  # the tier takes lookups by packed key digests (its hello says so)
         self._warn = RateLimitedLog(log)
         self._attachment = Attachment(name, attach, self._warn)  # host pool handed over, daemon arena mapped
         self._closed = False
@@ -260,6 +261,7 @@ class TierClient:
         self._session = reply.header["session"]
         self.max_page_bytes = reply.header.get("max_page_bytes", self.max_page_bytes)
         self.fd_socket = reply.header.get("fd_socket", "")
+        self.answers_digests = reply.header.get("digests") is True
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
         if self._attachment.wanted:
@@ -310,16 +312,25 @@ class TierClient:
                 self._attachment.register(self.fd_socket, self._session, self.deadlines.lookup)
 
     # ------------------------------------------------------- operations
-    def lookup(self, keys: List[str]) -> Optional[bytes]:
-        """One byte per key (1 held), or None when the tier cannot answer."""
-        return _held(self.call("lookup", self.deadlines.lookup, keys=keys), len(keys))
+    def _lookup_fields(self, keys: List[str], digests: Optional[bytes]) -> dict:
+        """The keys as the tier takes them: packed digests (one field, one native call there) or the list."""
+        if not self.answers_digests:
+            return {"keys": keys}
+        return {"digests": digests if digests is not None else P.pack_key_digests(self.namespace, keys)}
 
-    def start_lookup(self, keys: List[str]):
+    def lookup(self, keys: List[str], digests: Optional[bytes] = None) -> Optional[bytes]:
+        """One byte per key (1 held), or None when the tier cannot answer.  digests: the keys' packed
+        digests in this client's namespace (P.pack_key_digests), when the caller has them already."""
+        if self._ensure_session() is None:
+            return None
+        return _held(self.call("lookup", self.deadlines.lookup, **self._lookup_fields(keys, digests)), len(keys))
+
+    def start_lookup(self, keys: List[str], digests: Optional[bytes] = None):
         """Send a lookup without waiting (tiers/wire/lookup.py); None when the tier is unreachable."""
         session = self._ensure_session()
         if session is None:
             return None
-        fields = {"keys": keys}
+        fields = self._lookup_fields(keys, digests)
         self._add_done(fields)
         return self._send("lookup", self.deadlines.lookup, fields, session=session,
                           held=self._held_wait("lookup", fields))

@@ -3,11 +3,12 @@ the keys are covered."""
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import zmq
 
 from tiers.wire import held_wait
+from tiers.wire import protocol as P
 from tiers.wire.client import TierClient
 
 
@@ -37,7 +38,8 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     results: List[Optional[bytes]] = [None] * len(clients)
     waiting = {}
     full = b"\x01" * len(keys)
-    sent = clients[0].start_lookup(keys)
+    digests = _packed_digests(clients, keys)
+    sent = clients[0].start_lookup(keys, digests.get(clients[0].namespace))
     reply = clients[0].quick_lookup_reply(sent) if sent is not None else None
     if reply is not None:  # the top tier answered within the reply spin (tiers/wire/held_wait.py)
         results[0] = clients[0].lookup_reply(reply, keys)
@@ -53,13 +55,23 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
             if results[0] == full:
                 return results
     for i, client in enumerate(clients[1:], start=1):
-        sent = client.start_lookup(keys)
+        sent = client.start_lookup(keys, digests.get(client.namespace))
         if sent is not None:
             waiting[i] = sent
     _held_gather(clients, keys, results, waiting)
     if waiting and not _answered(results, waiting, len(keys)):
         _gather(clients, keys, results, waiting, None)
     return results
+
+
+def _packed_digests(clients: Sequence[TierClient], keys: List[str]) -> Dict[str, bytes]:
+    """The keys' packed digests for each namespace of the clients whose tiers take them, hashed once each
+    (a node's tiers usually serve one namespace: one native call for the whole lookup)."""
+    out: Dict[str, bytes] = {}
+    for client in clients:
+        if client.answers_digests and client.namespace not in out:
+            out[client.namespace] = P.pack_key_digests(client.namespace, keys)
+    return out
 
 
 def _answered(results: List[Optional[bytes]], waiting: dict, n: int) -> bool:

@@ -13,8 +13,9 @@ operation's fields.  Reply header: ``v``, ``id``, ``ok``; on failure ``code``
 (one of ``ERROR_CODES``) and ``msg``.
 
 Operations (fields -> reply fields):
-- hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket
-- lookup   keys [, done]        -> held (one byte a key), prefix (leading run held)
+- hello    ns, client           -> session, tier, max_page_bytes, max_batch, fd_socket, digests
+- lookup   keys | digests [, done]
+                                -> held (one byte a key), prefix (leading run held)
 - get      keys [, lease, sizes, done]
                                 -> found (one byte a key), sums, and either one frame per found page or,
                                    with ``lease``: lease, arena, desc, regions_per_page
@@ -27,6 +28,12 @@ Operations (fields -> reply fields):
 - evict    bytes [, ns]         -> evicted_pages, evicted_bytes
 ``all`` and an ``ns`` other than the session's own need an ``_admin`` session
 (the operator's CLI); a tenant can never clear or evict another's pages.
+
+A lookup may name its keys by ``digests`` instead: one bytes field of 16 bytes a key, each the
+key's digest (``key_digest``: xxh3_128 of namespace, NUL, key; low then high 64 bits,
+little-endian), which every index of a tier is keyed by.  A 1,024-key lookup is then one field to
+pack and one to unpack, and the tier answers it in one native call, with no Python object a key.
+A daemon whose store answers digests says so in ``hello`` (``digests``: true); the others take keys.
 
 Reads never write into the engine's memory from the daemon (the owner of a
 piece of memory does the last copy into it).  A ``get`` with ``lease`` (the
@@ -89,6 +96,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 import numpy as np
+import xxhash
+
+from tiers._pageindex import key_digests as native_key_digests
 
 PROTOCOL_VERSION = 2  # 2: reads through leased, engine-copied arena pages
 
@@ -218,6 +228,31 @@ def keys_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> List[str]:
         for key in keys:  # the slow path names the first bad key
             check_key(key)
     return keys
+
+
+def key_digest(namespace: str, key: str) -> int:
+    """A page's 128-bit identity in every index: xxh3_128 of namespace, NUL, key (NUL cannot occur in a
+    validated namespace, so the pair encoding is unambiguous)."""
+    return xxhash.xxh3_128_intdigest(namespace.encode() + b"\0" + key.encode())
+
+
+def pack_key_digests(namespace: str, keys: Sequence[str]) -> bytes:
+    """key_digest of each key, 16 bytes each (low then high 64 bits, little-endian), in one native call.
+
+    TypeError for a key that is not a str.  Any str hashes: a key no put
+    would accept is simply never held.
+    """
+    return native_key_digests(namespace.encode() + b"\0", keys)
+
+
+def digests_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> bytes:
+    """A lookup's packed ``digests``: bytes of 16 a key, at most max_batch keys."""
+    digests = field(header, "digests", bytes)
+    if len(digests) % 16:
+        raise ProtocolError("bad_request", f"digests must be 16 bytes a key, not {len(digests)} bytes")
+    if len(digests) // 16 > max_batch:
+        raise ProtocolError("too_large", f"batch of {len(digests) // 16} keys exceeds {max_batch}")
+    return digests
 
 
 # Every byte a key may hold, for the batch check below (the same alphabet as _KEY_RE).

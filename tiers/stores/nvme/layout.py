@@ -16,22 +16,13 @@ from typing import List, Optional, Tuple
 
 import xxhash
 
+# The digest of (namespace, key) is the protocol's: a lookup may name keys by it (tiers/wire/protocol.py).
+from tiers.wire.protocol import key_digest
+
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 _NAME_RE = re.compile(r"([0-9a-f]{16})-([0-9a-f]{32})\.kv")
 _temp_counter = itertools.count()
-
-
-def key_digest(namespace: str, key: str) -> int:
-    """The 128-bit identity of a chunk (the index and policy key)."""
-    # NUL cannot occur in a validated namespace, so the pair encoding is unambiguous.
-    return xxhash.xxh3_128_intdigest(namespace.encode() + b"\0" + key.encode())
-
-
-def key_digests(namespace: str, keys: List[str]) -> List[int]:
-    """key_digest of each key of one namespace (the pair's prefix encoded once: a lookup's batch)."""
-    prefix, digest = namespace.encode() + b"\0", xxhash.xxh3_128_intdigest
-    return [digest(prefix + key.encode()) for key in keys]
 
 
 def namespace_hash(namespace: str) -> int:

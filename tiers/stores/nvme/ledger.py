@@ -280,6 +280,10 @@ class Ledger:
         """One byte a digest, 1 where indexed (one native call)."""
         return self._index.contains_many(digests)
 
+    def held_packed(self, digests: bytes) -> bytes:
+        """held of packed digests (16 bytes each, tiers/wire/protocol.py pack_key_digests)."""
+        return self._index.contains_packed(digests)
+
     def _pop_victim_locked(self, writer: Optional[int], need: int = 0, only: Optional[int] = None) -> Optional[Victim]:
         """The next victim: of namespace only, or of the namespace tiers/node/fairness.py chooses for writer."""
         if only is None:

@@ -25,7 +25,8 @@ from tiers.stores.nvme import chunkfile as cf, snapshot
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.rebuild import IndexBuild
-from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, key_digests, namespace_hash, temp_path
+from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, namespace_hash, temp_path
+from tiers.wire.protocol import pack_key_digests
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError,
                                StoreStats, total_size)
@@ -43,6 +44,7 @@ class NvmeStore(PageStore):
     parallel_io = True
     persistent = True  # the index is rebuilt from the chunk files at start
     keeps_checksums = True  # in the chunk header (tiers/stores/nvme/chunkfile.py FLAG_PAGE_SUM)
+    answers_digests = True  # the ledger is keyed by key_digest
 
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
@@ -367,7 +369,10 @@ class NvmeStore(PageStore):
         return [b != 0 for b in self._ledger.held([key_digest(ns, k) for ns, k in keys])]
 
     def held(self, namespace: str, keys: List[str]) -> bytes:
-        return self._ledger.held(key_digests(namespace, keys))
+        return self._ledger.held_packed(pack_key_digests(namespace, keys))
+
+    def held_digests(self, namespace: str, digests: bytes) -> bytes:
+        return self._ledger.held_packed(digests)
 
     def _remove(self, digests: Iterable[int]) -> int:
         victims: List[Victim] = self._ledger.pop_many(digests)
