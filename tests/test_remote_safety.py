@@ -190,3 +190,55 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
     assert store.put_many([("ns", k) for k in keys], [[slot(view, 2)], [slot(view, 3)]], [None, None]) == [None, None]
     found, got = read(store, view, keys)
     assert found == [True, True] and got == [page(30), page(31)]
+
+
+def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node):
+    """Staging blocks the daemon holds on request (hold_blocks): reads land in them directly, no landing copy;
+    a read given up at its deadline holds its blocks out of use until the engine says the transfer ended."""
+    from tiers.node.arena import BlockArena
+    from tiers.node.transfers import hold_blocks
+    pool, store, view = node
+    store.direct_reads = False
+    keys = [f"held-{i}" for i in range(2)]
+    write(store, view, keys, [20, 21])
+    staging = BlockArena(4 * PAGE, 256 << 10, "test-staging", prefault=False)
+    store.region_mapped(staging.view)
+    try:
+        assert eventually(lambda: store._registrations.covers(address_of(staging.view), PAGE), 10)
+        allocs = [staging.take(PAGE) for _ in keys]
+        held = []
+
+        def hold(position):
+            held.append(position)
+            return hold_blocks(staging, allocs[position])
+
+        def read_held(deadline=None):
+            for alloc in allocs:
+                for v in staging.views(alloc):
+                    v[:] = b"\0" * v.nbytes
+            return store.get_many_into_with_sums([("ns", k) for k in keys], [staging.views(a) for a in allocs],
+                                                 deadline, hold)
+
+        free_before = store.stats().extra["landing_chunks_free"]
+        sums = read_held()
+        assert all(s is not None for s in sums) and held == []
+        assert [b"".join(bytes(v) for v in staging.views(a)) for a in allocs] == [page(20), page(21)]
+        assert store.stats().extra["landing_chunks_free"] == free_before  # nothing went through the landing
+        pid = pool.pid("pool0")
+        freeze_after_locate(store, pid)
+        try:
+            sums = read_held(deadline=time.time() + 0.6)
+            assert sums == [None, None], "a frozen pool's pages must miss"
+            assert sorted(held) == [0, 1]
+            for alloc in allocs:  # the engine moved on: the daemon gives the staging back...
+                staging.give(alloc)
+            free = staging.free_blocks()
+            assert free == staging.size // staging.block_size - 2 * (PAGE // staging.block_size)  # ...parked
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Once the engine reports the late transfers ended, the blocks are free again.
+        assert eventually(lambda: staging.free_blocks() == staging.size // staging.block_size, 15)
+        assert staging.lease_count() == 0
+    finally:
+        store.region_unmapped(staging.view)
+        staging.close()

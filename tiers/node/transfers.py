@@ -31,6 +31,7 @@ log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
 Refusal = Optional[Tuple[str, str]]
+STAGING_HOLD_OWNER = -2  # arena lease owner of staging blocks a transfer given up may still write
 _SUM_REFUSAL = ("checksum", "a page's bytes did not match its checksum")
 
 
@@ -249,7 +250,9 @@ class PageTransfers:
         sums: List[Optional[int]] = [None] * len(keys)  # each page's checksum; None: not read
         if self.store.batched:
             idx = [i for i, v in enumerate(views) if v is not None]
-            got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None)
+
+            got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None,
+                                                     lambda position: hold_blocks(self.arena, allocs[idx[position]]))
             for i, checksum in zip(idx, got):
                 sums[i] = checksum
         else:
@@ -320,6 +323,14 @@ class Sources:
             return self.frame_views
         base, view = self.region_base, self.region_view
         return [[view[a - base:a - base + n] for a, n in page] for page in self.runs]
+
+
+def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:
+    """Keep alloc's blocks out of use until the returned function runs: a transfer given up may still write
+    them (tiers/stores/base.py get_many_into_with_sums' hold).  A lease that never expires; an alloc given
+    back meanwhile is parked until it ends."""
+    lease = arena.lease(STAGING_HOLD_OWNER, [alloc], float("inf"))
+    return lambda: arena.release(lease, STAGING_HOLD_OWNER)
 
 
 def _late(deadline: Optional[float]) -> bool:

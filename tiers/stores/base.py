@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 PageKey = Tuple[str, str]  # (namespace, key)
+# get_many_into_with_sums' hold: keep the buffers of a page (its position in the batch) out of use until
+# the returned function is called.
+HoldPage = Callable[[int], Callable[[], None]]
 Buffers = Sequence[memoryview]
 
 
@@ -224,8 +227,17 @@ class PageStore(ABC):
         return self.put_many(keys, pages, parents, deadline)
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
-                                deadline: Optional[float]) -> List[Optional[int]]:
-        """get_many_into, answering each page's checksum (0: unknown), or None for a miss."""
+                                deadline: Optional[float],
+                                hold: Optional[HoldPage] = None) -> List[Optional[int]]:
+        """get_many_into, answering each page's checksum (0: unknown), or None for a miss.
+
+        hold, when given, says the buffers are memory the caller keeps out of use on
+        request (the daemon's staging blocks): a store whose transfers cannot be
+        cancelled may then move bytes straight into them, and for a page whose
+        transfer it gave up while bytes may still arrive calls ``hold(position)``
+        (the page is a miss) and, once they stopped, the function that returned.
+        Without hold a store leaves nothing moving into the buffers once it returns.
+        """
         return [0 if ok else None for ok in self.get_many_into(keys, pages, deadline)]
 
     def region_mapped(self, view: memoryview) -> None:

@@ -32,7 +32,8 @@ from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.placement import Rendezvous
 from tiers.stores.remote.pool_client import PoolClient
 from tiers.stores.remote.staging import Abandoned, Counters, Landing, Registrations, Staging, page_views
-from tiers.stores.base import Buffers, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats, total_size
+from tiers.stores.base import (Buffers, HoldPage, PageKey, PageStore, StoreError, StoreFull, StoreIOError, StoreStats,
+                               total_size)
 from tiers.plugins import StoreKind
 from tiers.wire.security import CurveSettings
 
@@ -315,22 +316,33 @@ class RemoteStore(PageStore):
         return [r is not None for r in self.get_many_into_with_sums(keys, pages, deadline)]
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
-                                deadline: Optional[float] = None) -> List[Optional[int]]:
+                                deadline: Optional[float] = None,
+                                hold: Optional[HoldPage] = None) -> List[Optional[int]]:
         """Read a batch into buffers: one locate a pool, every transfer in flight at once; each page's
-        checksum (0: unknown), None for a miss."""
+        checksum (0: unknown), None for a miss.
+
+        With hold (the daemon's staging blocks, registered with the engine) the
+        transfers land in the buffers themselves, no landing copy: a page given up
+        at its deadline is held (its blocks stay out of use) until the engine
+        reports its transfer ended.
+        """
         views = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
 
         def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
+            held = None if hold is None else (lambda k, positions=positions: hold(positions[k]))
             return self._get_group(client, namespace, [keys[i][1] for i in positions],
-                                   [views[i] for i in positions], deadline)
+                                   [views[i] for i in positions], deadline, held)
         return self._per_pool(keys, group, self._movers)
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
-                   deadline: Optional[float]) -> List[Optional[int]]:
+                   deadline: Optional[float], hold: Optional[HoldPage] = None) -> List[Optional[int]]:
         if deadline is not None and time.time() >= deadline:  # nothing could land in time: not even a locate
             self._counters.add(misses=len(names))
             return [None] * len(names)
-        local = [self._registrations.extents(page) for page in views] if self.direct_reads else None
+        # Straight into the buffers when a late byte can harm nobody: memory the caller holds on request
+        # (hold), or any registered memory when the operator accepted the risk (direct_reads).
+        local = ([self._registrations.extents(page) for page in views]
+                 if self.direct_reads or hold is not None else None)
         if local is not None and any(extents is None for extents in local):  # frames or foreign buffers: staged
             local = None
         grant = client.locate(names, ttl=self._timeout(self.max_page_bytes * len(names)) + self.lease_margin)
@@ -341,12 +353,18 @@ class RemoteStore(PageStore):
         out = [False] * len(names)
         nbytes = sum(grant.sizes[k] for k in moving)
         timeout = self._budget(self._timeout(nbytes), deadline)
-        if moving and timeout > 0 and local is not None:  # direct: straight into the engine's host pool
+        if moving and timeout > 0 and local is not None:  # direct: straight into the buffers
             abandoned: List[Tuple[int, int]] = []
             oks = self.engine.transfer_pages(grant.segment, False,
                                              [pair_extents(local[k], grant.extents[k]) for k in moving], timeout,
                                              abandoned)
-            if abandoned:  # they may still land in the host pool (the risk direct_reads accepts)
+            if abandoned and hold is not None:  # the caller keeps each given-up page's buffers until it ended
+                live: Dict[int, List[int]] = {}
+                for i, batch in abandoned:
+                    live.setdefault(moving[i], []).append(batch)
+                for k, batches in live.items():
+                    self._abandoned.add(batches, hold(k))
+            elif abandoned:  # they may still land in the host pool (the risk direct_reads accepts)
                 self._abandoned.add([batch for _page, batch in abandoned])
             for k, ok in zip(moving, oks):
                 out[k] = ok
