@@ -215,21 +215,29 @@ class PoolStore(PageStore):
         """Pin each held page: (lease, (size, address extents, checksum) or None per key)."""
         self.expire_leases()
         out: List[Optional[Tuple[int, Extents, int]]] = []
+        # Every read's batch passes here page by page: names bound once, counters added once (a third of a
+        # 128-page locate went to attribute lookups).
+        index, touch, base = self._index, self._policy.touch, self.base
+        hits = misses = nbytes = 0
         with self._lock:
             lease_id, lease = self._new_lease_locked(session, False, ttl)
+            pinned = lease.pages
             for key in keys:
-                page = self._index.get(key)
-                if page is None or key in lease.pages:
-                    self._stats.misses += page is None
+                page = index.get(key)
+                if page is None or key in pinned:
+                    misses += page is None
                     out.append(None)
                     continue
                 page.pins += 1
-                lease.pages[key] = page
-                self._policy.touch(key)
-                self._stats.hits += 1
-                self._stats.bytes_read += page.size
-                out.append((page.size, self.addresses(page.alloc.extents), page.checksum))
-            if not lease.pages:
+                pinned[key] = page
+                touch(key)
+                hits += 1
+                nbytes += page.size
+                out.append((page.size, [(base + off, n) for off, n in page.alloc.extents], page.checksum))
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.bytes_read += nbytes
+            if not pinned:
                 del self._leases[lease_id]
         return lease_id, out
 

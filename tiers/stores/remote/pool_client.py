@@ -67,29 +67,26 @@ class PoolClient:
         if (not isinstance(lease, int) or not isinstance(segment, str) or not isinstance(flags, bytes)
                 or len(flags) != n):
             return None
-        held = [b != 0 for b in flags]
-        found_sums = [0] * sum(held)
+        found = [i for i, b in enumerate(flags) if b]
+        found_sums = [0] * len(found)
         if sizes is None:  # locate: the pool says how large each found page is, and its checksum
             try:
-                found_sizes = P.decode_sizes(header.get("sizes"), sum(held), 1 << 40)
-                found_sums = P.decode_sums(header.get("sums"), sum(held))
+                found_sizes = P.decode_sizes(header.get("sizes"), len(found), 1 << 40)
+                found_sums = P.decode_sums(header.get("sums"), len(found))
             except P.ProtocolError:
                 _warn.warning(f"{self.endpoint}:malformed", "pool %s sent malformed sizes or sums", self.endpoint)
                 return None
         else:
-            found_sizes = [s for s, h in zip(sizes, held) if h]
+            found_sizes = [sizes[i] for i in found]
         pages = P.decode_pool_extents(header.get("desc"), header.get("regions_per_page"), found_sizes)
         if pages is None:
             _warn.warning(f"{self.endpoint}:malformed", "pool %s sent a malformed %s reply", self.endpoint, flag_name)
             return None
-        extents: List[Optional[Extents]] = []
-        all_sizes: List[int] = []
-        all_sums: List[int] = []
-        it, size_it, sum_it = iter(pages), iter(found_sizes), iter(found_sums)
-        for h in held:
-            extents.append([tuple(e) for e in next(it)] if h else None)
-            all_sizes.append(next(size_it) if h else 0)
-            all_sums.append(next(sum_it) if h else 0)
+        # Each found page's [address, length] runs as decoded (lists, read as pairs downstream).
+        extents: List[Optional[Extents]] = [None] * n
+        all_sizes, all_sums = [0] * n, [0] * n
+        for i, page, size, checksum in zip(found, pages, found_sizes, found_sums):
+            extents[i], all_sizes[i], all_sums[i] = page, size, checksum
         return Grant(lease, segment, extents, all_sizes, all_sums)
 
     # ------------------------------------------------------------ calls
