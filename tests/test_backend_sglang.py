@@ -122,3 +122,20 @@ def test_a_prompt_longer_than_one_lookup_message(node):
             client.close()
     finally:
         engine.close()
+
+
+def test_a_batch_over_the_parallel_copy_size_round_trips_byte_for_byte(node):
+    """16 MiB a batch (over tiers/node/buffers.py PARALLEL_BYTES): the engine hashes a write's pages, the
+    daemon copies them into its arena and the engine copies a read out of it, each in two halves at once."""
+    from tiers.node.buffers import PARALLEL_BYTES
+    shape = dict(layers=4, kv_heads=8, head_dim=128)  # 16 tokens: 2 x 4 x 16 x 8 x 128 x 2 bytes = 256 KiB a page
+    engine = Engine(node, shape=shape, pages=128, model="parallel-copy")
+    try:
+        keys = make_keys(64, salt=77, page_size=16)
+        assert 64 * engine.pool.get_size_per_token() * 16 >= PARALLEL_BYTES
+        written, sums = engine.write(keys, first_page=0, seed=11)
+        assert written == 64
+        done, got = engine.read(keys, first_page=64)
+        assert done == 64 and got == sums
+    finally:
+        engine.close()

@@ -8,6 +8,7 @@ are copied with the plan and compared.
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,3 +75,51 @@ def test_copying_with_the_plan_moves_each_page_into_its_own_runs():
     assert bytes(target[0:500]) == bytes(source[100:400]) + bytes(source[1000:1200])
     assert bytes(target[3000:3100]) + bytes(target[600:850]) + bytes(target[1500:1750]) == bytes(source[2000:2600])
     assert not target[500:600].any() and not target[850:1500].any()
+
+
+def test_large_batches_are_done_in_two_halves_at_once_and_in_order():
+    import threading
+    threads = []
+
+    def work(a, b):
+        threads.append(threading.current_thread().name)
+        return list(range(a, b))
+    assert buffers.in_halves(work, 10, buffers.PARALLEL_BYTES - 1) == list(range(10))
+    assert len(threads) == 1  # small: one call on this thread
+    threads.clear()
+    assert buffers.in_halves(work, 10, buffers.PARALLEL_BYTES) == list(range(10))
+    assert len(set(threads)) == 2  # large: the second half on the helper thread
+
+    def fails_late(a, b):
+        if a:
+            raise buffers.MemoryFault("second half")
+        return [a]
+    with pytest.raises(buffers.MemoryFault):
+        buffers.in_halves(fails_late, 4, buffers.PARALLEL_BYTES)
+
+
+def test_a_copy_in_halves_copies_every_byte_and_a_vanished_source_faults_on_either_half():
+    """The guarded copy on the helper thread has its own recovery point: a source truncated under the
+    second half's runs is a MemoryFault, not a crash; a whole source copies byte for byte."""
+    import mmap
+    import os
+    size = 2 * buffers.PARALLEL_BYTES
+    fd = os.memfd_create("halves-test")
+    try:
+        os.ftruncate(fd, size)
+        src = mmap.mmap(fd, size)
+        src[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
+        dst = np.zeros(size, dtype=np.uint8)
+        base_s, base_d, run = buffers.address_of(memoryview(src)), dst.ctypes.data, 1 << 20
+        runs = list(range(0, size, run))
+
+        def copy(a, b):
+            return [copy_runs([base_d + o for o in runs[a:b]], [base_s + o for o in runs[a:b]], [run] * (b - a))]
+        assert buffers.in_halves(copy, len(runs), size) == [size // 2, size // 2]
+        assert dst.tobytes() == src[:]
+        os.ftruncate(fd, size // 4)  # the first half's tail and all of the second half are gone
+        with pytest.raises(buffers.MemoryFault):
+            buffers.in_halves(copy, len(runs), size)
+        src.close()
+    finally:
+        os.close(fd)

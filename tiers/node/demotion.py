@@ -53,7 +53,7 @@ class DemotionLink:
         self.name = name
         self.endpoint = endpoint
         self.curve = curve
-        self.deadlines = deadlines or Deadlines()
+        self.deadlines = deadlines or Deadlines(reply_spin=0.0)  # a daemon waits without spinning (pool_client.py)
         self._clients: Dict[str, TierClient] = {}
         self._lock = threading.Lock()
         self._arena_fd: Optional[int] = None

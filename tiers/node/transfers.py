@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of, copy_runs, scatter_pages
+from tiers.node.buffers import MemoryFault, address_of, copy_runs, in_halves, scatter_pages
 from tiers.node.checksums import page_sums
 from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
@@ -167,8 +167,8 @@ class PageTransfers:
         # From the host pool (absolute addresses) into the arena (offsets from its base).
         runs_s, runs_d, runs_n = scatter_pages([sources.runs[i] for i, _alloc in group],
                                                [alloc.extents for _i, alloc in group], self.arena_base)
-        try:
-            copy_runs(runs_d, runs_s, runs_n)
+        try:  # a large group in two halves at once (in_halves): the copy is most of a large put's time
+            in_halves(lambda a, b: [copy_runs(runs_d[a:b], runs_s[a:b], runs_n[a:b])], len(runs_n), sum(runs_n))
         except MemoryFault:
             self.source_gone += 1
             _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "

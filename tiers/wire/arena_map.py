@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node.buffers import address_of, copy_runs, populate, scatter_pages
+from tiers.node.buffers import address_of, copy_runs, in_halves, populate, scatter_pages
 from tiers.node.checksums import copy_runs_summed
 
 
@@ -88,29 +88,32 @@ class ArenaMap:
             return out
         try:
             pages = [dst[i] for i, ok in enumerate(found) if ok]
-            # ValueError when the reply's extents are not one per found page, or a page's size differs.
-            runs_d, runs_s, runs_n = scatter_pages(pages, list(extents), self.base)
+            extents = list(extents)
+            if len(extents) != len(pages):
+                raise ValueError("the reply's extents are not one a found page")
             if time.monotonic() < expiry:
-                if copied is None:
-                    copy_runs(runs_d, runs_s, runs_n)
-                else:
-                    flat = np.array([run for page in pages for run in page], dtype=np.uint64).reshape(-1, 2)
-                    sums = iter(copy_runs_summed(runs_d, runs_s, runs_n, flat[:, 0], flat[:, 1],
-                                                 np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))))
-                    copied[:] = [next(sums) if ok else 0 for ok in found]
+                sums = self._copy_pages(pages, extents, copied is not None)
+                if copied is not None:
+                    it = iter(sums)
+                    copied[:] = [next(it) if ok else 0 for ok in found]
                 if time.monotonic() <= expiry:
                     out = list(found)
         finally:
             self.done()
         return out
-        try:
-            # ValueError when the reply's extents are not one per found page, or a page's size differs.
-            runs_d, runs_s, runs_n = scatter_pages([dst[i] for i, ok in enumerate(found) if ok], list(extents),
-                                                   self.base)
-            if time.monotonic() < expiry:
-                copy_runs(runs_d, runs_s, runs_n)
-                if time.monotonic() <= expiry:
-                    out = list(found)
-        finally:
-            self.done()
-        return out
+
+    def _copy_pages(self, pages, extents, summed: bool) -> List[int]:
+        """Copy each page's extents into its runs, each page hashed after its copy when summed (its sums);
+        a large batch in two halves at once (tiers/node/buffers.py in_halves)."""
+        nbytes = sum(n for page in extents for _o, n in page)
+        return in_halves(lambda a, b: self._copy_some(pages[a:b], extents[a:b], summed), len(pages), nbytes)
+
+    def _copy_some(self, pages, extents, summed: bool) -> List[int]:
+        # ValueError when a page's size differs from its extents'.
+        runs_d, runs_s, runs_n = scatter_pages(pages, extents, self.base)
+        if not summed:
+            copy_runs(runs_d, runs_s, runs_n)
+            return []
+        flat = np.array([run for page in pages for run in page], dtype=np.uint64).reshape(-1, 2)
+        return copy_runs_summed(runs_d, runs_s, runs_n, flat[:, 0], flat[:, 1],
+                                np.fromiter(map(len, pages), dtype=np.int64, count=len(pages)))
