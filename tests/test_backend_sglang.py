@@ -128,11 +128,13 @@ def test_a_batch_over_the_parallel_copy_size_round_trips_byte_for_byte(node):
     """16 MiB a batch (over tiers/node/buffers.py PARALLEL_BYTES): the engine hashes a write's pages, the
     daemon copies them into its arena and the engine copies a read out of it, each in two halves at once."""
     from tiers.node.buffers import PARALLEL_BYTES
-    shape = dict(layers=4, kv_heads=8, head_dim=128)  # 16 tokens: 2 x 4 x 16 x 8 x 128 x 2 bytes = 256 KiB a page
+    # 16 tokens a page: 2 x 4 layers x 16 x 8 heads x 128 x 2 bytes = 256 KiB; 64 pages = 16 MiB, a quarter of
+    # the module's 64 MiB tier (nothing of it is evicted by what the other tests left there)
+    shape = dict(layers=4, kv_heads=8, head_dim=128, page_size=16)
     engine = Engine(node, shape=shape, pages=128, model="parallel-copy")
     try:
         keys = make_keys(64, salt=77, page_size=16)
-        assert 64 * engine.pool.get_size_per_token() * 16 >= PARALLEL_BYTES
+        assert 64 * 16 * engine.pool.get_size_per_token() == 16 << 20 >= PARALLEL_BYTES
         written, sums = engine.write(keys, first_page=0, seed=11)
         assert written == 64
         done, got = engine.read(keys, first_page=64)

@@ -232,3 +232,17 @@ def test_zero_copy_rule_matches_the_installed_controller():
     assert '"interface_v1"' in src
     assert H.uses_zero_copy("dynamic", {"interface_v1": 1})
     assert not H.uses_zero_copy("dynamic", {}) and not H.uses_zero_copy("file", {"interface_v1": 1})
+
+
+def test_a_server_port_is_chosen_below_the_kernels_ephemeral_range():
+    """Ports the kernel hands out (bind to 0, outgoing connections of the Transfer Engine or ZeroMQ) cannot
+    take the port a server was told to bind between the check and its bind (a suite run lost 300 s so)."""
+    import socket
+    from hicache_ext.lab.server import free_port
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        low = int(fh.read().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free right after it was chosen
