@@ -126,3 +126,37 @@ def test_plan_takes_a_profile_and_checks_it(tmp_path, capsys):
     assert document["time_model"]["cached_us_per_token"] == pytest.approx(D * 1e6)
     assert main(["plan", "--bench", bench, "--check-profile"]) == 2
     assert "--check-profile needs --profile" in capsys.readouterr().err
+
+
+def test_the_servers_own_l3_reads_replace_the_bench_rate_where_the_profile_has_them(tmp_path):
+    """The transfers a server measured (backend batch_get wall time) fit a cost a storage batch and one a byte;
+    the planner then reads that tier at them, not at the bench file's rate, and a profile written before them
+    (no l3_reads) reads at the bench rate as before."""
+    from tiers.sim.profile import ReadFit, fit_reads
+    recompute, device, host, hits = made_up_measurements()
+    fixed, per_byte = 3e-3, 1 / 0.8e9  # 3 ms a 128-page batch, 0.8 GB/s
+    transfer = {n: -(-(hit(n) // 16) // 128) * fixed + hit(n) * 8192 * per_byte for n in LENGTHS}
+    read = fit_reads(transfer, hits, 8192, 16)
+    assert (read.fixed_s, read.s_per_byte) == pytest.approx((fixed, per_byte), rel=1e-6) and read.error < 1e-9
+    assert fit_reads({}, hits, 8192, 16) is None and fit_reads({512: 0.0}, hits, 8192, 16) is None
+    n = 2048
+    measured = {"recompute": recompute, "device": device, "host": host,
+                "l3_dram": {n: 0.01 + 200e-6 + transfer[n] + host[n]}}
+    case_hits = {"device": hits, "host": hits, "l3_dram": {m: hit(m) for m in LENGTHS}}
+    profile = build_profile(measured, case_hits, SHAPE, 16, prefetch_s=0.01, transfers={"l3_dram": transfer})
+    got = profile.l3_reads["dram"]
+    assert isinstance(got, ReadFit) and (got.fixed_s, got.s_per_byte) == pytest.approx((fixed, per_byte), rel=1e-6)
+    bench, _ = bench_figures(tmp_path)  # DRAM reads at 2 GB/s there
+    model = time_model(bench, ["dram"], "write_through", page_tokens=16, profile=profile)
+    assert model.batch_read_s({0: 2032}) == pytest.approx(fixed + 2032 * 8192 * per_byte)
+    (row,) = [r for r in profile_check.check(profile, bench) if r.case == "l3_dram"]
+    assert row.error == pytest.approx(0.0, abs=1e-9)
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    assert Profile.load(str(path)).l3_reads == profile.l3_reads
+    document = json.loads(path.read_text())
+    del document["l3_reads"]
+    older = Profile.from_json(document)
+    assert older.l3_reads == {}
+    assert time_model(bench, ["dram"], "write_through", page_tokens=16, profile=older).batch_read_s({0: 2032}) == \
+        pytest.approx(2032 * 8192 / 2e9)

@@ -236,4 +236,15 @@ def fit_lines(figs: Figures) -> List[str]:
             f"{f['h2d_s'] * 1e6:.2f} µs × tokens loaded from host (added to compute), and an L3 hit "
             f"{(f['prefetch_s'] or 0) * 1e3:.1f} ms around its storage hit query (SGLang's storage_prefetch_wait on "
             f"recompute less the lookup); largest relative error of the fit: {errors}. As the backend's "
-            f"break-even settings (extra config): {settings}.", ""]
+            f"break-even settings (extra config): {settings}.{_read_fits(figs)}", ""]
+
+
+def _read_fits(figs: Figures) -> str:
+    """The profile's L3 reads as the server measured them (ttft.fit.read.<kind>.*), when the run fitted any."""
+    parts = []
+    for kind in ("dram", "nvme", "remote"):
+        fixed, per_byte = figs.median(f"ttft.fit.read.{kind}.fixed_s"), figs.median(f"ttft.fit.read.{kind}.s_per_byte")
+        if fixed is not None and per_byte:
+            parts.append(f"{kind} {fixed * 1e3:.2f} ms a storage batch + {1e-9 / per_byte:.2f} GB/s")
+    return (" L3 reads in the server (the backend's batch_get wall time, what the planner reads each tier at "
+            "instead of the rig's rate): " + "; ".join(parts) + ".") if parts else ""

@@ -58,6 +58,41 @@ class Fit:
     errors: Dict[str, float] = field(default_factory=dict)  # largest relative error per fitted case
 
 
+@dataclass(frozen=True)
+class ReadFit:
+    """An L3 read in the measured server, per storage batch (STORAGE_BATCH_PAGES pages at most): fixed_s a
+    batch + s_per_byte a byte.  Fitted to the backend's batch_get wall time the server reported (SGLang's
+    prefetch metrics: `transfer` in the TTFT report), which the rig's tier rate overstates where the reads
+    share the server's cores."""
+
+    fixed_s: float = 0.0
+    s_per_byte: float = 0.0
+    error: float = 0.0  # rms relative error of the fit over the measured lengths
+
+
+def fit_reads(transfer: Dict[int, float], hits: Dict[int, int], kv_bytes_per_token: float,
+              page_tokens: int, batch_pages: int = 128) -> Optional[ReadFit]:
+    """The ReadFit of one tier's measured transfers (prompt length -> seconds; hits: length -> tokens read),
+    None without a usable point: the non-negative least squares of [batches, bytes] with the least error."""
+    points = [(hits.get(n, 0), t) for n, t in sorted(transfer.items()) if t and t > 0 and hits.get(n, 0) > 0]
+    if not points:
+        return None
+    rows = np.array([[-(-(tokens // page_tokens) // batch_pages), tokens * kv_bytes_per_token]
+                     for tokens, _t in points], dtype=float)
+    target = np.array([t for _tokens, t in points], dtype=float)
+    best = None
+    for columns in ((0, 1), (1,), (0,)):
+        solved = _solve(rows, target, columns)
+        if solved is not None and (best is None or solved[1] < best[2] - 1e-9):
+            best = (columns, solved[0], solved[1])
+    if best is None:
+        return None
+    values = [0.0, 0.0]
+    for column, value in zip(best[0], best[1]):
+        values[column] = float(value)
+    return ReadFit(fixed_s=values[0], s_per_byte=values[1], error=best[2])
+
+
 def service_s(model, cached: float, loaded: float, computed: float, write_s: float = 0.0) -> float:
     """Seconds of one request once admitted: the planner's one formula, for a Fit or a TimeModel (same fields).
 
@@ -152,6 +187,8 @@ class Profile:
     hits: Dict[str, Dict[int, int]] = field(default_factory=dict)  # case -> length -> cached tokens
     engine: Dict[str, object] = field(default_factory=dict)  # the server's pools and SGLang settings
     source: str = ""
+    # tier kind -> its reads as the server measured them (the planner's L3 read time where present)
+    l3_reads: Dict[str, ReadFit] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "source": self.source,
@@ -160,7 +197,8 @@ class Profile:
                 "engine": dict(self.engine), "fit": asdict(self.fit),
                 "backend_extra_config": break_even_settings(self.fit),
                 "measured_s": {case: {str(n): s for n, s in sorted(v.items())} for case, v in self.measured.items()},
-                "hit_tokens": {case: {str(n): t for n, t in sorted(v.items())} for case, v in self.hits.items()}}
+                "hit_tokens": {case: {str(n): t for n, t in sorted(v.items())} for case, v in self.hits.items()},
+                "l3_reads": {kind: asdict(fit) for kind, fit in sorted(self.l3_reads.items())}}
 
     @classmethod
     def from_json(cls, document: dict, path: str = "profile.json") -> "Profile":
@@ -173,9 +211,13 @@ class Profile:
             measured = {case: {int(n): float(s) for n, s in v.items()}
                         for case, v in document.get("measured_s", {}).items()}
             hits = {case: {int(n): int(t) for n, t in v.items()} for case, v in document.get("hit_tokens", {}).items()}
+            # absent from profiles written before it: L3 reads then go at the bench file's tier rates
+            l3_reads = {str(kind): ReadFit(**{k: float(v) for k, v in fit_doc.items()})
+                        for kind, fit_doc in document.get("l3_reads", {}).items()}
             return cls(kv_bytes_per_token=float(document["kv_bytes_per_token"]),
                        page_tokens=int(document["page_tokens"]), fit=fit, shape=shape, measured=measured,
-                       hits=hits, engine=dict(document.get("engine", {})), source=str(document.get("source", "")))
+                       hits=hits, engine=dict(document.get("engine", {})), source=str(document.get("source", "")),
+                       l3_reads=l3_reads)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{path}: {type(exc).__name__}: {exc}") from None
 
@@ -208,9 +250,15 @@ def break_even_settings(fit: Fit) -> Dict[str, float]:
 
 def build_profile(measured: Dict[str, Dict[int, float]], hits: Dict[str, Dict[int, int]], shape: ModelShape,
                   page_tokens: int, engine: Optional[dict] = None, source: str = "",
-                  prefetch_s: float = 0.0) -> Profile:
-    """A Profile of measured medians: the fit of recompute, device and host hits, every case kept."""
+                  prefetch_s: float = 0.0, transfers: Optional[Dict[str, Dict[int, float]]] = None) -> Profile:
+    """A Profile of measured medians: the fit of recompute, device and host hits, every case kept, and of each
+    L3 case's transfers (case -> length -> seconds of the backend's reads) the tier's ReadFit."""
     fit = fit_service(measured.get("recompute", {}), measured.get("device", {}), hits.get("device", {}),
                       measured.get("host"), hits.get("host"), prefetch_s)
+    l3_reads = {}
+    for case, transfer in (transfers or {}).items():
+        read = fit_reads(transfer, hits.get(case, {}), shape.kv_bytes_per_token, page_tokens)
+        if case in L3_KINDS and read is not None:
+            l3_reads[L3_KINDS[case]] = read
     return Profile(kv_bytes_per_token=shape.kv_bytes_per_token, page_tokens=page_tokens, fit=fit, shape=shape,
-                   measured=measured, hits=hits, engine=dict(engine or {}), source=source)
+                   measured=measured, hits=hits, engine=dict(engine or {}), source=source, l3_reads=l3_reads)

@@ -7,8 +7,9 @@ service has arrival = the first poll:
 - device hit: service(hit, 0, N - hit); host hit: service(hit, hit, N - hit);
 - L3 hit from a tier: admission after the storage hit query (one lookup per
   128-page batch, ``storage_query_s``) and the batches' reads at that tier's
-  bench rate (``TimeModel.batch_read_s``), cut by the prefetch policy
-  (``admission``), then service(hit, hit, N - hit).
+  rate (``TimeModel.batch_read_s``: the profile's fit of the server's own
+  reads of it where it has one, else the bench file's rate), cut by the
+  prefetch policy (``admission``), then service(hit, hit, N - hit).
 The functions are the simulator's own (tiers/sim/hierarchy.py, timing.py).
 """
 from __future__ import annotations
@@ -106,9 +107,13 @@ def fit_summary(profile: Profile) -> str:
     """The profile's fit in one paragraph (microseconds a token, milliseconds a request)."""
     f = profile.fit
     errors = ", ".join(f"{case} {err:.1%}" for case, err in f.errors.items())
+    reads = "; ".join(f"{kind} {r.fixed_s * 1e3:.2f} ms a batch + {1e-9 / r.s_per_byte if r.s_per_byte else 0:.2f} GB/s "
+                      f"(fit error {r.error:.1%})" for kind, r in sorted(profile.l3_reads.items()))
     return (f"fit: {f.overhead_s * 1e3:.1f} ms a request + {f.compute_s * 1e6:.1f} us x computed + "
             f"{f.compute_s2 * 1e9:.3f} ns x computed^2 + {f.cached_s * 1e6:.2f} us x cached + "
             f"{f.h2d_s * 1e6:.2f} us x loaded ({'added to' if f.serial_load else 'overlapping'} compute); "
             f"{f.prefetch_s * 1e3:.1f} ms around each storage hit query; "
             f"largest fit error: {errors or '-'}; {profile.kv_bytes_per_token / 1024:g} KiB of KV a token, "
-            f"{profile.page_tokens}-token pages")
+            f"{profile.page_tokens}-token pages"
+            + (f"; L3 reads as the server measured them (used instead of the bench file's rates): {reads}"
+               if reads else ""))

@@ -126,6 +126,7 @@ class TimeModel:
     cached_s: float = 0.0
     serial_load: bool = False
     prefetch_s: float = 0.0  # the engine's own time around a storage hit query, beyond the lookups
+    tier_fixed_s: tuple = ()  # per tier of the chain, a storage batch's fixed cost (a profile's ReadFit; else 0)
 
     def lookup_s(self, pages: int) -> float:
         """One lookup of pages keys (0 without a bench file)."""
@@ -137,7 +138,8 @@ class TimeModel:
 
     def batch_read_s(self, tokens_by_depth: Dict[int, int]) -> float:
         """One storage batch: each tier reads its tokens at once, the slowest sets the time."""
-        return max(k * self.tier_read_s[d] for d, k in tokens_by_depth.items())
+        fixed = self.tier_fixed_s
+        return max((fixed[d] if d < len(fixed) else 0.0) + k * self.tier_read_s[d] for d, k in tokens_by_depth.items())
 
 
 def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write_policy: str,
@@ -148,7 +150,8 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
 
     compute_s overrides T (a measured figure); without a bench file every tier costs nothing. With
     gpus > 1 (tensor parallel) compute and the host-to-GPU links divide by gpus (no collective cost).
-    A profile replaces the model and GPU presets: its KV shape, and its fit for every engine figure.
+    A profile replaces the model and GPU presets: its KV shape, and its fit for every engine figure; and a
+    tier's read rate where it measured the server's own reads of that tier kind (``Profile.l3_reads``).
     """
     if gpus < 1:
         raise ValueError("gpus must be at least 1")
@@ -177,16 +180,24 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
         source = f"T: given, {compute_s * 1e6:.1f} us a token"
     reads: List[float] = []
     writes: List[float] = []
+    fixed: List[float] = []
     for kind in kinds:
         if bench is None:
             reads.append(0.0)
             writes.append(0.0)
+            fixed.append(0.0)
             continue
-        reads.append(per_token / (bench.gbps(kind, "read", page_bytes) * GB))
+        read = profile.l3_reads.get(kind) if profile is not None else None
+        if read is not None:  # the server's own reads of this tier, as its profile measured them
+            reads.append(per_token * read.s_per_byte)
+            fixed.append(read.fixed_s)
+        else:
+            reads.append(per_token / (bench.gbps(kind, "read", page_bytes) * GB))
+            fixed.append(0.0)
         writes.append(per_token / (bench.gbps(kind, "write", page_bytes) * GB))
     # write_through stores into every tier at once (the slowest sets the pace); the others write the top tier
     write_s = (max(writes) if router_write_policy == "write_through" else writes[0]) if writes else 0.0
     return TimeModel(compute_s=t, h2d_s=fit.h2d_s, tier_read_s=tuple(reads), write_s=write_s,
                      page_tokens=page_tokens, bench=bench, source=source, overhead_s=fit.overhead_s,
                      compute_s2=fit.compute_s2, cached_s=fit.cached_s, serial_load=fit.serial_load,
-                     prefetch_s=fit.prefetch_s)
+                     prefetch_s=fit.prefetch_s, tier_fixed_s=tuple(fixed))

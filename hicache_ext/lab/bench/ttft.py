@@ -232,12 +232,18 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
     shape = ModelShape(layers=spec.layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, dtype_bytes=2,
                        params=float(info["params"]))
     engine = {k: info[k] for k in ("device_tokens", "hicache_ratio", "prefetch_threshold", "prefetch_policy")}
+    transfers = {case: {n: t for n in info["lengths"]
+                        if (t := figs.median(f"ttft.{case}.{n}.sglang.transfer")) is not None}
+                 for case in CASES if case.startswith("l3_")}
     profile = build_profile(measured, hits, shape, info["page_tokens"], engine, source,
-                            prefetch_s=_query_overhead(figs, info))
+                            prefetch_s=_query_overhead(figs, info), transfers=transfers)
     for name, value in vars(profile.fit).items():
         if isinstance(value, float):
             figs.set(f"ttft.fit.{name}", value, "s")
     for case, error in profile.fit.errors.items():
         figs.set(f"ttft.fit.error.{case}", error, "ratio")
+    for kind, read in profile.l3_reads.items():
+        figs.set(f"ttft.fit.read.{kind}.fixed_s", read.fixed_s, "s")
+        figs.set(f"ttft.fit.read.{kind}.s_per_byte", read.s_per_byte, "s")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     profile.save(path)
