@@ -90,6 +90,10 @@ def test_large_batches_are_done_in_two_halves_at_once_and_in_order():
     assert buffers.in_halves(work, 10, buffers.PARALLEL_BYTES) == list(range(10))
     assert len(set(threads)) == 2  # large: the second half on the helper thread
 
+    def nested(a, b):  # work that itself cuts in halves, on the helper thread too: runs there whole
+        return buffers.in_halves(work, b - a, buffers.PARALLEL_BYTES)
+    assert buffers.in_halves(nested, 4, buffers.PARALLEL_BYTES) == [0, 1, 0, 1]
+
     def fails_late(a, b):
         if a:
             raise buffers.MemoryFault("second half")

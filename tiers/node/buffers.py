@@ -5,6 +5,7 @@ import ctypes
 import functools
 import ctypes.util
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Sequence, Tuple
 
@@ -160,18 +161,21 @@ def line_up_runs(a: Sequence[Tuple[int, int]], b: Sequence[Tuple[int, int]]) -> 
 PARALLEL_BYTES = 8 << 20
 
 
+_HELPER_NAME = "hicache-halves"
+
+
 @functools.lru_cache(maxsize=None)
 def _helper() -> ThreadPoolExecutor:
     """The second thread of in_halves (one a process, made on first use)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-halves")
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=_HELPER_NAME)
 
 
 def in_halves(work: Callable[[int, int], list], count: int, nbytes: int) -> list:
     """work(0, count), or, for a batch of PARALLEL_BYTES or more, work(0, h) on this thread and work(h, count)
     on a helper thread at once, their results concatenated.  work must be a C call without the GIL to
     gain (the guarded copy and the page hash are); an exception of either half propagates once both ended."""
-    if nbytes < PARALLEL_BYTES or count < 2:
-        return work(0, count)
+    if nbytes < PARALLEL_BYTES or count < 2 or threading.current_thread().name.startswith(_HELPER_NAME):
+        return work(0, count)  # small, or called from the helper itself (waiting on it would never end)
     half = count // 2
     second = _helper().submit(work, half, count)
     try:
