@@ -242,7 +242,7 @@ def fit_lines(figs: Figures) -> List[str]:
 def _read_fits(figs: Figures) -> str:
     """The profile's L3 reads as the server measured them (ttft.fit.read.<kind>.*), when the run fitted any."""
     parts = []
-    for kind in ("dram", "nvme", "remote"):
+    for kind in L3_CASES.values():
         fixed, per_byte = figs.median(f"ttft.fit.read.{kind}.fixed_s"), figs.median(f"ttft.fit.read.{kind}.s_per_byte")
         if fixed is not None and per_byte:
             parts.append(f"{kind} {fixed * 1e3:.2f} ms a storage batch + {1e-9 / per_byte:.2f} GB/s")

@@ -161,20 +161,24 @@ def line_up_runs(a: Sequence[Tuple[int, int]], b: Sequence[Tuple[int, int]]) -> 
 PARALLEL_BYTES = 8 << 20
 
 
-_HELPER_NAME = "hicache-halves"
+_on_helper = threading.local()  # .yes on in_halves' own helper thread
+
+
+def _mark_helper() -> None:
+    _on_helper.yes = True
 
 
 @functools.lru_cache(maxsize=None)
 def _helper() -> ThreadPoolExecutor:
     """The second thread of in_halves (one a process, made on first use)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=_HELPER_NAME)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-halves", initializer=_mark_helper)
 
 
 def in_halves(work: Callable[[int, int], list], count: int, nbytes: int) -> list:
     """work(0, count), or, for a batch of PARALLEL_BYTES or more, work(0, h) on this thread and work(h, count)
     on a helper thread at once, their results concatenated.  work must be a C call without the GIL to
     gain (the guarded copy and the page hash are); an exception of either half propagates once both ended."""
-    if nbytes < PARALLEL_BYTES or count < 2 or threading.current_thread().name.startswith(_HELPER_NAME):
+    if nbytes < PARALLEL_BYTES or count < 2 or getattr(_on_helper, "yes", False):
         return work(0, count)  # small, or called from the helper itself (waiting on it would never end)
     half = count // 2
     second = _helper().submit(work, half, count)

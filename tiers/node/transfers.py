@@ -250,7 +250,6 @@ class PageTransfers:
         sums: List[Optional[int]] = [None] * len(keys)  # each page's checksum; None: not read
         if self.store.batched:
             idx = [i for i, v in enumerate(views) if v is not None]
-
             got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None,
                                                      lambda position: hold_blocks(self.arena, allocs[idx[position]]))
             for i, checksum in zip(idx, got):

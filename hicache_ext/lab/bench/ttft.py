@@ -216,7 +216,7 @@ def _query_overhead(figs: Figures, info: dict) -> float:
 def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> None:
     """The profile of this run's medians (tiers.sim.profile), and its fit as figures of the report."""
     from tiers.sim.prefill import ModelShape
-    from tiers.sim.profile import CASES, build_profile
+    from tiers.sim.profile import CASES, L3_KINDS, build_profile
     from tiers.bench.ttft_report import SOURCES
     info = figs.info["ttft"]
     measured: Dict[str, Dict[int, float]] = {}
@@ -234,7 +234,7 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
     engine = {k: info[k] for k in ("device_tokens", "hicache_ratio", "prefetch_threshold", "prefetch_policy")}
     transfers = {case: {n: t for n in info["lengths"]
                         if (t := figs.median(f"ttft.{case}.{n}.sglang.transfer")) is not None}
-                 for case in CASES if case.startswith("l3_")}
+                 for case in L3_KINDS}
     profile = build_profile(measured, hits, shape, info["page_tokens"], engine, source,
                             prefetch_s=_query_overhead(figs, info), transfers=transfers)
     for name, value in vars(profile.fit).items():

@@ -196,6 +196,14 @@ class Engine:
         return self._te
 
 
+def batches_by_page(abandoned: Sequence[Tuple[int, int]]) -> Dict[int, List[int]]:
+    """transfer_pages' abandoned (page, batch id) pairs, grouped: page -> the batch ids still live for it."""
+    live: Dict[int, List[int]] = {}
+    for page, batch in abandoned:
+        live.setdefault(page, []).append(batch)
+    return live
+
+
 def pair_extents(local: Sequence[Tuple[int, int]], remote: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
     """Cut two lists of (address, length) covering the same bytes into aligned transfer pieces."""
     return list(zip(*line_up_runs(local, remote)))

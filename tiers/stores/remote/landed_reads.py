@@ -9,10 +9,10 @@ until the engine reports it ended.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import scatter_copy
-from tiers.stores.remote.engine import Engine, pair_extents
+from tiers.stores.remote.engine import Engine, batches_by_page, pair_extents
 from tiers.stores.remote.staging import Landing
 
 
@@ -72,9 +72,7 @@ def land_pages(landing: Landing, engine: Engine, grant, moving: List[int], views
             grant.segment, False,
             [pair_extents(landing.extents(chunks, grant.sizes[k]), grant.extents[k]) for k, chunks in wave],
             end - time.monotonic(), abandoned, arrived)
-        live: Dict[int, List[int]] = {}
-        for i, batch in abandoned:
-            live.setdefault(i, []).append(batch)
+        live = batches_by_page(abandoned)
         for i, (k, chunks) in enumerate(wave):
             if i in live:
                 landing.hold(chunks, live[i])

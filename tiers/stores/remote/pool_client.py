@@ -85,7 +85,7 @@ class PoolClient:
         if pages is None:
             _warn.warning(f"{self.endpoint}:malformed", "pool %s sent a malformed %s reply", self.endpoint, flag_name)
             return None
-        # Each found page's [address, length] runs as decoded (lists, read as pairs downstream).
+        # Each found page's (address, length) runs, as decoded, at its position among the keys.
         extents: List[Optional[Extents]] = [None] * n
         all_sizes, all_sums = [0] * n, [0] * n
         for i, page, size, checksum in zip(found, pages, found_sizes, found_sums):

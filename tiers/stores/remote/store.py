@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from tiers.node.buffers import as_bytes_view
-from tiers.stores.remote.engine import Engine, EngineConfig, pair_extents
+from tiers.stores.remote.engine import Engine, EngineConfig, batches_by_page, pair_extents
 from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.placement import Rendezvous
 from tiers.stores.remote.pool_client import PoolClient
@@ -359,11 +359,8 @@ class RemoteStore(PageStore):
                                              [pair_extents(local[k], grant.extents[k]) for k in moving], timeout,
                                              abandoned)
             if abandoned and hold is not None:  # the caller keeps each given-up page's buffers until it ended
-                live: Dict[int, List[int]] = {}
-                for i, batch in abandoned:
-                    live.setdefault(moving[i], []).append(batch)
-                for k, batches in live.items():
-                    self._abandoned.add(batches, hold(k))
+                for i, batches in batches_by_page(abandoned).items():
+                    self._abandoned.add(batches, hold(moving[i]))
             elif abandoned:  # they may still land in the host pool (the risk direct_reads accepts)
                 self._abandoned.add([batch for _page, batch in abandoned])
             for k, ok in zip(moving, oks):
