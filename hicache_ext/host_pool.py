@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from tiers.node.buffers import view_at
+from tiers.node.page_runs import PageRuns
 from tiers.wire import protocol as P
 
 log = logging.getLogger("hicache.backend")
@@ -46,9 +47,9 @@ class PageBatch:
         """(desc, regions_per_page) for a shared-memory transfer."""
         return P.encode_descriptor_arrays(self.offsets, self.lengths)
 
-    def runs(self) -> List[List[Tuple[int, int]]]:
-        """(address, length) of each page's regions in this process."""
-        return [list(zip(p, n)) for p, n in zip(self.pointers.tolist(), self.lengths.tolist())]
+    def page_runs(self) -> PageRuns:
+        """Each page's regions in this process, as the arrays a copy takes."""
+        return PageRuns.uniform(self.pointers, self.lengths)
 
     def views(self) -> List[List[memoryview]]:
         """Zero-copy views of each page's regions in this process."""

@@ -241,7 +241,7 @@ class TierRouter:
             # daemon can never write into host memory the engine has reused.  Each page is hashed
             # as it is copied, so the check reads nothing again.
             copied: Optional[List[int]] = [] if self.checks.enabled else None
-            found = client.get_leased(batch.keys, batch.runs(), got, copied)
+            found = client.get_leased(batch.keys, batch.page_runs(), got, copied)
             sums_of = (lambda idx: [copied[i] for i in idx])
         else:
             found, frames = client.get_frames(batch.keys, batch.nbytes, got)

@@ -183,3 +183,63 @@ int64_t guarded_copy_page_sums(const uint64_t *dst, const uint64_t *src, const u
     return -1;
 #endif
 }
+
+/* Copy npages pages, each from its source runs into its destination runs, cut where a run of either side
+ * ends: page p's destination is the next d_runs[p] runs of (d_ptrs, d_lens), its source the next s_runs[p]
+ * runs of (s_ptrs + s_base, s_lens).  One call plans and copies a whole batch (planning it in numpy cost
+ * more than the copy at 64 KiB pages).  sums, when not NULL, gets each page's xxh3_64 at its destination,
+ * hashed right after its copy.  Returns the pages copied whole: npages on success, fewer when a run
+ * faulted; -1 (nothing copied) when a page's two sides differ in size, -2 when sums are asked for and
+ * the checksum code is not built. */
+int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const int64_t *d_runs,
+                           const uint64_t *s_ptrs, const uint64_t *s_lens, const int64_t *s_runs, uint64_t s_base,
+                           int64_t npages, uint64_t *sums)
+{
+#ifndef HAVE_XXHASH
+    if (sums != NULL)
+        return -2;
+#endif
+    int64_t di = 0, si = 0;
+    for (int64_t p = 0; p < npages; p++) { /* sizes first: a mismatch copies nothing */
+        uint64_t d_total = 0, s_total = 0;
+        if (d_runs[p] < 0 || s_runs[p] < 0)
+            return -1;
+        for (int64_t r = 0; r < d_runs[p]; r++)
+            d_total += d_lens[di + r];
+        for (int64_t r = 0; r < s_runs[p]; r++)
+            s_total += s_lens[si + r];
+        if (d_total != s_total)
+            return -1;
+        di += d_runs[p];
+        si += s_runs[p];
+    }
+    sigjmp_buf jump;
+    volatile int64_t done = 0;
+    if (sigsetjmp(jump, 1) != 0)
+        return done;
+    recovery = &jump;
+    int64_t d_first = 0, s_first = 0;
+    for (; done < npages; done++) {
+        int64_t d = d_first, s = s_first;
+        const int64_t d_end = d_first + d_runs[done], s_end = s_first + s_runs[done];
+        uint64_t d_off = 0, s_off = 0;
+        while (d < d_end && s < s_end) {
+            uint64_t d_left = d_lens[d] - d_off, s_left = s_lens[s] - s_off;
+            uint64_t n = d_left < s_left ? d_left : s_left;
+            memcpy((void *)(uintptr_t)(d_ptrs[d] + d_off), (const void *)(uintptr_t)(s_base + s_ptrs[s] + s_off),
+                   (size_t)n);
+            d_off += n;
+            s_off += n;
+            if (d_off == d_lens[d]) { d++; d_off = 0; }
+            if (s_off == s_lens[s]) { s++; s_off = 0; }
+        }
+#ifdef HAVE_XXHASH
+        if (sums != NULL)
+            sums[done] = page_sum(d_ptrs, d_lens, d_first, d_runs[done]);
+#endif
+        d_first = d_end;
+        s_first = s_end;
+    }
+    recovery = NULL;
+    return done;
+}

@@ -151,6 +151,21 @@ class BlockArena:
             blocks = [self._free.pop() for _ in range(needed)]
         return Alloc(next(self._ids), blocks, nbytes, block_extents(blocks, self.block_size, nbytes))
 
+    def take_many(self, sizes: Sequence[int]) -> List[Alloc]:
+        """take for each size in turn under one lock hold; the leading ones that fit (a batch's reserve)."""
+        out: List[Alloc] = []
+        block_size, free = self.block_size, self._free
+        with self._lock:
+            for nbytes in sizes:
+                needed = -(-nbytes // block_size)
+                if len(free) < needed:
+                    self._expire_locked(time.monotonic())
+                    if len(free) < needed:
+                        break
+                blocks = [free.pop() for _ in range(needed)]
+                out.append(Alloc(next(self._ids), blocks, nbytes, block_extents(blocks, block_size, nbytes)))
+        return out
+
     def give(self, alloc: Alloc) -> None:
         """An allocation back to the arena; a leased one waits for its leases to end."""
         with self._lock:

@@ -209,6 +209,7 @@ class _Guard:
     def __init__(self):
         self._lib = None
         self.sums_built = False  # the page checksum functions (built where xxhash.h was found)
+        self.pages_built = False  # guarded_copy_pages (a build of this version)
         try:
             from importlib.util import find_spec
             spec = find_spec("tiers._guardcopy")
@@ -225,8 +226,13 @@ class _Guard:
                 lib.guarded_copy_page_sums.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, runs, ctypes.c_int64,
                                                        ptr]
                 lib.guarded_copy_page_sums.restype = ctypes.c_int64
+                sums_out = ctypes.c_void_p  # NULL: no sums asked for
+                lib.guarded_copy_pages.argtypes = [ptr, ptr, runs, ptr, ptr, runs, ctypes.c_uint64, ctypes.c_int64,
+                                                   sums_out]
+                lib.guarded_copy_pages.restype = ctypes.c_int64
                 self._lib = lib
                 self.sums_built = bool(lib.page_sums_built())
+                self.pages_built = True
         except (OSError, AttributeError, ImportError):
             self._lib = None
         if self._lib is None:
@@ -251,6 +257,14 @@ class _Guard:
         """guarded_copy_page_sums (only when sums_built): the copy runs copied whole."""
         self._lib.guard_install()
         return int(self._lib.guarded_copy_page_sums(d, s, n, len(n), ptrs, lens, page_runs, len(page_runs), out))
+
+
+    def copy_pages(self, d_ptrs: np.ndarray, d_lens: np.ndarray, d_runs: np.ndarray, s_ptrs: np.ndarray,
+                   s_lens: np.ndarray, s_runs: np.ndarray, s_base: int, sums) -> int:
+        """guarded_copy_pages (only when pages_built): pages copied whole, -1 on a page size mismatch."""
+        self._lib.guard_install()
+        return int(self._lib.guarded_copy_pages(d_ptrs, d_lens, d_runs, s_ptrs, s_lens, s_runs, s_base,
+                                                len(d_runs), None if sums is None else sums.ctypes.data))
 
 
 def _vm_copy(d: np.ndarray, s: np.ndarray, n: np.ndarray, count: int) -> int:

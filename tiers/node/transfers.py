@@ -21,7 +21,8 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of, copy_runs, in_halves, scatter_pages
+from tiers.node.buffers import MemoryFault, address_of
+from tiers.node.page_runs import PageRuns, copy_pages
 from tiers.node.checksums import page_sums
 from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
@@ -69,10 +70,9 @@ class PageTransfers:
         if regions is None:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
         region = regions.get(region_id, header.get("s"))
-        extents = P.decode_descriptors(header.get("desc"), header.get("regions_per_page"), len(keys), region.size)
-        base = region.base
-        return Sources(None, [sum(n for _o, n in page) for page in extents],
-                       [[(base + off, n) for off, n in page] for page in extents], region.view, base)
+        runs = PageRuns(*P.decode_descriptor_arrays(header.get("desc"), header.get("regions_per_page"), len(keys),
+                                                    region.size))
+        return Sources(None, runs.sizes(), runs, region.view, region.base)
 
     def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
                   deadline: Optional[float], sums: List[int], checked: bool = False) -> Tuple[List[bool], Refusal]:
@@ -111,14 +111,16 @@ class PageTransfers:
                         sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
         """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
 
-        Pages are copied in groups, one C call a group without the GIL: a group grows while the arena
-        has free blocks, and is copied and committed before a reservation that must evict (so
-        eviction sees the pages in the order they were written, as the trace simulator does).
+        The pages that fit without evicting are reserved, copied (one C call a half, without the GIL) and
+        committed as one group, each step taking the store's lock once.  A page that must evict is reserved
+        alone once the group before it is committed (so eviction sees the pages in the order they were
+        written, as the trace simulator does).
         """
         n = len(keys)
         stored = [False] * n
         group: List[Tuple[int, Alloc]] = []
         failed: Refusal = None
+        store = self.store
 
         def flush() -> Refusal:
             refusal = self._copy_group(sources, group, deadline)
@@ -126,35 +128,47 @@ class PageTransfers:
             if refusal is None and check is not None:
                 good = check([i for i, _a in group], [self.arena.extent_views(a.extents) for _i, a in group], sums)
                 refusal = None if all(good) else _SUM_REFUSAL
-            for (i, alloc), ok in zip(group, good):
-                if refusal is not None and not (refusal is _SUM_REFUSAL and ok):
-                    self.store.abort(alloc)
-                else:
-                    parent = parents[i]
-                    self.store.commit((ns, keys[i]), alloc, parent if isinstance(parent, str) else None, sums[i])
+            kept = [(i, alloc) for (i, alloc), ok in zip(group, good)
+                    if refusal is None or (refusal is _SUM_REFUSAL and ok)]
+            if len(kept) < len(group):
+                for (i, alloc), ok in zip(group, good):
+                    if not (refusal is _SUM_REFUSAL and ok):
+                        store.abort(alloc)
+            if kept:
+                store.commit_many(ns, [keys[i] for i, _a in kept], [alloc for _i, alloc in kept],
+                                  [parents[i] if isinstance(parents[i], str) else None for i, _a in kept],
+                                  [sums[i] for i, _a in kept])
+                for i, _alloc in kept:
                     stored[i] = True
             group.clear()
             return refusal
 
-        for i in range(n):
+        i = 0
+        while i < n:
             if _late(deadline):
                 failed = ("deadline", "deadline passed during the batch")
                 break
             try:
-                alloc = self.store.reserve((ns, keys[i]), sources.sizes[i], evict=False)
-                if alloc is None:
-                    failed = flush()
-                    if failed is not None:
-                        break
-                    alloc = self.store.reserve((ns, keys[i]), sources.sizes[i])
+                allocs = store.reserve_many(ns, sources.sizes[i:])
+            except StoreError:
+                allocs = []  # the page at i is refused below, with its reason
+            group.extend(zip(range(i, i + len(allocs)), allocs))
+            i += len(allocs)
+            if i == n:
+                break
+            try:  # page i does not fit without evicting (or is refused): what is reserved goes first
+                refusal = flush() if group else None
+                if refusal is not None:
+                    failed = refusal
+                    break
+                group.append((i, store.reserve((ns, keys[i]), sources.sizes[i])))
             except StoreError as exc:
                 failed = failed or (exc.code, str(exc))
-                continue
-            group.append((i, alloc))
+            i += 1
         if group:
             if failed is not None and failed[0] == "deadline":
                 for _i, alloc in group:
-                    self.store.abort(alloc)
+                    store.abort(alloc)
             else:
                 failed = flush() or failed
         return stored, failed
@@ -164,11 +178,10 @@ class PageTransfers:
         pool went away under it or it ended after the deadline."""
         if _late(deadline):
             return ("deadline", "deadline passed during the batch")
-        # From the host pool (absolute addresses) into the arena (offsets from its base).
-        runs_s, runs_d, runs_n = scatter_pages([sources.runs[i] for i, _alloc in group],
-                                               [alloc.extents for _i, alloc in group], self.arena_base)
-        try:  # a large group in two halves at once (in_halves): the copy is most of a large put's time
-            in_halves(lambda a, b: [copy_runs(runs_d[a:b], runs_s[a:b], runs_n[a:b])], len(runs_n), sum(runs_n))
+        # From the host pool (offsets from its base) into the arena (absolute addresses), one C call a half.
+        dst = PageRuns.of_lists([alloc.extents for _i, alloc in group], self.arena_base)
+        try:
+            copy_pages(dst, sources.runs.take([i for i, _alloc in group]), sources.region_base)
         except MemoryFault:
             self.source_gone += 1
             _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
@@ -306,11 +319,11 @@ class PageTransfers:
 @dataclass
 class Sources:
     """The pages of a put: views of each (frames, or slices of a host pool), their sizes, and for a
-    host pool their (address, length) runs in this process (None for frames: memory we own)."""
+    host pool their runs, offsets from region_base in this process (None for frames: memory we own)."""
 
     frame_views: Optional[List[List[memoryview]]]  # frames; None for a host pool (views made on demand)
     sizes: List[int]
-    runs: Optional[List[List[Tuple[int, int]]]]
+    runs: Optional[PageRuns]
     region_view: Optional[memoryview] = None  # the host pool's mapping, for views of its pages
     region_base: int = 0
 
@@ -320,8 +333,8 @@ class Sources:
         copies by address and never builds them)."""
         if self.frame_views is not None:
             return self.frame_views
-        base, view = self.region_base, self.region_view
-        return [[view[a - base:a - base + n] for a, n in page] for page in self.runs]
+        view = self.region_view
+        return [[view[off:off + n] for off, n in page] for page in self.runs.as_lists()]
 
 
 def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:

@@ -193,6 +193,38 @@ class PageStore(ABC):
         see tiers/node/arena.py."""
         raise Unsupported(f"{type(self).__name__} keeps no exported arena")
 
+    # A store that exports an arena is written into in three steps, the copy outside its lock:
+    # reserve blocks, copy the page into them (the daemon does, guarded), then commit or abort.
+    def reserve(self, key: PageKey, size: int, evict: bool = True):
+        """An Alloc of export_arena() for a page of size bytes of key's namespace, evicting as needed; with
+        evict=False, None where it would have to evict."""
+        raise Unsupported(f"{type(self).__name__} keeps no exported arena")
+
+    def commit(self, key: PageKey, alloc, parent: Optional[str] = None, checksum: int = 0) -> None:
+        """The page in alloc's blocks (filled) is key's from now on."""
+        raise Unsupported(f"{type(self).__name__} keeps no exported arena")
+
+    def abort(self, alloc) -> None:
+        """alloc's blocks back, unused."""
+        raise Unsupported(f"{type(self).__name__} keeps no exported arena")
+
+    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list:
+        """reserve(evict=False) for a batch's pages in turn: the Allocs of the leading pages that fit without
+        evicting.  Override to take the store's lock once a batch."""
+        out = []
+        for size in sizes:
+            alloc = self.reserve((namespace, ""), size, evict=False)
+            if alloc is None:
+                break
+            out.append(alloc)
+        return out
+
+    def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence, parents: Sequence[Optional[str]],
+                    checksums: Sequence[int]) -> None:
+        """commit for each page of a batch of one namespace.  Override to take the store's lock once a batch."""
+        for key, alloc, parent, checksum in zip(keys, allocs, parents, checksums):
+            self.commit((namespace, key), alloc, parent, checksum)
+
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  deadline: Optional[float]) -> List[Optional[StoreError]]:
         """Stores with ``batched``: every page at once; None or the refusal of each."""

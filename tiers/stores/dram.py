@@ -159,6 +159,44 @@ class DramStore(PageStore):
             self._stats.inserts += 1
             self._stats.bytes_written += size
 
+    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> List[Alloc]:
+        """reserve(evict=False) for a batch's pages in turn, under one lock hold: the leading pages that fit
+        without evicting (the caller reserves the next one alone, evicting, after committing these)."""
+        limit = self._fair.quota(namespace)
+        if limit is not None:
+            tenant = self._tenants.get(namespace)
+            room = limit - (tenant.bytes if tenant is not None else 0)
+            fits = 0
+            for size in sizes:
+                room -= size
+                if room < 0:
+                    break
+                fits += 1
+            sizes = sizes[:fits]
+        largest = min(self.max_page_bytes, self.capacity)
+        valid = next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))
+        with self._lock:
+            return self.arena.take_many(sizes[:valid])
+
+    def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence[Alloc],
+                    parents: Sequence[Optional[str]], checksums: Sequence[int]) -> None:
+        """commit for each page of a batch of one namespace, under one lock hold."""
+        with self._lock:
+            tenant = self._tenant(namespace)
+            index, held, policy, added = self._index, self._held, tenant.policy, 0
+            for key, alloc, parent, checksum in zip(keys, allocs, parents, checksums):
+                page = (namespace, key)
+                if page in index:
+                    self._release_locked(page)
+                index[page] = _Entry(alloc, checksum=checksum)
+                held.insert(key_digest(namespace, key), 0, alloc.size)
+                policy.insert(page, (namespace, parent) if parent else None)
+                added += alloc.size
+            tenant.bytes += added
+            self._stats.used_bytes += added
+            self._stats.inserts += len(allocs)
+            self._stats.bytes_written += added
+
     def abort(self, alloc: Alloc) -> None:
         self.arena.give(alloc)
 

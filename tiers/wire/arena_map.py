@@ -10,12 +10,10 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-import numpy as np
-
-from tiers.node.buffers import address_of, copy_runs, in_halves, populate, scatter_pages
-from tiers.node.checksums import copy_runs_summed
+from tiers.node.buffers import address_of, populate
+from tiers.node.page_runs import PageRuns, copy_pages
 
 
 class ArenaMap:
@@ -72,12 +70,12 @@ class ArenaMap:
             self._mapping.close()  # the daemon's memory is freed only when no engine maps it
             self._mapping = None
 
-    def copy_out(self, extents: Sequence[Sequence[Tuple[int, int]]], dst: Sequence[Sequence[Tuple[int, int]]],
-                 found: Sequence[bool], expiry: float, copied: Optional[List[int]] = None) -> List[bool]:
-        """Copy found page i (extents in this arena, in order) into dst[i], runs of (address, length) of this
-        process; the found flags when the copy ended by expiry (time.monotonic()), else all False.
-        copied, when given, gets the checksum of each page as it lies in dst after the copy (0: not copied),
-        each page hashed right after its copy (tiers/node/checksums.py).
+    def copy_out(self, extents: PageRuns, dst: PageRuns, found: Sequence[bool], expiry: float,
+                 copied: Optional[List[int]] = None) -> List[bool]:
+        """Copy found page i (extents: offsets in this arena, one a found page, in order) into page i of dst
+        (addresses of this process); the found flags when the copy ended by expiry (time.monotonic()), else
+        all False.  copied, when given, gets the checksum of each page as it lies in dst after the copy
+        (0: not copied), each page hashed right after its copy (tiers/node/page_runs.py).
 
         MemoryFault or ValueError (a page of another size) propagate to the caller.
         """
@@ -87,12 +85,10 @@ class ArenaMap:
         if not self.use():
             return out
         try:
-            pages = [dst[i] for i, ok in enumerate(found) if ok]
-            extents = list(extents)
-            if len(extents) != len(pages):
+            if len(extents) != sum(found):
                 raise ValueError("the reply's extents are not one a found page")
             if time.monotonic() < expiry:
-                sums = self._copy_pages(pages, extents, copied is not None)
+                sums = copy_pages(dst.select(found), extents, self.base, copied is not None)
                 if copied is not None:
                     it = iter(sums)
                     copied[:] = [next(it) if ok else 0 for ok in found]
@@ -101,19 +97,3 @@ class ArenaMap:
         finally:
             self.done()
         return out
-
-    def _copy_pages(self, pages, extents, summed: bool) -> List[int]:
-        """Copy each page's extents into its runs, each page hashed after its copy when summed (its sums);
-        a large batch in two halves at once (tiers/node/buffers.py in_halves)."""
-        nbytes = sum(n for page in extents for _o, n in page)
-        return in_halves(lambda a, b: self._copy_some(pages[a:b], extents[a:b], summed), len(pages), nbytes)
-
-    def _copy_some(self, pages, extents, summed: bool) -> List[int]:
-        # ValueError when a page's size differs from its extents'.
-        runs_d, runs_s, runs_n = scatter_pages(pages, extents, self.base)
-        if not summed:
-            copy_runs(runs_d, runs_s, runs_n)
-            return []
-        flat = np.array([run for page in pages for run in page], dtype=np.uint64).reshape(-1, 2)
-        return copy_runs_summed(runs_d, runs_s, runs_n, flat[:, 0], flat[:, 1],
-                                np.fromiter(map(len, pages), dtype=np.int64, count=len(pages)))

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import zmq
 
@@ -30,6 +30,7 @@ from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
 from tiers.node.buffers import MemoryFault
+from tiers.node.page_runs import PageRuns
 from tiers.ops.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
@@ -394,9 +395,10 @@ class TierClient:
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
 
-    def get_leased(self, keys: List[str], dst: Sequence[Sequence[Tuple[int, int]]],
+    def get_leased(self, keys: List[str], dst: Union[PageRuns, Sequence[Sequence[Tuple[int, int]]]],
                    sums: Optional[List[int]] = None, copied: Optional[List[int]] = None) -> List[bool]:
-        """Copy pages into dst, each a list of (address, length) runs of this process, by a leased read.
+        """Copy pages into dst (page runs of this process, or a list of (address, length) runs a page) by a
+        leased read.
 
         The daemon pins the pages in its arena until our own give-up time; we
         copy them out in one call, and keep them only if the copy ended by then.  A page
@@ -408,7 +410,9 @@ class TierClient:
         n = len(keys)
         if sums is not None:
             sums[:] = [0] * n
-        sizes = [sum(length for _a, length in page) for page in dst]
+        if not isinstance(dst, PageRuns):
+            dst = PageRuns.of_lists(dst)
+        sizes = dst.sizes()
         nbytes = sum(sizes)
         timeout = self.deadlines.for_bytes(nbytes)
         expiry = time.monotonic() + timeout  # CLOCK_MONOTONIC is one clock for the whole machine
@@ -424,8 +428,8 @@ class TierClient:
         try:
             if reply.header.get("arena") != arena.arena_id:
                 raise P.ProtocolError("bad_request", "the daemon's arena changed (restart)")
-            extents = P.decode_descriptors(reply.header.get("desc"), reply.header.get("regions_per_page"),
-                                           sum(found), arena.size)
+            extents = PageRuns(*P.decode_descriptor_arrays(reply.header.get("desc"),
+                                                           reply.header.get("regions_per_page"), sum(found), arena.size))
         except P.ProtocolError as exc:
             self._warn.warning(f"lease:{self.name}", "tier %s: unusable read lease: %s", self.name, exc.msg)
             with self._lock:

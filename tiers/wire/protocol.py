@@ -321,23 +321,30 @@ def encode_descriptor_arrays(offsets: np.ndarray, lengths: np.ndarray) -> Tuple[
     return pairs.tobytes(), counts.tobytes()
 
 
-def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[List[Tuple[int, int]]]:
-    """Validate and split descriptors; every region must lie inside the mapping."""
+def decode_descriptor_arrays(desc, counts, n_pages: int,
+                             region_size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate descriptors; (offsets uint64, lengths uint64, runs a page int64), each region inside the mapping
+    (the arrays of tiers/node/page_runs.py PageRuns: no Python object a page)."""
     if not isinstance(desc, bytes) or not isinstance(counts, bytes):
         raise ProtocolError("bad_request", "desc and regions_per_page must be bytes")
     if len(desc) % 16 or len(counts) != 4 * n_pages:
         raise ProtocolError("bad_request", "descriptor arrays have the wrong length")
     pairs = np.frombuffer(desc, dtype="<i8").reshape(-1, 2)
     per_page = np.frombuffer(counts, dtype="<i4")
-    if per_page.size and (per_page.min() < 1 or int(per_page.sum()) != len(pairs)):
+    if per_page.size and (per_page.min() < 1 or int(per_page.sum(dtype=np.int64)) != len(pairs)):
         raise ProtocolError("bad_request", "regions_per_page does not add up to the descriptors")
-    if len(pairs):
-        offsets, lengths = pairs[:, 0], pairs[:, 1]
-        # Compared without adding: offset + length may overflow int64 (an offset of 2**63-1 would pass).
-        if offsets.min() < 0 or lengths.min() <= 0 or bool((offsets > region_size - lengths).any()):
-            raise ProtocolError("bad_request", "a descriptor lies outside the registered region")
+    offsets, lengths = pairs[:, 0], pairs[:, 1]
+    # Compared without adding: offset + length may overflow int64 (an offset of 2**63-1 would pass).
+    if len(pairs) and (offsets.min() < 0 or lengths.min() <= 0 or bool((offsets > region_size - lengths).any())):
+        raise ProtocolError("bad_request", "a descriptor lies outside the registered region")
+    return offsets.astype(np.uint64), lengths.astype(np.uint64), per_page.astype(np.int64)
+
+
+def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[List[Tuple[int, int]]]:
+    """decode_descriptor_arrays as a list of (offset, length) runs a page."""
+    offsets, lengths, per_page = decode_descriptor_arrays(desc, counts, n_pages, region_size)
     out, start = [], 0
-    plain = list(zip(pairs[:, 0].tolist(), pairs[:, 1].tolist()))  # (offset, length) tuples, no step a pair
+    plain = list(zip(offsets.tolist(), lengths.tolist()))  # (offset, length) tuples, no step a pair
     for n in per_page.tolist():
         out.append(plain[start:start + n])
         start += n
