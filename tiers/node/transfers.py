@@ -111,10 +111,11 @@ class PageTransfers:
                         sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
         """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
 
-        The pages that fit without evicting are reserved, copied (one C call a half, without the GIL) and
-        committed as one group, each step taking the store's lock once.  A page that must evict is reserved
-        alone once the group before it is committed (so eviction sees the pages in the order they were
-        written, as the trace simulator does).
+        The batch's pages are reserved, copied (one C call a half, without the GIL) and committed as one
+        group, each step taking the store's lock once; the store makes room for them ahead where its policy
+        evicts exactly what inserting page by page would (LRU, FIFO).  Elsewhere a page that must evict is
+        reserved alone once the group before it is committed (so eviction sees the pages in the order they
+        were written, as the trace simulator does).
         """
         n = len(keys)
         stored = [False] * n
@@ -149,7 +150,7 @@ class PageTransfers:
                 failed = ("deadline", "deadline passed during the batch")
                 break
             try:
-                allocs = store.reserve_many(ns, sources.sizes[i:])
+                allocs = store.reserve_many(ns, keys[i:], sources.sizes[i:], evict=True)
             except StoreError:
                 allocs = []  # the page at i is refused below, with its reason
             group.extend(zip(range(i, i + len(allocs)), allocs))

@@ -8,6 +8,12 @@ class EvictionPolicy(ABC):
     """Decides eviction order; owns no data and no sizes."""
 
     name = ""
+    # True when inserting keys never changes which of the keys already present goes next, and an inserted
+    # key never goes while a key present before it remains (LRU, FIFO): a store may then make room for a
+    # whole batch before inserting any of it and evict exactly what inserting page by page would.  Not so
+    # for S3-FIFO (a new key may go first), LFU (new keys have the lowest count) or radix-LRU (a new child
+    # keeps its parent).
+    evicts_new_pages_last = False
 
     @abstractmethod
     def insert(self, key: Hashable, parent: Optional[Hashable] = None) -> None:

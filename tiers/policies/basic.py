@@ -38,6 +38,7 @@ class LRUPolicy(_OrderedPolicy):
     """Least recently used: a hit moves the key to the back."""
 
     name = "lru"
+    evicts_new_pages_last = True
 
     def touch(self, key) -> None:
         if key in self._order:
@@ -49,6 +50,7 @@ class FIFOPolicy(_OrderedPolicy):
     """First in, first out: hits change nothing."""
 
     name = "fifo"
+    evicts_new_pages_last = True
 
     def touch(self, key) -> None:
         pass

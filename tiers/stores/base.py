@@ -208,12 +208,14 @@ class PageStore(ABC):
         """alloc's blocks back, unused."""
         raise Unsupported(f"{type(self).__name__} keeps no exported arena")
 
-    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list:
-        """reserve(evict=False) for a batch's pages in turn: the Allocs of the leading pages that fit without
-        evicting.  Override to take the store's lock once a batch."""
+    def reserve_many(self, namespace: str, keys: Sequence[str], sizes: Sequence[int], evict: bool = False) -> list:
+        """reserve for a batch's pages in turn: the Allocs of the leading pages that fit.  This default never
+        evicts (the caller reserves the next page alone, evicting, after committing these); override to take
+        the store's lock once a batch, and to make room for a whole batch where the policy allows it
+        (EvictionPolicy.evicts_new_pages_last)."""
         out = []
-        for size in sizes:
-            alloc = self.reserve((namespace, ""), size, evict=False)
+        for key, size in zip(keys, sizes):
+            alloc = self.reserve((namespace, key), size, evict=False)
             if alloc is None:
                 break
             out.append(alloc)

@@ -64,7 +64,8 @@ class DramStore(PageStore):
         self.capacity = self.arena.size
         self.max_page_bytes = max_page_bytes
         self._policy_name = policy
-        make_policy(policy)  # an unknown name fails here, not at the first write
+        # An unknown name fails here, not at the first write.
+        self._room_for_batches = make_policy(policy).evicts_new_pages_last
         self._index: Dict[PageKey, _Entry] = {}
         # Every page's key_digest, beside the index: a lookup of 1,024 keys (or of their packed digests) is one
         # native call, with no Python object a key (tiers/node/page_index.py; the GIL is its lock).
@@ -96,10 +97,16 @@ class DramStore(PageStore):
             tenant.policy.remove(key)
         return entry
 
-    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
+    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None,
+                          pending: int = 0) -> bool:
+        """pending: bytes the writer has reserved for pages of its batch not committed yet (they count as
+        its own, as they would once committed page by page)."""
         own = self._tenants.get(writer) if writer is not None else None
-        over = own is not None and self._fair.over_quota(writer, own.bytes + need)
-        namespace = only or self._fair.victim(writer, {ns: t.bytes for ns, t in self._tenants.items()}, over)
+        over = own is not None and self._fair.over_quota(writer, own.bytes + pending + need)
+        held = {ns: t.bytes for ns, t in self._tenants.items()}
+        if pending and writer in held:
+            held[writer] += pending
+        namespace = only or self._fair.victim(writer, held, over)
         tenant = self._tenants.get(namespace) if namespace is not None else None
         victim = tenant.policy.pop_victim() if tenant is not None else None
         if victim is None:
@@ -159,24 +166,40 @@ class DramStore(PageStore):
             self._stats.inserts += 1
             self._stats.bytes_written += size
 
-    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> List[Alloc]:
-        """reserve(evict=False) for a batch's pages in turn, under one lock hold: the leading pages that fit
-        without evicting (the caller reserves the next one alone, evicting, after committing these)."""
-        limit = self._fair.quota(namespace)
-        if limit is not None:
-            tenant = self._tenants.get(namespace)
-            room = limit - (tenant.bytes if tenant is not None else 0)
-            fits = 0
-            for size in sizes:
-                room -= size
-                if room < 0:
-                    break
-                fits += 1
-            sizes = sizes[:fits]
+    def reserve_many(self, namespace: str, keys: Sequence[str], sizes: Sequence[int],
+                     evict: bool = False) -> List[Alloc]:
+        """reserve for a batch's pages in turn under one lock hold: the Allocs of the leading pages that fit.
+
+        Without evict, or when the policy cannot make room for a batch ahead of inserting it
+        (EvictionPolicy.evicts_new_pages_last), only pages that fit without evicting; the caller then
+        reserves the next page alone, evicting, once these are committed.  Nor does it evict once a page
+        held already is among those reserved: committing it frees its old blocks, and page by page the
+        pages after it would have found them free.
+        """
         largest = min(self.max_page_bytes, self.capacity)
-        valid = next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))
+        sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
+        evict = evict and self._room_for_batches
+        out: List[Alloc] = []
         with self._lock:
-            return self.arena.take_many(sizes[:valid])
+            limit = self._fair.quota(namespace)
+            tenant = self._tenants.get(namespace)
+            held = tenant.bytes if tenant is not None else 0
+            pending, replaces = 0, False
+            for key, size in zip(keys, sizes):
+                while limit is not None and held + pending + size > limit:
+                    if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
+                        return out
+                    held = self._tenants[namespace].bytes
+                alloc = self.arena.take(size)
+                while alloc is None and evict and not replaces and self._evict_one_locked(namespace, size,
+                                                                                          pending=pending):
+                    alloc = self.arena.take(size)
+                if alloc is None:
+                    return out
+                out.append(alloc)
+                pending += size
+                replaces = replaces or (namespace, key) in self._index
+        return out
 
     def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence[Alloc],
                     parents: Sequence[Optional[str]], checksums: Sequence[int]) -> None:
