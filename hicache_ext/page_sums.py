@@ -1,8 +1,10 @@
 """End-to-end page checksums, the engine's half: the sum each written page carries, the check of each read.
 
 A page's checksum is xxh3_64 of its bytes in the host pool, its regions in
-order (hicache_ext/host_pool.py), computed before the put and sent with it
-(tiers/wire/protocol.py ``sums``).  Every tier keeps it with the page, moves
+order (hicache_ext/host_pool.py): computed here before a put to several tiers
+and sent with it (tiers/wire/protocol.py ``sums``); a put to one tier asks
+that daemon to hash each page as it copies it (``hash_pages``), the same sum
+in the copy's own pass.  Every tier keeps it with the page, moves
 between tiers keep it, and reads return it.  After this process copied a page
 into its host pool (out of a daemon's arena, or from a frame) it hashes the
 page there again: a page that does not match is a miss, counted and logged,

@@ -125,6 +125,11 @@ class TierRouter:
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        if self.checks.enabled and len(self._write_targets()) == 1:
+            # The one tier hashes each page in its copy's pass, while the page is in the cache: one pass over
+            # the batch instead of two (tiers/wire/protocol.py hash_pages).
+            return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode,
+                                                               hash_pages=True))
         sums = self.checks.sums_at(batch.pointers, batch.lengths)  # hashed once for every tier: each keeps it
         return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode, sums=sums))
 
@@ -138,10 +143,12 @@ class TierRouter:
         return extra
 
     def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
-             promote: bool = False, sums: bytes = b"") -> List[bool]:
+             promote: bool = False, sums: bytes = b"", hash_pages: bool = False) -> List[bool]:
         extra = self._put_fields(mode, promote)
         if sums:
             extra["sums"] = sums
+        elif hash_pages:
+            extra["hash_pages"] = True
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
             return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)

@@ -106,6 +106,22 @@ def test_page_checksums_are_validated_kept_and_returned(peer):
     still_serving(peer)
 
 
+def test_a_put_asking_the_daemon_to_hash_keeps_each_pages_xxh3_and_sums_sent_win(peer):
+    """hash_pages: the daemon takes each page's sum in its own copy; a put that carries sums keeps those."""
+    import xxhash
+    session = peer.hello("hashed")
+    pages = [b"A" * 100 + b"a", bytes(range(256)) * 3]
+    reply, _ = peer.call("put", s=session, keys=["h1", "h2"], hash_pages=True, frames=pages)
+    assert reply["stored"] == b"\1\1"
+    reply, _ = peer.call("put", s=session, keys=["given"], hash_pages=True, sums=P.encode_sums([7]),
+                         frames=[b"G" * 64])
+    assert reply["stored"] == b"\1"
+    reply, frames = peer.call("get", s=session, keys=["h1", "h2", "given"])
+    assert [bytes(f) for f in frames[:2]] == pages
+    assert P.decode_sums(reply["sums"], 3) == [xxhash.xxh3_64_intdigest(p) for p in pages] + [7]
+    still_serving(peer)
+
+
 def test_oversized_page_is_refused_and_nothing_is_stored(peer):
     session = peer.hello()
     reply, _ = peer.call("put", s=session, keys=["big"], frames=[b"z" * (2 << 20)])

@@ -69,7 +69,8 @@ def test_pages_read_back_exactly_with_the_checksums_they_were_written_with(make_
         keys = make_keys(6, salt=1, page_size=16)
         written, sums = engine.write(keys, 0, seed=1)
         assert written == 6
-        assert kept_sums(runner, tier, engine, keys) == sums  # the backend's sums, kept with the pages
+        # Each page's xxh3 as the engine wrote it, kept with the page (one tier: the daemon hashed it in its copy).
+        assert kept_sums(runner, tier, engine, keys) == sums
         assert engine.read(keys, 8) == (6, sums)
         assert mismatches(engine) == 0
     finally:

@@ -347,7 +347,8 @@ class TierDaemon:
         def work(_frames_kept_alive=frames) -> list:
             # A promotion is copied out of a host pool after the engine's read returned: checked
             stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums,
-                                                       checked=header.get("promote") is True and any(sums))
+                                                       checked=header.get("promote") is True and any(sums),
+                                                       hashed=header.get("hash_pages") is True and not any(sums))
             if self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:

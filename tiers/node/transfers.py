@@ -74,20 +74,24 @@ class PageTransfers:
                                                     region.size))
         return Sources(None, runs.sizes(), runs, region.view, region.base)
 
-    def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list,
-                  deadline: Optional[float], sums: List[int], checked: bool = False) -> Tuple[List[bool], Refusal]:
+    def put_pages(self, ns: str, keys: list, sources: "Sources", parents: list, deadline: Optional[float],
+                  sums: List[int], checked: bool = False, hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """Store each page with its checksum (0: unknown); (stored flags, first refusal).
 
         checked: hash each page once it is in our memory and refuse those that do not match their
         checksum (a promotion copies a page out of a host pool some time after the engine read it:
-        the engine may have reused the slot by then)."""
+        the engine may have reused the slot by then).  hashed (the put carried no sums): each page's
+        sum is taken as it is copied into our memory, in the same pass, and set in sums."""
         if max(sources.sizes, default=0) > self.max_page_bytes:
             raise P.ProtocolError("too_large", f"page over {self.max_page_bytes} bytes")
         check = self._check_sums if checked else None
+        hashed = hashed and not checked
         if sources.runs is not None and self.stages:
-            return self._put_staged(ns, keys, sources, parents, deadline, sums, check)
+            return self._put_staged(ns, keys, sources, parents, deadline, sums, check, hashed)
         if sources.runs is not None:
-            return self._put_into_arena(ns, keys, sources, parents, deadline, sums, check)
+            return self._put_into_arena(ns, keys, sources, parents, deadline, sums, check, hashed)
+        if hashed:
+            sums[:] = page_sums(sources.views)
         if check is not None:
             good = check(list(range(len(keys))), [sources.views[i] for i in range(len(keys))], sums)
             return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i],
@@ -108,7 +112,7 @@ class PageTransfers:
         return good
 
     def _put_into_arena(self, ns, keys, sources: "Sources", parents, deadline,
-                        sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
+                        sums: List[int], check=None, hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """A store that keeps pages in its arena: reserve, guarded copy out of the host pool, commit.
 
         The batch's pages are reserved, copied (one C call a half, without the GIL) and committed as one
@@ -124,7 +128,7 @@ class PageTransfers:
         store = self.store
 
         def flush() -> Refusal:
-            refusal = self._copy_group(sources, group, deadline)
+            refusal = self._copy_group(sources, group, deadline, sums if hashed else None)
             good = [True] * len(group)
             if refusal is None and check is not None:
                 good = check([i for i, _a in group], [self.arena.extent_views(a.extents) for _i, a in group], sums)
@@ -174,20 +178,26 @@ class PageTransfers:
                 failed = flush() or failed
         return stored, failed
 
-    def _copy_group(self, sources: "Sources", group: List[Tuple[int, Alloc]], deadline: Optional[float]) -> Refusal:
+    def _copy_group(self, sources: "Sources", group: List[Tuple[int, Alloc]], deadline: Optional[float],
+                    sums: Optional[List[int]] = None) -> Refusal:
         """One guarded copy of a group of pages out of a host pool into their blocks; why not, when the
-        pool went away under it or it ended after the deadline."""
+        pool went away under it or it ended after the deadline.  sums, when given, gets each copied
+        page's checksum at its position (hashed right after its copy, in the cache)."""
         if _late(deadline):
             return ("deadline", "deadline passed during the batch")
         # From the host pool (offsets from its base) into the arena (absolute addresses), one C call a half.
         dst = PageRuns.of_lists([alloc.extents for _i, alloc in group], self.arena_base)
         try:
-            copy_pages(dst, sources.runs.take([i for i, _alloc in group]), sources.region_base)
+            taken = copy_pages(dst, sources.runs.take([i for i, _alloc in group]), sources.region_base,
+                               summed=sums is not None)
         except MemoryFault:
             self.source_gone += 1
             _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
                                   "pages refused", self.name)
             return ("bad_request", "the host pool went away under the copy")
+        if sums is not None:
+            for (i, _alloc), checksum in zip(group, taken):
+                sums[i] = checksum
         # Bytes copied after the engine gave up may be torn (it reuses its buffers at once).
         return ("deadline", "deadline passed during the copy") if _late(deadline) else None
 
@@ -200,7 +210,7 @@ class PageTransfers:
         return True, None
 
     def _put_staged(self, ns, keys, sources: "Sources", parents, deadline,
-                    sums: List[int], check=None) -> Tuple[List[bool], Refusal]:
+                    sums: List[int], check=None, hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy the batch into staging first (one guarded C call, as
         _put_into_arena does), then hand the store our own memory."""
         group: List[Tuple[int, Alloc]] = []
@@ -212,7 +222,7 @@ class PageTransfers:
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
                 group.append((i, alloc))
-        failed = self._copy_group(sources, group, deadline) if group else None
+        failed = self._copy_group(sources, group, deadline, sums if hashed else None) if group else None
         if failed is not None:
             for _i, alloc in group:
                 self.arena.give(alloc)

@@ -20,7 +20,8 @@ Operations (fields -> reply fields):
                                 -> found (one byte a key), sums, and either one frame per found page or,
                                    with ``lease``: lease, arena, desc, regions_per_page
 - release  lease                -> released
-- put      keys [, region, desc, regions_per_page | frames_per_page, parents, sums, done] [+ page frames]
+- put      keys [, region, desc, regions_per_page | frames_per_page, parents, sums | hash_pages, done]
+                                [+ page frames]
                                 -> stored (one byte a key)
 - delete   keys                 -> deleted
 - stats                         -> stats, tier, sessions
@@ -69,6 +70,10 @@ trip, so a read costs one control round trip, not two.
 writer's xxh3_64 of each page's bytes (its regions concatenated in order),
 0 for "unknown".  On a ``put`` or an ``alloc`` (optional; absent is all 0)
 one a key; in a ``get`` or ``locate`` reply one a found page, in key order.
+A ``put`` may instead say ``hash_pages: true``: the daemon hashes each page
+as it copies it into its own memory (in the same pass, while the page is in
+the cache) and keeps that sum; a writer that puts to one tier saves its own
+pass over the batch.  A promotion (``promote``) always carries its sums.
 A store keeps each page's sum with the page (moves between tiers keep it)
 and answers 0 for a page stored without one; the engine checks every page it
 copied against a non-zero sum and takes a mismatch for a miss.
