@@ -39,7 +39,7 @@ Extents = List[Tuple[int, int]]
 _PREFAULT_SLICE = 8 << 20  # ~5 ms of faults: what another thread's mmap or page fault may wait for
 
 
-@dataclass
+@dataclass(slots=True)
 class Alloc:
     """The blocks one page (or staged page) takes, and their (offset, length) runs, computed once."""
 
@@ -162,8 +162,17 @@ class BlockArena:
                     self._expire_locked(time.monotonic())
                     if len(free) < needed:
                         break
-                blocks = [free.pop() for _ in range(needed)]
-                out.append(Alloc(next(self._ids), blocks, nbytes, block_extents(blocks, block_size, nbytes)))
+                if needed == 1:  # a page in one block (most pages: blocks are sized to them)
+                    block = free.pop()
+                    out.append(Alloc(next(self._ids), [block], nbytes, [(block * block_size, nbytes)]))
+                    continue
+                blocks = free[-needed:]
+                del free[-needed:]
+                blocks.reverse()  # as popping them one by one would: lowest first in a fresh arena
+                first = blocks[0]
+                extents = ([(first * block_size, nbytes)] if blocks == list(range(first, first + needed))
+                           else block_extents(blocks, block_size, nbytes))
+                out.append(Alloc(next(self._ids), blocks, nbytes, extents))
         return out
 
     def give(self, alloc: Alloc) -> None:

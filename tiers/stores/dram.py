@@ -28,7 +28,7 @@ from tiers.wire.protocol import key_digest, pack_key_digests
 log = logging.getLogger("hicache.dram")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     alloc: Alloc
     reads: int = 0
@@ -179,13 +179,16 @@ class DramStore(PageStore):
         largest = min(self.max_page_bytes, self.capacity)
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
         evict = evict and self._room_for_batches
-        out: List[Alloc] = []
         with self._lock:
             limit = self._fair.quota(namespace)
             tenant = self._tenants.get(namespace)
             held = tenant.bytes if tenant is not None else 0
-            pending, replaces = 0, False
-            for key, size in zip(keys, sizes):
+            # What fits as it is, taken at once; then page by page, evicting.
+            out = self.arena.take_many(sizes if limit is None else _within(sizes, limit - held))
+            pending = sum(alloc.size for alloc in out)
+            index = self._index
+            replaces = any((namespace, key) in index for key in keys[:len(out)])
+            for key, size in zip(keys[len(out):], sizes[len(out):]):
                 while limit is not None and held + pending + size > limit:
                     if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
                         return out
@@ -198,7 +201,7 @@ class DramStore(PageStore):
                     return out
                 out.append(alloc)
                 pending += size
-                replaces = replaces or (namespace, key) in self._index
+                replaces = replaces or (namespace, key) in index
         return out
 
     def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence[Alloc],
@@ -386,3 +389,12 @@ def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> D
 
 # The dram kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["dram"]).
 KIND = StoreKind("dram", _build, description="pages in a sealed memfd arena of fixed blocks")
+
+
+def _within(sizes: Sequence[int], room: int) -> Sequence[int]:
+    """The leading sizes that add up to at most room."""
+    for i, size in enumerate(sizes):
+        room -= size
+        if room < 0:
+            return sizes[:i]
+    return sizes
