@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from tiers.node.buffers import MemoryFault, address_of, scatter_pages
-from tiers.node.checksums import copy_runs_summed, native, page_sums, page_sums_at
+from tiers.node.buffers import MemoryFault, address_of
+from tiers.node.checksums import native, page_sums, page_sums_at
+from tiers.node.page_runs import PageRuns, copy_pages
 
 
 def test_built_where_xxhash_h_is_installed():
@@ -63,10 +64,8 @@ def test_copy_hashes_each_page_as_copied():
         cut = sorted(rng.sample(range(1, page_bytes), rng.randint(0, 2)))
         bounds = [0] + cut + [page_bytes]
         extents.append([(start + a, b - a) for a, b in zip(bounds, bounds[1:])])
-    dst = [list(zip(pointers[p].tolist(), lengths[p].tolist())) for p in range(pages)]
-    runs_d, runs_s, runs_n = scatter_pages(dst, extents, arena.ctypes.data)
-    sums = copy_runs_summed(runs_d, runs_s, runs_n, pointers.ravel(), lengths.ravel(),
-                            np.full(pages, regions, dtype=np.int64))
+    sums = copy_pages(PageRuns.uniform(pointers, lengths), PageRuns.of_lists(extents), arena.ctypes.data,
+                      summed=True)
     for p in range(pages):
         want = b"".join(arena[a:a + n].tobytes() for a, n in extents[p])
         got = b"".join(dst_buf[int(a) - dst_buf.ctypes.data:int(a) - dst_buf.ctypes.data + int(n)].tobytes()
@@ -77,7 +76,8 @@ def test_copy_hashes_each_page_as_copied():
 
 
 def test_truncated_mapping_is_a_fault_not_a_crash():
-    """A memfd someone truncated under our mapping (a hostile or buggy engine): hashing it raises MemoryFault."""
+    """A memfd someone truncated under our mapping (a hostile or buggy engine): hashing it, or copying and
+    hashing it, raises MemoryFault."""
     fd = os.memfd_create("sums-truncated")
     try:
         os.ftruncate(fd, 1 << 20)
@@ -87,7 +87,12 @@ def test_truncated_mapping_is_a_fault_not_a_crash():
         pointers = np.array([[base + i * 65536] for i in range(16)], dtype=np.uint64)
         lengths = np.full((16, 1), 65536, dtype=np.uint64)
         assert len(page_sums_at(pointers, lengths)) == 16
+        target = np.zeros(1 << 20, dtype=np.uint8)
+        into = PageRuns.uniform(pointers - np.uint64(base) + np.uint64(target.ctypes.data), lengths)
+        assert copy_pages(into, PageRuns.uniform(pointers, lengths), summed=True) == page_sums_at(pointers, lengths)
         os.ftruncate(fd, 1 << 16)
+        with pytest.raises(MemoryFault):
+            copy_pages(into, PageRuns.uniform(pointers, lengths))
         if native():
             with pytest.raises(MemoryFault):
                 page_sums_at(pointers, lengths)

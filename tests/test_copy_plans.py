@@ -1,69 +1,103 @@
-"""The cuts a batched copy is made of: scatter_pages (numpy for a batch, page by page for a small group)
-against scatter_runs (page by page).
+"""A batch copy: every page of a batch cut, copied (and hashed) in one C call (tiers/node/page_runs.py
+copy_pages), and the two halves a large batch is copied in at once (in_halves).
 
-Every copy between a host pool and an arena is planned by scatter_pages;
-a wrong cut copies the wrong bytes into another tenant's page, so it is
-held to the page-by-page reference on random run layouts, and real bytes
-are copied with the plan and compared.
+Every copy between a host pool and an arena is one such call; a wrong cut
+copies the wrong bytes into another tenant's page, so it is held to the
+page-by-page reference (scatter_runs, the Python path where the C copy is not
+built) on random run layouts in real memory, byte for byte.
 """
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiers.node import buffers
-from tiers.node.buffers import copy_runs, scatter_pages, scatter_runs
+from tiers.node.buffers import copy_runs, scatter_runs
+from tiers.node.page_runs import PageRuns, _copy_slow, copy_pages
+
+SPAN = 1 << 16  # bytes of each side's buffer: the runs of a layout lie apart inside it
+
 
 @st.composite
 def layouts(draw):
-    """Pages as (dst runs, src runs) of equal totals, each side cut at random places."""
+    """Pages as (dst runs, src runs) of equal totals, each side cut at random places; runs as offsets into
+    a buffer of SPAN bytes a side, in a random order and never overlapping."""
     pages = []
     for _ in range(draw(st.integers(1, 6))):
-        total = draw(st.integers(1, 64))
+        total = draw(st.integers(1, 512))
         sides = []
         for _side in range(2):
             cuts = sorted(set(draw(st.lists(st.integers(1, total - 1), max_size=4)))) if total > 1 else []
             bounds = [0, *cuts, total]
-            sides.append([(draw(st.integers(0, 1 << 20)) * 64, b - a) for a, b in zip(bounds, bounds[1:])])
+            sides.append([b - a for a, b in zip(bounds, bounds[1:])])
         pages.append(sides)
-    return [d for d, _s in pages], [s for _d, s in pages]
+    placed = []
+    for side in range(2):
+        lengths = [n for page in pages for n in page[side]]
+        slots = draw(st.permutations(range(len(lengths))))  # the runs' order in the buffer
+        offsets, at = [0] * len(lengths), 0
+        for slot in slots:
+            offsets[slot] = at
+            at += lengths[slot] + draw(st.integers(0, 64))
+        it = iter(zip(offsets, lengths))
+        placed.append([[next(it) for _n in page[side]] for page in pages])
+    return placed[0], placed[1]
+
+
+def _buffers(seed: int):
+    src = np.random.default_rng(seed).integers(0, 256, SPAN, dtype=np.uint8)
+    return src, np.zeros(SPAN, dtype=np.uint8)
+
+
+def _page_bytes(buf: np.ndarray, runs) -> bytes:
+    return b"".join(buf[o:o + n].tobytes() for o, n in runs)
+
 
 @settings(max_examples=300, deadline=None)
-@given(layouts(), st.integers(0, 4096))
-def test_the_batch_cut_is_the_page_by_page_cut(layout, base):
+@given(layouts(), st.booleans())
+def test_each_page_lands_in_its_own_runs_as_the_page_by_page_copy_puts_it(layout, summed):
     dst, src = layout
-    reference = ([], [], [])
-    for d, s in zip(dst, src):
-        for into, part in zip(reference, scatter_runs(d, [(base + a, n) for a, n in s])):
-            into.extend(part)
-    small = buffers.SMALL_BATCH
-    try:
-        for threshold in (0, 1 << 30):  # the whole batch in numpy, then page by page in Python
-            buffers.SMALL_BATCH = threshold
-            assert scatter_pages(dst, src, base) == reference
-    finally:
-        buffers.SMALL_BATCH = small
+    source, target = _buffers(1)
+    reference = np.zeros(SPAN, dtype=np.uint8)
+    d_at = [[(target.ctypes.data + o, n) for o, n in page] for page in dst]
+    r_at = [[(reference.ctypes.data + o, n) for o, n in page] for page in dst]
+    sums = copy_pages(PageRuns.of_lists(d_at), PageRuns.of_lists(src), source.ctypes.data, summed)
+    ref_sums = _copy_slow(PageRuns.of_lists(r_at), PageRuns.of_lists(src), source.ctypes.data, summed)
+    assert target.tobytes() == reference.tobytes()  # the C cut is the Python cut, gaps left untouched
+    for page_d, page_s in zip(dst, src):
+        assert _page_bytes(target, page_d) == _page_bytes(source, page_s)
+    assert sums == ref_sums == ([xxhash.xxh3_64_intdigest(_page_bytes(source, p)) for p in src] if summed else [])
+
 
 @settings(max_examples=100, deadline=None)
 @given(layouts())
-def test_a_page_of_another_size_is_refused(layout):
+def test_a_page_of_another_size_is_refused_before_anything_is_copied(layout):
     dst, src = layout
+    source, target = _buffers(2)
     src = [list(p) for p in src]
-    src[-1].append((0, 1))
-    small = buffers.SMALL_BATCH
-    try:
-        for threshold in (0, 1 << 30):
-            buffers.SMALL_BATCH = threshold
-            try:
-                scatter_pages(dst, src)
-            except ValueError:
-                continue
-            raise AssertionError("a page one byte longer on one side was planned")
-    finally:
-        buffers.SMALL_BATCH = small
+    src[-1].append((SPAN - 1, 1))  # the last page one byte longer on one side
+    d_at = PageRuns.of_lists([[(target.ctypes.data + o, n) for o, n in page] for page in dst])
+    with pytest.raises(ValueError, match="size mismatch"):
+        copy_pages(d_at, PageRuns.of_lists(src), source.ctypes.data)
+    assert not target.any()
 
-def test_copying_with_the_plan_moves_each_page_into_its_own_runs():
+
+def test_batches_of_pages_are_taken_and_sized_as_arrays():
+    runs = PageRuns.of_lists([[(0, 5), (10, 7)], [(3, 4)], [(1, 1), (2, 2), (3, 3)]], base=100)
+    assert runs.sizes() == [12, 4, 6] and all(type(n) is int for n in runs.sizes())
+    assert runs.addr.tolist() == [100, 110, 103, 101, 102, 103]
+    assert runs.take([0, 2]).sizes() == [12, 6] and runs.take([1, 2]).sizes() == [4, 6]
+    assert runs.select([False, True, False]).as_lists() == [[(103, 4)]]
+    assert runs.pages(1, 3).as_lists() == [[(103, 4)], [(101, 1), (102, 2), (103, 3)]]
+    uniform = PageRuns.uniform(np.array([[0, 64], [128, 192]]), np.array([[64, 64], [64, 64]]))
+    assert uniform.sizes() == [128, 128] and uniform.counts.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="page count"):
+        copy_pages(runs, runs.pages(0, 2))
+
+
+def test_copying_pages_moves_each_page_into_its_own_runs():
     rng = np.random.default_rng(3)
     source = rng.integers(0, 256, 4096, dtype=np.uint8)
     target = np.zeros(4096, dtype=np.uint8)
@@ -71,10 +105,11 @@ def test_copying_with_the_plan_moves_each_page_into_its_own_runs():
     # Page 0: two source runs into one target run; page 1: one source run into three target runs.
     src = [[(100, 300), (1000, 200)], [(2000, 600)]]
     dst = [[(t0 + 0, 500)], [(t0 + 3000, 100), (t0 + 600, 250), (t0 + 1500, 250)]]
-    copy_runs(*scatter_pages(dst, src, s0))
+    copy_pages(PageRuns.of_lists(dst), PageRuns.of_lists(src), s0)
     assert bytes(target[0:500]) == bytes(source[100:400]) + bytes(source[1000:1200])
     assert bytes(target[3000:3100]) + bytes(target[600:850]) + bytes(target[1500:1750]) == bytes(source[2000:2600])
     assert not target[500:600].any() and not target[850:1500].any()
+    assert scatter_runs(dst[1], [(s0 + 2000, 600)])[2] == [100, 250, 250]  # the page-by-page plan agrees
 
 
 def test_large_batches_are_done_in_two_halves_at_once_and_in_order():

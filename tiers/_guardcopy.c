@@ -144,46 +144,6 @@ int64_t guarded_page_sums(const uint64_t *ptrs, const uint64_t *lens, const int6
 #endif
 }
 
-/* guarded_copy_runs, then each page hashed at its destination as soon as its last byte is
- * copied (still in the cache): the copy runs (dst, src, lens, count) cover the pages in order,
- * page p being the runs (ptrs, lens) of guarded_page_sums at the destination.  Returns the copy
- * runs copied whole (count on success; the sums are then all set); -1 when not built. */
-int64_t guarded_copy_page_sums(const uint64_t *dst, const uint64_t *src, const uint64_t *lens, int64_t count,
-                               const uint64_t *page_ptrs, const uint64_t *page_lens, const int64_t *page_runs,
-                               int64_t npages, uint64_t *sums)
-{
-#ifdef HAVE_XXHASH
-    sigjmp_buf jump;
-    volatile int64_t done = 0;
-    int64_t page = 0, first = 0;
-    uint64_t copied = 0, page_end = 0;
-    if (sigsetjmp(jump, 1) != 0)
-        return done;
-    recovery = &jump;
-    if (npages > 0)
-        for (int64_t r = 0; r < page_runs[0]; r++)
-            page_end += page_lens[r];
-    for (; done < count; done++) {
-        memcpy((void *)(uintptr_t)dst[done], (const void *)(uintptr_t)src[done], (size_t)lens[done]);
-        copied += lens[done];
-        while (page < npages && copied >= page_end) {
-            sums[page] = page_sum(page_ptrs, page_lens, first, page_runs[page]);
-            first += page_runs[page];
-            page++;
-            if (page < npages)
-                for (int64_t r = first; r < first + page_runs[page]; r++)
-                    page_end += page_lens[r];
-        }
-    }
-    recovery = NULL;
-    return done;
-#else
-    (void)dst; (void)src; (void)lens; (void)count; (void)page_ptrs; (void)page_lens; (void)page_runs;
-    (void)npages; (void)sums;
-    return -1;
-#endif
-}
-
 /* Copy npages pages, each from its source runs into its destination runs, cut where a run of either side
  * ends: page p's destination is the next d_runs[p] runs of (d_ptrs, d_lens), its source the next s_runs[p]
  * runs of (s_ptrs + s_base, s_lens).  One call plans and copies a whole batch (planning it in numpy cost

@@ -58,71 +58,6 @@ def scatter_copy(dst: Sequence[memoryview], src: Sequence[memoryview]) -> int:
     return copy_runs(*scatter_runs(pairs_d, pairs_s))
 
 
-SMALL_BATCH = 32  # pages: below it scatter_pages cuts page by page in Python, at or above it in numpy
-
-
-def scatter_pages(a: Sequence[Sequence[Tuple[int, int]]], b: Sequence[Sequence[Tuple[int, int]]],
-                  b_base: int = 0) -> Tuple[List[int], List[int], List[int]]:
-    """line_up_runs for many pages at once: page i's runs in a against its runs in b (offsets from b_base):
-    (addresses in a, addresses in b, lengths), as scatter_runs(a, b) page by page would give.
-
-    Cut in numpy for the whole batch: as every page has the same total on
-    both sides (ValueError otherwise), page boundaries are boundaries of both
-    concatenated run lists, so one global cut is every page's cut.  Cutting
-    page by page in Python cost ~8 us a page, a third of a 64 KiB page's copy.
-    """
-    if len(a) != len(b):
-        raise ValueError("page count mismatch")
-    if not a:
-        return [], [], []
-    if all(len(p) == 1 for p in a) and all(len(p) == 1 for p in b):  # one run a side: nothing to cut
-        lengths = [p[0][1] for p in a]
-        if lengths != [p[0][1] for p in b]:
-            raise ValueError("page size mismatch")
-        return [p[0][0] for p in a], [b_base + p[0][0] for p in b], lengths
-    if len(a) < SMALL_BATCH:
-        # numpy's fixed cost (~30 us a call) is a page's whole copy at 64 KiB; a writer that evicts flushes a
-        # group of one page at a time (tiers/node/transfers.py), so small groups are cut page by page (~2 us).
-        d_at: List[int] = []
-        s_at: List[int] = []
-        lengths = []
-        for page_a, page_b in zip(a, b):
-            d, s, n = scatter_runs(page_a, [(b_base + off, length) for off, length in page_b])
-            d_at += d
-            s_at += s
-            lengths += n
-        return d_at, s_at, lengths
-    d_addr, d_len, d_pages = _flatten(a, 0)
-    s_addr, s_len, s_pages = _flatten(b, b_base)
-    if not np.array_equal(_page_totals(d_len, d_pages), _page_totals(s_len, s_pages)):
-        raise ValueError("page size mismatch")
-    d_end, s_end = np.cumsum(d_len), np.cumsum(s_len)
-    ends = np.union1d(d_end, s_end)  # every piece ends where a run of either side ends
-    starts = np.concatenate(([0], ends[:-1]))
-    di = np.searchsorted(d_end, starts, side="right")  # the run of each side a piece lies in
-    si = np.searchsorted(s_end, starts, side="right")
-    d_at = d_addr[di] + (starts - (d_end[di] - d_len[di]))
-    s_at = s_addr[si] + (starts - (s_end[si] - s_len[si]))
-    return d_at.tolist(), s_at.tolist(), (ends - starts).tolist()
-
-
-def _flatten(pages: Sequence[Sequence[Tuple[int, int]]], base: int):
-    """(addresses, lengths, runs a page) of pages of (address, length) runs, as int64 arrays."""
-    counts = np.fromiter((len(p) for p in pages), dtype=np.int64, count=len(pages))
-    flat = np.array([run for page in pages for run in page], dtype=np.int64).reshape(-1, 2)
-    return flat[:, 0] + base, flat[:, 1], counts
-
-
-def _page_totals(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    if (counts <= 0).any():  # an empty page has no run to sum: its total is 0
-        totals = np.zeros(len(counts), dtype=np.int64)
-        nonempty = counts > 0
-        firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))[nonempty]
-        totals[nonempty] = np.add.reduceat(lengths, firsts) if len(firsts) else []
-        return totals
-    return np.add.reduceat(lengths, np.concatenate(([0], np.cumsum(counts)[:-1])))
-
-
 def scatter_runs(dst: Sequence[Tuple[int, int]], src: Sequence[Tuple[int, int]]):
     """(dst addresses, src addresses, lengths) of the memcpys that copy the src runs into the dst runs.
 
@@ -223,9 +158,6 @@ class _Guard:
                 runs = np.ctypeslib.ndpointer(dtype=np.int64, ndim=1, flags="C_CONTIGUOUS")
                 lib.guarded_page_sums.argtypes = [ptr, ptr, runs, ctypes.c_int64, ptr]
                 lib.guarded_page_sums.restype = ctypes.c_int64
-                lib.guarded_copy_page_sums.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, runs, ctypes.c_int64,
-                                                       ptr]
-                lib.guarded_copy_page_sums.restype = ctypes.c_int64
                 sums_out = ctypes.c_void_p  # NULL: no sums asked for
                 lib.guarded_copy_pages.argtypes = [ptr, ptr, runs, ptr, ptr, runs, ctypes.c_uint64, ctypes.c_int64,
                                                    sums_out]
@@ -251,13 +183,6 @@ class _Guard:
         """guarded_page_sums (only when sums_built): the pages hashed whole."""
         self._lib.guard_install()
         return int(self._lib.guarded_page_sums(ptrs, lens, page_runs, len(page_runs), out))
-
-    def copy_sums(self, d: np.ndarray, s: np.ndarray, n: np.ndarray, ptrs: np.ndarray, lens: np.ndarray,
-                  page_runs: np.ndarray, out: np.ndarray) -> int:
-        """guarded_copy_page_sums (only when sums_built): the copy runs copied whole."""
-        self._lib.guard_install()
-        return int(self._lib.guarded_copy_page_sums(d, s, n, len(n), ptrs, lens, page_runs, len(page_runs), out))
-
 
     def copy_pages(self, d_ptrs: np.ndarray, d_lens: np.ndarray, d_runs: np.ndarray, s_ptrs: np.ndarray,
                    s_lens: np.ndarray, s_runs: np.ndarray, s_base: int, sums) -> int:

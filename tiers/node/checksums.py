@@ -2,8 +2,9 @@
 
 Writers send it, tiers keep it, readers check it.  A batch is hashed in one C
 call without the GIL (tiers/_guardcopy.c, built where xxhash.h was found),
-given as addresses and lengths; a copy out of a daemon's arena hashes each
-page right after copying it, while it is still in the cache.  Hashing page by
+given as addresses and lengths; a copy between a host pool and an arena
+hashes each page right after copying it, while it is still in the cache
+(tiers/node/page_runs.py).  Hashing page by
 page from Python costs a GIL hand-over a page: in a serving engine, whose
 scheduler thread spins on the GIL, that was 0.4-2.9 ms for 128 pages.  Where
 the C functions are not built, the same sums come from python-xxhash.
@@ -15,9 +16,9 @@ from typing import List, Sequence
 import numpy as np
 import xxhash
 
-from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, view_at
+from tiers.node.buffers import MemoryFault, guarded, in_halves, view_at
 
-__all__ = ["page_sums", "page_sums_at", "copy_runs_summed", "native"]
+__all__ = ["page_sums", "page_sums_at", "native"]
 
 
 def native() -> bool:
@@ -54,27 +55,6 @@ def page_sums_at(pointers: np.ndarray, lengths: np.ndarray) -> List[int]:
     return in_halves(lambda a, b: _sums_flat(pointers[a:b].ravel(), lengths[a:b].ravel(),
                                              np.full(b - a, regions, dtype=np.int64)),
                      pages, int(lengths.sum()))
-
-
-def copy_runs_summed(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int],
-                     page_pointers: np.ndarray, page_lengths: np.ndarray, page_runs: np.ndarray) -> List[int]:
-    """copy_runs(dst, src, lengths), then the checksum of each destination page: page p is the next
-    page_runs[p] regions of (page_pointers, page_lengths), flat arrays of this process's addresses.  The
-    copy runs must cover those pages in order; each page is hashed right after its last byte is copied.
-    MemoryFault when a region went away."""
-    ptrs = np.ascontiguousarray(page_pointers, dtype=np.uint64)
-    lens = np.ascontiguousarray(page_lengths, dtype=np.uint64)
-    runs = np.ascontiguousarray(page_runs, dtype=np.int64)
-    if not native():
-        copy_runs(dst, src, lengths)
-        return _sums_flat(ptrs, lens, runs)
-    count = len(lengths)
-    out = np.zeros(len(runs), dtype=np.uint64)
-    done = guarded().copy_sums(np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64),
-                               np.asarray(lengths, dtype=np.uint64), ptrs, lens, runs, out)
-    if done != count:
-        raise MemoryFault(f"a copied region went away during the copy (run {done} of {count}; truncated memfd?)")
-    return out.tolist()
 
 
 def _sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray) -> List[int]:

@@ -50,10 +50,11 @@ class PageRuns(NamedTuple):
         """Each page's bytes."""
         if not len(self.counts):
             return []
+        lengths = self.length.astype(np.int64)  # int64 throughout: uint64 mixed with int64 turns to float64
         if bool((self.counts == self.counts[0]).all()) and self.counts[0] > 0:
-            return self.length.reshape(len(self.counts), -1).sum(axis=1, dtype=np.uint64).tolist()
+            return lengths.reshape(len(self.counts), -1).sum(axis=1).tolist()
         ends = np.cumsum(self.counts)
-        sums = np.concatenate(([0], np.cumsum(self.length, dtype=np.uint64)))
+        sums = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(lengths)))
         return (sums[ends] - sums[ends - self.counts]).tolist()
 
     def nbytes(self) -> int:

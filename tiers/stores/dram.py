@@ -262,20 +262,30 @@ class DramStore(PageStore):
         found: List[Optional[Extents]] = []
         sums: List[int] = []
         allocs: List[Alloc] = []
-        leased = 0
+        leased = hits = 0
+        index, tenants = self._index, self._tenants
+        namespace, tenant = None, None
         with self._lock:
             for key, size in zip(keys, sizes):
-                entry = self._index.get(key)
-                if entry is None or entry.size != size or leased + size > max_bytes:
-                    self._stats.misses += 1
+                entry = index.get(key)
+                if entry is None or entry.alloc.size != size or leased + size > max_bytes:
                     found.append(None)
                     sums.append(0)
                     continue
-                self._lookup_for_read_locked(key)
+                if key[0] != namespace:  # a batch is one namespace's: its tenant is looked up once
+                    namespace, tenant = key[0], tenants[key[0]]
+                entry.reads += 1
+                tenant.policy.touch(key)
+                tenant.hits += 1
+                hits += 1
                 found.append(entry.alloc.extents)
                 sums.append(entry.checksum)
                 allocs.append(entry.alloc)
                 leased += size
+            stats = self._stats
+            stats.hits += hits
+            stats.misses += len(found) - hits
+            stats.bytes_read += leased
             lease = self.arena.lease(owner, allocs, expiry) if allocs else None
         return lease, found, sums
 

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import chain
 import re
 import socket
 import struct
@@ -312,9 +313,9 @@ def reply_error(req_id: int, code: str, msg: str) -> bytes:
 
 def encode_descriptors(pages: Sequence[Sequence[Tuple[int, int]]]) -> Tuple[bytes, bytes]:
     """(offset, length) regions of each page -> (desc, regions_per_page) bytes."""
-    counts = np.fromiter((len(p) for p in pages), dtype="<i4", count=len(pages))
-    flat = np.array([pair for page in pages for pair in page], dtype="<i8").reshape(-1)
-    return flat.tobytes(), counts.tobytes()
+    counts = np.fromiter(map(len, pages), dtype="<i4", count=len(pages))
+    pairs = chain.from_iterable(chain.from_iterable(pages))  # no tuple-to-array conversion a pair
+    return np.fromiter(pairs, dtype="<i8", count=2 * int(counts.sum(dtype=np.int64))).tobytes(), counts.tobytes()
 
 
 def encode_descriptor_arrays(offsets: np.ndarray, lengths: np.ndarray) -> Tuple[bytes, bytes]:
