@@ -44,7 +44,22 @@ def test_the_fit_recovers_the_made_up_costs_exactly():
     fit = fit_service(recompute, device, hits, host, hits)
     assert (fit.overhead_s, fit.compute_s, fit.compute_s2, fit.cached_s, fit.h2d_s) == pytest.approx((A, B, C, D, E),
                                                                                                       rel=1e-9)
-    assert fit.serial_load and max(fit.errors.values()) < 1e-9
+    assert fit.serial_load and fit.load_fixed_s == pytest.approx(0.0, abs=1e-12) and max(fit.errors.values()) < 1e-9
+
+
+def test_a_load_from_host_with_a_fixed_cost_is_fitted_as_one():
+    """A load from host of ~6 ms whatever the prompt (the CPU server's): a slope alone missed it by 20%; the
+    fit takes a fixed cost a load, and the check predicts host hits with it."""
+    recompute, device, _host, hits = made_up_measurements()
+    fixed, slope = 6e-3, 2e-7
+    host = {n: device[n] + fixed + slope * hit(n) for n in LENGTHS}
+    fit = fit_service(recompute, device, hits, host, hits)
+    assert (fit.load_fixed_s, fit.h2d_s) == pytest.approx((fixed, slope), rel=1e-6)
+    assert fit.errors["host"] < 1e-9
+    assert service_s(fit, hit(512), hit(512), 16) == pytest.approx(host[512])
+    assert service_s(fit, hit(512), 0, 16) == pytest.approx(device[512])  # nothing loaded: no fixed cost
+    only_fixed = fit_service(recompute, device, hits, {n: device[n] + fixed for n in LENGTHS}, hits)
+    assert (only_fixed.load_fixed_s, only_fixed.h2d_s) == pytest.approx((fixed, 0.0), abs=1e-12)
 
 
 def test_one_length_fits_the_fewest_costs_that_explain_it():

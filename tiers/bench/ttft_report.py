@@ -223,7 +223,7 @@ def breakdown(figs: Figures, info: dict) -> List[str]:
 def fit_lines(figs: Figures) -> List[str]:
     """The profile's fit (tiers/sim/profile.py), when the run wrote one."""
     f = {name: figs.median(f"ttft.fit.{name}") for name in ("overhead_s", "compute_s", "compute_s2", "cached_s",
-                                                             "h2d_s", "prefetch_s")}
+                                                             "h2d_s", "load_fixed_s", "prefetch_s")}
     if f["compute_s"] is None:
         return []
     errors = ", ".join(f"{case} {figs.median(f'ttft.fit.error.{case}'):.1%}" for case in ("recompute", "device", "host")
@@ -233,7 +233,8 @@ def fit_lines(figs: Figures) -> List[str]:
     return ["The profile's fit (`--ttft-profile`, what `hicache-tiers plan --profile` takes): a request costs "
             f"{f['overhead_s'] * 1e3:.1f} ms + {f['compute_s'] * 1e6:.1f} µs × computed tokens + "
             f"{f['compute_s2'] * 1e9:.3f} ns × computed² + {f['cached_s'] * 1e6:.2f} µs × cached tokens + "
-            f"{f['h2d_s'] * 1e6:.2f} µs × tokens loaded from host (added to compute), and an L3 hit "
+            f"({f['h2d_s'] * 1e6:.2f} µs × tokens loaded from host + {(f['load_fixed_s'] or 0) * 1e3:.1f} ms a load "
+            "from host, added to compute), and an L3 hit "
             f"{(f['prefetch_s'] or 0) * 1e3:.1f} ms around its storage hit query (SGLang's storage_prefetch_wait on "
             f"recompute less the lookup); largest relative error of the fit: {errors}. As the backend's "
             f"break-even settings (extra config): {settings}.{_read_fits(figs)}", ""]

@@ -5,13 +5,16 @@ SGLang server: the TTFT medians of every case (recompute, device hit, host
 hit, L3 hit from each tier) per prompt length, the tokens SGLang reported
 cached, the model's KV bytes per token and page size, and a fit of
 
-    service(cached, loaded, computed) = a + d x cached + [h2d x loaded (+|max) (b x computed + c x computed^2)]
+    service(cached, loaded, computed) = a + d x cached + [load (+|max) (b x computed + c x computed^2)]
+    load = h2d x loaded + e (e only when loaded > 0)
 
 where a is the per-request overhead, b + c x N the prefill per computed token
 (attention makes it quadratic), d what each cached token costs the extend
 that attends over it (the CPU server's device hit is ~1 s at 2,048 tokens,
-not zero), and h2d the host-to-device load per token (host hit minus device
-hit). ``serial_load`` says whether the load adds to compute (one stream, the
+not zero), h2d the host-to-device load per token and e its fixed cost a
+request (host hit minus device hit: on the CPU server it is mostly the fixed
+part, ~6 ms whatever the prompt, which a slope alone missed by 20%).
+``serial_load`` says whether the load adds to compute (one stream, the
 CPU server) or overlaps it (a GPU loads layer by layer while computing).
 ``prefetch_s`` is the engine's own time around a storage hit query beyond
 the lookup (SGLang's prefetch thread and scheduler polls), added to the
@@ -52,6 +55,7 @@ class Fit:
     cached_s: float = 0.0  # d: per cached token (device, host or L3) the extend attends over
     h2d_s: float = 0.0  # host (L2) to device per loaded token
     serial_load: bool = False  # the load adds to compute (True) or overlaps it (False)
+    load_fixed_s: float = 0.0  # e: a request's load from host, beyond h2d a token (0: none measured, a GPU preset)
     # SGLang's own time around each storage hit query, beyond the lookup itself (its prefetch thread and
     # scheduler polls): its storage_prefetch_wait on a recompute (a query that finds nothing) less the lookup
     prefetch_s: float = 0.0
@@ -96,8 +100,8 @@ def fit_reads(transfer: Dict[int, float], hits: Dict[int, int], kv_bytes_per_tok
 def service_s(model, cached: float, loaded: float, computed: float, write_s: float = 0.0) -> float:
     """Seconds of one request once admitted: the planner's one formula, for a Fit or a TimeModel (same fields).
 
-    a + d x cached + (h2d x loaded) + or max (max(W x computed, b x computed + c x computed^2))."""
-    load = loaded * model.h2d_s
+    a + d x cached + (h2d x loaded + e) + or max (max(W x computed, b x computed + c x computed^2))."""
+    load = loaded * model.h2d_s + (model.load_fixed_s if loaded > 0 else 0.0)
     compute = max(computed * write_s, computed * model.compute_s + computed * computed * model.compute_s2)
     body = load + compute if model.serial_load else max(load, compute)
     return model.overhead_s + cached * model.cached_s + body
@@ -127,7 +131,8 @@ def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hi
 
     Recompute rows are [1, N, N^2, 0], device-hit rows [1, n, n^2, hit] with n = N - hit computed;
     the columns are chosen by least relative error among non-negative solutions (ties: fewer columns,
-    then COLUMNS order). h2d is the least-squares slope of (host - device) over the host hit."""
+    then COLUMNS order). (h2d, e) is the least-squares line of (host - device) over the host hit, its terms
+    chosen the same way (_fit_load)."""
     rows, y = [], []
     for n, seconds in sorted(recompute.items()):
         rows.append({"overhead_s": 1.0, "compute_s": n, "compute_s2": float(n) * n, "cached_s": 0.0})
@@ -151,18 +156,37 @@ def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hi
     values = dict.fromkeys(COLUMNS, 0.0)
     for column, value in zip(best[0], best[1]):
         values[COLUMNS[column]] = float(value)
-    h2d = 0.0
-    if host and host_hit:
-        pairs = [(host_hit[n], host[n] - device[n], host[n]) for n in sorted(host) if n in device and host_hit.get(n)]
-        num = sum(h * d / s ** 2 for h, d, s in pairs)
-        den = sum(h * h / s ** 2 for h, _d, s in pairs)
-        h2d = max(num / den, 0.0) if den else 0.0
-    fit = Fit(h2d_s=h2d, serial_load=True, **values)
+    h2d, fixed = _fit_load(host or {}, host_hit or {}, device)
+    fit = Fit(h2d_s=h2d, load_fixed_s=fixed, serial_load=True, **values)
     errors = {"recompute": _max_error(fit, recompute, {}, False),
               "device": _max_error(fit, device, device_hit, False)}
     if host and host_hit:
         errors["host"] = _max_error(fit, host, host_hit, True)
-    return Fit(h2d_s=h2d, serial_load=True, prefetch_s=max(prefetch_s, 0.0), errors=errors, **values)
+    return Fit(h2d_s=h2d, load_fixed_s=fixed, serial_load=True, prefetch_s=max(prefetch_s, 0.0), errors=errors,
+               **values)
+
+
+def _fit_load(host: Dict[int, float], host_hit: Dict[int, int], device: Dict[int, float]) -> Tuple[float, float]:
+    """(h2d a token, fixed a request): the non-negative least squares of (host - device) on [hit, 1], relative
+    to the host hit's time, with the fewer terms on a tie; (0, 0) without a host point."""
+    pairs = [(host_hit[n], host[n] - device[n], host[n]) for n in sorted(host) if n in device and host_hit.get(n)]
+    if not pairs:
+        return 0.0, 0.0
+    rows = np.array([[hit, 1.0] for hit, _d, _s in pairs])
+    scale = np.array([s for _h, _d, s in pairs])
+    extra = np.array([d for _h, d, _s in pairs])
+    best = None
+    for columns in ((0,), (1,), (0, 1)):
+        a = rows[:, list(columns)] / scale[:, None]
+        coef, *_ = np.linalg.lstsq(a, extra / scale, rcond=None)
+        coef = np.clip(coef, 0.0, None)
+        error = float(np.sqrt(np.mean((a @ coef - extra / scale) ** 2)))
+        if best is None or error < best[2] - 1e-9:
+            best = (columns, coef, error)
+    values = [0.0, 0.0]
+    for column, value in zip(best[0], best[1]):
+        values[column] = float(value)
+    return values[0], values[1]
 
 
 def _max_error(fit: Fit, measured: Dict[int, float], hits: Dict[int, int], loaded: bool) -> float:

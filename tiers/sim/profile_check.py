@@ -111,7 +111,8 @@ def fit_summary(profile: Profile) -> str:
                       f"(fit error {r.error:.1%})" for kind, r in sorted(profile.l3_reads.items()))
     return (f"fit: {f.overhead_s * 1e3:.1f} ms a request + {f.compute_s * 1e6:.1f} us x computed + "
             f"{f.compute_s2 * 1e9:.3f} ns x computed^2 + {f.cached_s * 1e6:.2f} us x cached + "
-            f"{f.h2d_s * 1e6:.2f} us x loaded ({'added to' if f.serial_load else 'overlapping'} compute); "
+            f"{f.h2d_s * 1e6:.2f} us x loaded + {f.load_fixed_s * 1e3:.1f} ms a load "
+            f"({'added to' if f.serial_load else 'overlapping'} compute); "
             f"{f.prefetch_s * 1e3:.1f} ms around each storage hit query; "
             f"largest fit error: {errors or '-'}; {profile.kv_bytes_per_token / 1024:g} KiB of KV a token, "
             f"{profile.page_tokens}-token pages"

@@ -125,6 +125,7 @@ class TimeModel:
     compute_s2: float = 0.0
     cached_s: float = 0.0
     serial_load: bool = False
+    load_fixed_s: float = 0.0  # a request's load from host beyond h2d a token (a profile's; a GPU preset: 0)
     prefetch_s: float = 0.0  # the engine's own time around a storage hit query, beyond the lookups
     tier_fixed_s: tuple = ()  # per tier of the chain, a storage batch's fixed cost (a profile's ReadFit; else 0)
 
@@ -200,4 +201,4 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
     return TimeModel(compute_s=t, h2d_s=fit.h2d_s, tier_read_s=tuple(reads), write_s=write_s,
                      page_tokens=page_tokens, bench=bench, source=source, overhead_s=fit.overhead_s,
                      compute_s2=fit.compute_s2, cached_s=fit.cached_s, serial_load=fit.serial_load,
-                     prefetch_s=fit.prefetch_s, tier_fixed_s=tuple(fixed))
+                     load_fixed_s=fit.load_fixed_s, prefetch_s=fit.prefetch_s, tier_fixed_s=tuple(fixed))
