@@ -377,9 +377,11 @@ class DramStore(PageStore):
             snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
                           "leases": self.arena.lease_count(), "pinned_pages": self.arena.pinned_allocations(),
                           "leases_expired": self.arena.leases_expired}
+            # Counted once, not once a namespace: with thousands of namespaces that sum made stats quadratic
+            # (seconds under the store lock).
+            fair_share = int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes)))
             per_ns = {ns: {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
-                           "fair_share": int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes))),
-                           "quota": self._fair.quota(ns) or 0}
+                           "fair_share": fair_share, "quota": self._fair.quota(ns) or 0}
                       for ns, t in self._tenants.items() if t.bytes or t.hits or t.evictions}
             snap.per_namespace = bounded_top(per_ns)
             return snap
