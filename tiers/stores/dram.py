@@ -173,8 +173,8 @@ class DramStore(PageStore):
         Without evict, or when the policy cannot make room for a batch ahead of inserting it
         (EvictionPolicy.evicts_new_pages_last), only pages that fit without evicting; the caller then
         reserves the next page alone, evicting, once these are committed.  Nor does it evict once a page
-        held already is among those reserved: committing it frees its old blocks, and page by page the
-        pages after it would have found them free.
+        held already (or one twice in the batch) is among those reserved: committing it frees its old
+        blocks, and page by page the pages after it would have found them free.
         """
         largest = min(self.max_page_bytes, self.capacity)
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
@@ -187,7 +187,8 @@ class DramStore(PageStore):
             out = self.arena.take_many(sizes if limit is None else _within(sizes, limit - held))
             pending = sum(alloc.size for alloc in out)
             index = self._index
-            replaces = any((namespace, key) in index for key in keys[:len(out)])
+            seen = set(keys[:len(out)])  # a key twice in a batch replaces its own first copy when committed
+            replaces = len(seen) < len(out) or any((namespace, key) in index for key in seen)
             for key, size in zip(keys[len(out):], sizes[len(out):]):
                 while limit is not None and held + pending + size > limit:
                     if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
@@ -201,7 +202,8 @@ class DramStore(PageStore):
                     return out
                 out.append(alloc)
                 pending += size
-                replaces = replaces or (namespace, key) in index
+                replaces = replaces or key in seen or (namespace, key) in index
+                seen.add(key)
         return out
 
     def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence[Alloc],
