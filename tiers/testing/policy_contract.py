@@ -82,6 +82,34 @@ class PolicyContract:
         policy.insert(4)  # a removed key may come back
         assert policy.pop_victim() == 4
 
+    def test_a_policy_that_evicts_new_pages_last_may_have_room_made_ahead(self):
+        """evicts_new_pages_last = True promises that inserting keys changes neither which older key goes
+        next nor lets a new key go while an older one remains: after any history, popping k victims before
+        inserting a batch gives the victims that popping them after it gives (a store then makes room for a
+        batch ahead of inserting it, tiers/stores/dram.py reserve_many)."""
+        if not type(self.make_policy()).evicts_new_pages_last:
+            pytest.skip("makes no such promise (evicts_new_pages_last = False): page by page only")
+        rng = random.Random(7)
+        for trial in range(40):
+            history = []
+            for step in range(60):
+                key = rng.randrange(40)
+                history.append(("touch" if rng.random() < 0.3 else "insert", key))
+            before, after = self.make_policy(), self.make_policy()
+            for policy in (before, after):
+                for op, key in history:
+                    if op == "insert" and key not in policy:
+                        policy.insert(key)
+                    elif op == "touch":
+                        policy.touch(key)
+            batch = [100 + i for i in range(rng.randint(1, 8))]
+            k = rng.randint(1, len(before))
+            early = [before.pop_victim() for _ in range(k)]
+            for key in batch:
+                after.insert(key)
+            late = [after.pop_victim() for _ in range(k)]
+            assert early == late, f"trial {trial}: {early} != {late}"
+
     def test_random_operations_match_a_set(self):
         rng = random.Random(11)
         policy, model = self.make_policy(), set()
