@@ -136,12 +136,17 @@ def _put_as_transfers_do(store, ns, keys, size):
             i += 1
 
 
+@pytest.mark.parametrize("ahead_pages", [None, 3])
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "lfu", "radix-lru"])
-def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy):
+def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead_pages, monkeypatch):
     """Random batches of two namespaces (fair share), re-puts of held pages, keys twice in a batch and reads:
-    after every batch both stores hold the same pages and counted the same evictions."""
+    after every batch both stores hold the same pages and counted the same evictions (ahead_pages: a batch
+    reserve evicts for at most that many pages a lock hold, and goes on in the next)."""
+    import tiers.stores.dram as dram
     rng = np.random.default_rng(11)
     size = 4096
+    if ahead_pages:
+        monkeypatch.setattr(dram, "EVICT_AHEAD_BYTES", ahead_pages * size)
     stores = [DramStore(40 * size, policy, block_size=size, prefault=False,
                         quotas={"b": 25 * size}) for _ in range(2)]
     made_room_ahead = False

@@ -28,6 +28,13 @@ from tiers.wire.protocol import key_digest, pack_key_digests
 log = logging.getLogger("hicache.dram")
 
 
+# Bytes a batch reserve evicts for in one lock hold at most: under write-back each evicted page is copied
+# into the demotion queue inside the lock, and every reader of the tier waits meanwhile (about a millisecond
+# at this size; a batch of 128 pages of 8 MiB would have held it for ~0.1 s).  Past it the batch goes on in
+# the next hold.
+EVICT_AHEAD_BYTES = 8 << 20
+
+
 @dataclass(slots=True)
 class _Entry:
     alloc: Alloc
@@ -174,7 +181,8 @@ class DramStore(PageStore):
         (EvictionPolicy.evicts_new_pages_last), only pages that fit without evicting; the caller then
         reserves the next page alone, evicting, once these are committed.  Nor does it evict once a page
         held already (or one twice in the batch) is among those reserved: committing it frees its old
-        blocks, and page by page the pages after it would have found them free.
+        blocks, and page by page the pages after it would have found them free; nor for more than
+        EVICT_AHEAD_BYTES of pages in one call (one lock hold).
         """
         largest = min(self.max_page_bytes, self.capacity)
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
@@ -195,8 +203,8 @@ class DramStore(PageStore):
                         return out
                     held = self._tenants[namespace].bytes
                 alloc = self.arena.take(size)
-                while alloc is None and evict and not replaces and self._evict_one_locked(namespace, size,
-                                                                                          pending=pending):
+                while (alloc is None and evict and not replaces and pending < EVICT_AHEAD_BYTES
+                       and self._evict_one_locked(namespace, size, pending=pending)):
                     alloc = self.arena.take(size)
                 if alloc is None:
                     return out
