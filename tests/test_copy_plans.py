@@ -1,5 +1,5 @@
 """A batch copy: every page of a batch cut, copied (and hashed) in one C call (tiers/node/page_runs.py
-copy_pages), and the two halves a large batch is copied or hashed in at once, inside that call.
+copy_pages), and the two halves a large batch is copied in at once (in_halves).
 
 Every copy between a host pool and an arena is one such call; a wrong cut
 copies the wrong bytes into another tenant's page, so it is held to the
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiers.node import buffers
-from tiers.node.buffers import scatter_runs
+from tiers.node.buffers import copy_runs, scatter_runs
 from tiers.node.page_runs import PageRuns, _copy_slow, copy_pages
 
 SPAN = 1 << 16  # bytes of each side's buffer: the runs of a layout lie apart inside it
@@ -112,32 +112,53 @@ def test_copying_pages_moves_each_page_into_its_own_runs():
     assert scatter_runs(dst[1], [(s0 + 2000, 600)])[2] == [100, 250, 250]  # the page-by-page plan agrees
 
 
-def test_a_batch_is_cut_in_halves_from_the_parallel_size_and_its_sums_hashed_in_two_c_threads():
-    """halves_at cuts a batch of PARALLEL_BYTES or more (of two items or more) in the middle; page_sums_at
-    hashes such a batch in two halves inside its one C call, the same sums as python-xxhash, and a region
-    gone under the second half only is a MemoryFault."""
+def test_large_batches_are_done_in_two_halves_at_once_and_in_order():
+    import threading
+    threads = []
+
+    def work(a, b):
+        threads.append(threading.current_thread().name)
+        return list(range(a, b))
+    assert buffers.in_halves(work, 10, buffers.PARALLEL_BYTES - 1) == list(range(10))
+    assert len(threads) == 1  # small: one call on this thread
+    threads.clear()
+    assert buffers.in_halves(work, 10, buffers.PARALLEL_BYTES) == list(range(10))
+    assert len(set(threads)) == 2  # large: the second half on the helper thread
+
+    def nested(a, b):  # work that itself cuts in halves, on the helper thread too: runs there whole
+        return buffers.in_halves(work, b - a, buffers.PARALLEL_BYTES)
+    assert buffers.in_halves(nested, 4, buffers.PARALLEL_BYTES) == [0, 1, 0, 1]
+
+    def fails_late(a, b):
+        if a:
+            raise buffers.MemoryFault("second half")
+        return [a]
+    with pytest.raises(buffers.MemoryFault):
+        buffers.in_halves(fails_late, 4, buffers.PARALLEL_BYTES)
+
+
+def test_a_copy_in_halves_copies_every_byte_and_a_vanished_source_faults_on_either_half():
+    """The guarded copy on the helper thread has its own recovery point: a source truncated under the
+    second half's runs is a MemoryFault, not a crash; a whole source copies byte for byte."""
     import mmap
     import os
-    from tiers.node.checksums import native, page_sums_at
-    assert buffers.halves_at(10, buffers.PARALLEL_BYTES - 1) == 0
-    assert buffers.halves_at(10, buffers.PARALLEL_BYTES) == 5
-    assert buffers.halves_at(1, 4 * buffers.PARALLEL_BYTES) == 0
-    size, page = 2 * buffers.PARALLEL_BYTES, 1 << 20
-    pages = size // page
-    fd = os.memfd_create("sums-halves-test")
+    size = 2 * buffers.PARALLEL_BYTES
+    fd = os.memfd_create("halves-test")
     try:
         os.ftruncate(fd, size)
         src = mmap.mmap(fd, size)
-        src[:] = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8).tobytes()
-        base = buffers.address_of(memoryview(src))
-        pointers = np.arange(pages, dtype=np.uint64).reshape(pages, 1) * np.uint64(page) + np.uint64(base)
-        lengths = np.full((pages, 1), page, dtype=np.uint64)
-        assert page_sums_at(pointers, lengths) == [xxhash.xxh3_64_intdigest(src[p * page:(p + 1) * page])
-                                                   for p in range(pages)]
-        os.ftruncate(fd, size // 2 + page)
-        if native():
-            with pytest.raises(buffers.MemoryFault):
-                page_sums_at(pointers, lengths)
+        src[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
+        dst = np.zeros(size, dtype=np.uint8)
+        base_s, base_d, run = buffers.address_of(memoryview(src)), dst.ctypes.data, 1 << 20
+        runs = list(range(0, size, run))
+
+        def copy(a, b):
+            return [copy_runs([base_d + o for o in runs[a:b]], [base_s + o for o in runs[a:b]], [run] * (b - a))]
+        assert buffers.in_halves(copy, len(runs), size) == [size // 2, size // 2]
+        assert dst.tobytes() == src[:]
+        os.ftruncate(fd, size // 4)  # the first half's tail and all of the second half are gone
+        with pytest.raises(buffers.MemoryFault):
+            buffers.in_halves(copy, len(runs), size)
         src.close()
     finally:
         os.close(fd)

@@ -145,27 +145,6 @@ int64_t guarded_page_sums(const uint64_t *ptrs, const uint64_t *lens, const int6
 #endif
 }
 
-/* 0 when every page of the batch has the same bytes on both sides, else -1 (before anything is copied). */
-static int64_t same_sizes(const uint64_t *d_lens, const int64_t *d_runs, const uint64_t *s_lens,
-                          const int64_t *s_runs, int64_t npages)
-{
-    int64_t di = 0, si = 0;
-    for (int64_t p = 0; p < npages; p++) {
-        uint64_t d_total = 0, s_total = 0;
-        if (d_runs[p] < 0 || s_runs[p] < 0)
-            return -1;
-        for (int64_t r = 0; r < d_runs[p]; r++)
-            d_total += d_lens[di + r];
-        for (int64_t r = 0; r < s_runs[p]; r++)
-            s_total += s_lens[si + r];
-        if (d_total != s_total)
-            return -1;
-        di += d_runs[p];
-        si += s_runs[p];
-    }
-    return 0;
-}
-
 /* Copy npages pages, each from its source runs into its destination runs, cut where a run of either side
  * ends: page p's destination is the next d_runs[p] runs of (d_ptrs, d_lens), its source the next s_runs[p]
  * runs of (s_ptrs + s_base, s_lens).  One call plans and copies a whole batch (planning it in numpy cost
@@ -181,8 +160,20 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
     if (sums != NULL)
         return -2;
 #endif
-    if (same_sizes(d_lens, d_runs, s_lens, s_runs, npages) != 0) /* sizes first: a mismatch copies nothing */
-        return -1;
+    int64_t di = 0, si = 0;
+    for (int64_t p = 0; p < npages; p++) { /* sizes first: a mismatch copies nothing */
+        uint64_t d_total = 0, s_total = 0;
+        if (d_runs[p] < 0 || s_runs[p] < 0)
+            return -1;
+        for (int64_t r = 0; r < d_runs[p]; r++)
+            d_total += d_lens[di + r];
+        for (int64_t r = 0; r < s_runs[p]; r++)
+            s_total += s_lens[si + r];
+        if (d_total != s_total)
+            return -1;
+        di += d_runs[p];
+        si += s_runs[p];
+    }
     sigjmp_buf jump;
     volatile int64_t done = 0;
     if (sigsetjmp(jump, 1) != 0)
@@ -212,6 +203,27 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
     }
     recovery = NULL;
     return done;
+}
+
+/* 0 when every page of the batch has the same bytes on both sides, else -1 (before anything is copied). */
+static int64_t same_sizes(const uint64_t *d_lens, const int64_t *d_runs, const uint64_t *s_lens,
+                          const int64_t *s_runs, int64_t npages)
+{
+    int64_t di = 0, si = 0;
+    for (int64_t p = 0; p < npages; p++) {
+        uint64_t d_total = 0, s_total = 0;
+        if (d_runs[p] < 0 || s_runs[p] < 0)
+            return -1;
+        for (int64_t r = 0; r < d_runs[p]; r++)
+            d_total += d_lens[di + r];
+        for (int64_t r = 0; r < s_runs[p]; r++)
+            s_total += s_lens[si + r];
+        if (d_total != s_total)
+            return -1;
+        di += d_runs[p];
+        si += s_runs[p];
+    }
+    return 0;
 }
 
 struct half {
@@ -266,43 +278,4 @@ int64_t guarded_copy_pages_split(const uint64_t *d_ptrs, const uint64_t *d_lens,
     if (first != split)
         return first;
     return split + second.done;
-}
-
-struct sums_half {
-    const uint64_t *ptrs, *lens;
-    const int64_t *page_runs;
-    int64_t npages, done;
-    uint64_t *sums;
-};
-
-static void *sum_half(void *arg)
-{
-    struct sums_half *h = arg;
-    h->done = guarded_page_sums(h->ptrs, h->lens, h->page_runs, h->npages, h->sums);
-    return NULL;
-}
-
-/* guarded_page_sums with pages [split, npages) hashed at the same time on a thread of its own, inside this
- * one call (as guarded_copy_pages_split, for the same reason).  Returns the pages hashed whole (npages on
- * success, fewer when a run faulted), -1 when not built. */
-int64_t guarded_page_sums_split(const uint64_t *ptrs, const uint64_t *lens, const int64_t *page_runs,
-                                int64_t npages, uint64_t *sums, int64_t split)
-{
-    if (split <= 0 || split >= npages)
-        return guarded_page_sums(ptrs, lens, page_runs, npages, sums);
-    int64_t first_run = 0;
-    for (int64_t p = 0; p < split; p++)
-        first_run += page_runs[p];
-    struct sums_half second = {ptrs + first_run, lens + first_run, page_runs + split, npages - split, 0,
-                               sums + split};
-    pthread_t thread;
-    int spawned = pthread_create(&thread, NULL, sum_half, &second) == 0;
-    int64_t first = guarded_page_sums(ptrs, lens, page_runs, split, sums);
-    if (spawned)
-        pthread_join(thread, NULL);
-    else
-        sum_half(&second);
-    if (first != split)
-        return first;
-    return second.done < 0 ? second.done : split + second.done;
 }

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import ctypes.util
 import mmap
-from typing import List, Sequence, Tuple
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -89,16 +91,37 @@ def line_up_runs(a: Sequence[Tuple[int, int]], b: Sequence[Tuple[int, int]]) -> 
     return runs_a, runs_b, runs_n
 
 
-# A batch of memory work this large is cut in two halves done at once, both inside one C call (a copy:
-# tiers/node/page_runs.py; page sums: tiers/node/checksums.py): one core copies or hashes at ~6-10 GB/s, a
-# fraction of the memory's bandwidth.
+# A batch of memory work this large is cut in two halves done at once (in_halves): one core copies or hashes
+# at ~6-10 GB/s, a fraction of the memory's bandwidth.
 PARALLEL_BYTES = 8 << 20
 
 
-def halves_at(count: int, nbytes: int) -> int:
-    """Where a batch of count items and nbytes is cut in two halves done at once: 0 (not cut) below
-    PARALLEL_BYTES or for a single item."""
-    return count // 2 if count > 1 and nbytes >= PARALLEL_BYTES else 0
+_on_helper = threading.local()  # .yes on in_halves' own helper thread
+
+
+def _mark_helper() -> None:
+    _on_helper.yes = True
+
+
+@functools.lru_cache(maxsize=None)
+def _helper() -> ThreadPoolExecutor:
+    """The second thread of in_halves (one a process, made on first use)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-halves", initializer=_mark_helper)
+
+
+def in_halves(work: Callable[[int, int], list], count: int, nbytes: int) -> list:
+    """work(0, count), or, for a batch of PARALLEL_BYTES or more, work(0, h) on this thread and work(h, count)
+    on a helper thread at once, their results concatenated.  work must be a C call without the GIL to
+    gain (the guarded copy and the page hash are); an exception of either half propagates once both ended."""
+    if nbytes < PARALLEL_BYTES or count < 2 or getattr(_on_helper, "yes", False):
+        return work(0, count)  # small, or called from the helper itself (waiting on it would never end)
+    half = count // 2
+    second = _helper().submit(work, half, count)
+    try:
+        first = work(0, half)
+    finally:
+        rest = second.result()
+    return first + rest
 
 
 def copy_runs(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int]) -> int:
@@ -135,8 +158,6 @@ class _Guard:
                 runs = np.ctypeslib.ndpointer(dtype=np.int64, ndim=1, flags="C_CONTIGUOUS")
                 lib.guarded_page_sums.argtypes = [ptr, ptr, runs, ctypes.c_int64, ptr]
                 lib.guarded_page_sums.restype = ctypes.c_int64
-                lib.guarded_page_sums_split.argtypes = [ptr, ptr, runs, ctypes.c_int64, ptr, ctypes.c_int64]
-                lib.guarded_page_sums_split.restype = ctypes.c_int64
                 sums_out = ctypes.c_void_p  # NULL: no sums asked for
                 lib.guarded_copy_pages.argtypes = [ptr, ptr, runs, ptr, ptr, runs, ctypes.c_uint64, ctypes.c_int64,
                                                    sums_out]
@@ -161,12 +182,10 @@ class _Guard:
             return int(self._lib.guarded_copy_runs(d, s, n, count))
         return _vm_copy(d, s, n, count)
 
-    def sums(self, ptrs: np.ndarray, lens: np.ndarray, page_runs: np.ndarray, out: np.ndarray,
-             split: int = 0) -> int:
-        """guarded_page_sums_split (only when sums_built): the pages hashed whole; pages [split, n) on a C
-        thread of their own at the same time (split 0: all on this one)."""
+    def sums(self, ptrs: np.ndarray, lens: np.ndarray, page_runs: np.ndarray, out: np.ndarray) -> int:
+        """guarded_page_sums (only when sums_built): the pages hashed whole."""
         self._lib.guard_install()
-        return int(self._lib.guarded_page_sums_split(ptrs, lens, page_runs, len(page_runs), out, split))
+        return int(self._lib.guarded_page_sums(ptrs, lens, page_runs, len(page_runs), out))
 
     def copy_pages(self, d_ptrs: np.ndarray, d_lens: np.ndarray, d_runs: np.ndarray, s_ptrs: np.ndarray,
                    s_lens: np.ndarray, s_runs: np.ndarray, s_base: int, sums, split: int = 0) -> int:

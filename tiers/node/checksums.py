@@ -16,7 +16,7 @@ from typing import List, Sequence
 import numpy as np
 import xxhash
 
-from tiers.node.buffers import MemoryFault, guarded, halves_at, view_at
+from tiers.node.buffers import MemoryFault, guarded, in_halves, view_at
 
 __all__ = ["page_sums", "page_sums_at", "native"]
 
@@ -52,18 +52,19 @@ def page_sums_at(pointers: np.ndarray, lengths: np.ndarray) -> List[int]:
     lengths = np.ascontiguousarray(lengths, dtype=np.uint64).reshape(pointers.shape)
     pages, regions = pointers.shape
     # A large batch hashed in two halves at once (a write's sums come before its put: the whole wait).
-    return _sums_flat(pointers.ravel(), lengths.ravel(), np.full(pages, regions, dtype=np.int64),
-                      halves_at(pages, int(lengths.sum())))
+    return in_halves(lambda a, b: _sums_flat(pointers[a:b].ravel(), lengths[a:b].ravel(),
+                                             np.full(b - a, regions, dtype=np.int64)),
+                     pages, int(lengths.sum()))
 
 
-def _sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray, split: int = 0) -> List[int]:
+def _sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray) -> List[int]:
     """The checksum of each page p, the next runs[p] regions of (ptrs, lens): one C call, or python-xxhash."""
     if not native():
         ends = np.cumsum(runs).tolist()
         flat = list(zip(ptrs.tolist(), lens.tolist()))
         return page_sums([[view_at(a, n) for a, n in flat[end - count:end]] for end, count in zip(ends, runs.tolist())])
     out = np.zeros(len(runs), dtype=np.uint64)
-    done = guarded().sums(ptrs, lens, runs, out, split)
+    done = guarded().sums(ptrs, lens, runs, out)
     if done != len(runs):
         raise MemoryFault(f"a hashed region went away (page {done} of {len(runs)}; truncated memfd?)")
     return out.tolist()

@@ -15,7 +15,8 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node.buffers import MemoryFault, copy_runs, guarded, halves_at, scatter_runs
+from tiers.node import buffers
+from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs
 
 
 class PageRuns(NamedTuple):
@@ -107,8 +108,9 @@ def copy_pages(dst: PageRuns, src: PageRuns, src_base: int = 0, summed: bool = F
         return []
     guard = guarded()
     if not guard.pages_built or (summed and not guard.sums_built):
-        return _copy_slow(dst, src, src_base, summed)
-    split = halves_at(len(dst), dst.nbytes())
+        return in_halves(lambda a, b: _copy_slow(dst.pages(a, b), src.pages(a, b), src_base, summed), len(dst),
+                         dst.nbytes())
+    split = len(dst) // 2 if len(dst) > 1 and dst.nbytes() >= buffers.PARALLEL_BYTES else 0
     sums = np.zeros(len(dst), dtype=np.uint64) if summed else None
     done = guard.copy_pages(dst.addr, dst.length, dst.counts, src.addr, src.length, src.counts, src_base, sums,
                             split)
