@@ -162,32 +162,3 @@ def test_a_copy_in_halves_copies_every_byte_and_a_vanished_source_faults_on_eith
         src.close()
     finally:
         os.close(fd)
-
-
-def test_a_large_batch_copies_in_two_c_threads_and_a_source_gone_under_the_second_half_faults():
-    """copy_pages cuts a batch of PARALLEL_BYTES or more in two halves inside its one C call, the second on a
-    thread of C's own with its own recovery point: every byte lands with its sum, and a source truncated under
-    the second half only is a MemoryFault, not a crash."""
-    import mmap
-    import os
-    size, page = 2 * buffers.PARALLEL_BYTES, 1 << 20
-    pages = size // page
-    fd = os.memfd_create("pages-halves-test")
-    try:
-        os.ftruncate(fd, size)
-        src = mmap.mmap(fd, size)
-        src[:] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
-        dst = np.zeros(size, dtype=np.uint8)
-        offsets = np.arange(pages, dtype=np.uint64).reshape(pages, 1) * np.uint64(page)
-        lengths = np.full((pages, 1), page, dtype=np.uint64)
-        into = PageRuns.uniform(offsets + np.uint64(dst.ctypes.data), lengths)
-        base = buffers.address_of(memoryview(src))
-        sums = copy_pages(into, PageRuns.uniform(offsets, lengths), base, summed=True)
-        assert dst.tobytes() == src[:]
-        assert sums == [xxhash.xxh3_64_intdigest(src[p * page:(p + 1) * page]) for p in range(pages)]
-        os.ftruncate(fd, size // 2 + page)  # the first half whole, the second half's pages after its first gone
-        with pytest.raises(buffers.MemoryFault):
-            copy_pages(into, PageRuns.uniform(offsets, lengths), base)
-        src.close()
-    finally:
-        os.close(fd)

@@ -18,7 +18,6 @@
  * Loaded with ctypes (which releases the GIL around each call); no Python API.
  */
 #define _GNU_SOURCE
-#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stddef.h>
@@ -203,79 +202,4 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
     }
     recovery = NULL;
     return done;
-}
-
-/* 0 when every page of the batch has the same bytes on both sides, else -1 (before anything is copied). */
-static int64_t same_sizes(const uint64_t *d_lens, const int64_t *d_runs, const uint64_t *s_lens,
-                          const int64_t *s_runs, int64_t npages)
-{
-    int64_t di = 0, si = 0;
-    for (int64_t p = 0; p < npages; p++) {
-        uint64_t d_total = 0, s_total = 0;
-        if (d_runs[p] < 0 || s_runs[p] < 0)
-            return -1;
-        for (int64_t r = 0; r < d_runs[p]; r++)
-            d_total += d_lens[di + r];
-        for (int64_t r = 0; r < s_runs[p]; r++)
-            s_total += s_lens[si + r];
-        if (d_total != s_total)
-            return -1;
-        di += d_runs[p];
-        si += s_runs[p];
-    }
-    return 0;
-}
-
-struct half {
-    const uint64_t *d_ptrs, *d_lens, *s_ptrs, *s_lens;
-    const int64_t *d_runs, *s_runs;
-    uint64_t s_base, *sums;
-    int64_t npages, done;
-};
-
-static void *copy_half(void *arg)
-{
-    struct half *h = arg;
-    h->done = guarded_copy_pages(h->d_ptrs, h->d_lens, h->d_runs, h->s_ptrs, h->s_lens, h->s_runs, h->s_base,
-                                 h->npages, h->sums);
-    return NULL;
-}
-
-/* guarded_copy_pages with pages [split, npages) copied at the same time on a thread of its own (a batch
- * large enough that one core's copy is the bound).  Both halves run inside this one call: a helper thread
- * of Python's would take the GIL to start and again to end, and in a serving engine each take waits on the
- * scheduler's thread.  That thread has its own SIGBUS recovery point (recovery is thread-local), so a source
- * truncated under either half is a short count, not a crash.  Sizes are checked for the whole batch first.
- * Returns as guarded_copy_pages: npages on success, the pages copied whole before a fault, -1 on a size
- * mismatch, -2 when sums are asked for and not built. */
-int64_t guarded_copy_pages_split(const uint64_t *d_ptrs, const uint64_t *d_lens, const int64_t *d_runs,
-                                 const uint64_t *s_ptrs, const uint64_t *s_lens, const int64_t *s_runs,
-                                 uint64_t s_base, int64_t npages, uint64_t *sums, int64_t split)
-{
-#ifndef HAVE_XXHASH
-    if (sums != NULL)
-        return -2;
-#endif
-    if (same_sizes(d_lens, d_runs, s_lens, s_runs, npages) != 0)
-        return -1;
-    if (split <= 0 || split >= npages)
-        return guarded_copy_pages(d_ptrs, d_lens, d_runs, s_ptrs, s_lens, s_runs, s_base, npages, sums);
-    int64_t d_first = 0, s_first = 0;
-    for (int64_t p = 0; p < split; p++) {
-        d_first += d_runs[p];
-        s_first += s_runs[p];
-    }
-    struct half second = {d_ptrs + d_first, d_lens + d_first, s_ptrs + s_first, s_lens + s_first,
-                          d_runs + split, s_runs + split, s_base, sums != NULL ? sums + split : NULL,
-                          npages - split, 0};
-    pthread_t thread;
-    int spawned = pthread_create(&thread, NULL, copy_half, &second) == 0;
-    int64_t first = guarded_copy_pages(d_ptrs, d_lens, d_runs, s_ptrs, s_lens, s_runs, s_base, split, sums);
-    if (spawned)
-        pthread_join(thread, NULL);
-    else
-        copy_half(&second); /* no thread to be had: the second half after the first */
-    if (first != split)
-        return first;
-    return split + second.done;
 }

@@ -162,9 +162,6 @@ class _Guard:
                 lib.guarded_copy_pages.argtypes = [ptr, ptr, runs, ptr, ptr, runs, ctypes.c_uint64, ctypes.c_int64,
                                                    sums_out]
                 lib.guarded_copy_pages.restype = ctypes.c_int64
-                lib.guarded_copy_pages_split.argtypes = [ptr, ptr, runs, ptr, ptr, runs, ctypes.c_uint64,
-                                                         ctypes.c_int64, sums_out, ctypes.c_int64]
-                lib.guarded_copy_pages_split.restype = ctypes.c_int64
                 self._lib = lib
                 self.sums_built = bool(lib.page_sums_built())
                 self.pages_built = True
@@ -188,13 +185,11 @@ class _Guard:
         return int(self._lib.guarded_page_sums(ptrs, lens, page_runs, len(page_runs), out))
 
     def copy_pages(self, d_ptrs: np.ndarray, d_lens: np.ndarray, d_runs: np.ndarray, s_ptrs: np.ndarray,
-                   s_lens: np.ndarray, s_runs: np.ndarray, s_base: int, sums, split: int = 0) -> int:
-        """guarded_copy_pages_split (only when pages_built): pages [split, n) on a C thread of their own at
-        the same time (split 0: all on this one); pages copied whole, -1 on a page size mismatch."""
+                   s_lens: np.ndarray, s_runs: np.ndarray, s_base: int, sums) -> int:
+        """guarded_copy_pages (only when pages_built): pages copied whole, -1 on a page size mismatch."""
         self._lib.guard_install()
-        return int(self._lib.guarded_copy_pages_split(d_ptrs, d_lens, d_runs, s_ptrs, s_lens, s_runs, s_base,
-                                                      len(d_runs), None if sums is None else sums.ctypes.data,
-                                                      split))
+        return int(self._lib.guarded_copy_pages(d_ptrs, d_lens, d_runs, s_ptrs, s_lens, s_runs, s_base,
+                                                len(d_runs), None if sums is None else sums.ctypes.data))
 
 
 def _vm_copy(d: np.ndarray, s: np.ndarray, n: np.ndarray, count: int) -> int:

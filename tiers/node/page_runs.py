@@ -15,7 +15,6 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node import buffers
 from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs
 
 
@@ -98,22 +97,22 @@ def copy_pages(dst: PageRuns, src: PageRuns, src_base: int = 0, summed: bool = F
     """Copy page p of src (offsets from src_base) into page p of dst, every page of the batch, guarded;
     with summed, each page's xxh3_64 at dst, hashed right after its copy (else []).
 
-    A batch of PARALLEL_BYTES or more is copied in two halves at once, both inside the one C call (a
-    Python helper thread would take the GIL to start and to end, each take a wait in a serving engine).
-    ValueError when the batches differ in pages or a page in size (nothing is copied then); MemoryFault
-    when memory went away under the copy."""
+    A large batch runs in two halves at once (in_halves).  ValueError when the batches differ in pages
+    or a page in size (nothing is copied then); MemoryFault when memory went away under the copy."""
     if len(dst) != len(src):
         raise ValueError("page count mismatch")
     if not len(dst):
         return []
+    return in_halves(lambda a, b: _copy_some(dst.pages(a, b), src.pages(a, b), src_base, summed), len(dst),
+                     dst.nbytes())
+
+
+def _copy_some(dst: PageRuns, src: PageRuns, src_base: int, summed: bool) -> List[int]:
     guard = guarded()
     if not guard.pages_built or (summed and not guard.sums_built):
-        return in_halves(lambda a, b: _copy_slow(dst.pages(a, b), src.pages(a, b), src_base, summed), len(dst),
-                         dst.nbytes())
-    split = len(dst) // 2 if len(dst) > 1 and dst.nbytes() >= buffers.PARALLEL_BYTES else 0
+        return _copy_slow(dst, src, src_base, summed)
     sums = np.zeros(len(dst), dtype=np.uint64) if summed else None
-    done = guard.copy_pages(dst.addr, dst.length, dst.counts, src.addr, src.length, src.counts, src_base, sums,
-                            split)
+    done = guard.copy_pages(dst.addr, dst.length, dst.counts, src.addr, src.length, src.counts, src_base, sums)
     if done == -1:
         raise ValueError("page size mismatch")
     if done != len(dst):
