@@ -136,17 +136,19 @@ def _put_as_transfers_do(store, ns, keys, size):
             i += 1
 
 
-@pytest.mark.parametrize("ahead_pages", [None, 3])
+@pytest.mark.parametrize("ahead_pages,ahead_s", [(None, None), (3, None), (None, 0.0)])
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "lfu", "radix-lru"])
-def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead_pages, monkeypatch):
+def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead_pages, ahead_s, monkeypatch):
     """Random batches of two namespaces (fair share), re-puts of held pages, keys twice in a batch and reads:
-    after every batch both stores hold the same pages and counted the same evictions (ahead_pages: a batch
-    reserve evicts for at most that many pages a lock hold, and goes on in the next)."""
+    after every batch both stores hold the same pages and counted the same evictions (ahead_pages / ahead_s:
+    a batch reserve evicts for at most that many pages / seconds a lock hold, and goes on in the next)."""
     import tiers.stores.dram as dram
     rng = np.random.default_rng(11)
     size = 4096
     if ahead_pages:
         monkeypatch.setattr(dram, "EVICT_AHEAD_BYTES", ahead_pages * size)
+    if ahead_s is not None:
+        monkeypatch.setattr(dram, "EVICT_AHEAD_S", ahead_s)
     stores = [DramStore(40 * size, policy, block_size=size, prefault=False,
                         quotas={"b": 25 * size}) for _ in range(2)]
     made_room_ahead = False
@@ -166,3 +168,19 @@ def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead
         assert held[0] == held[1], f"step {step}"
         assert stores[0].stats().evictions == stores[1].stats().evictions > 0 or step < 5
     assert made_room_ahead  # batches larger than the free room came, so the batch path evicted ahead
+
+
+def test_a_batch_reserve_stops_evicting_ahead_once_its_time_in_the_lock_is_spent(monkeypatch):
+    """Each eviction walks every namespace; with many, a whole batch's evictions in one lock hold would stall
+    the tier's readers: past EVICT_AHEAD_S the reserve returns what it has, and the writer goes on page by
+    page (each eviction in a hold of its own)."""
+    import tiers.stores.dram as dram
+    size = 4096
+    store = DramStore(64 * size, "lru", block_size=size, prefault=False)
+    for n in range(64):
+        store.put((f"tenant{n}", "k"), [b"x" * size])  # full, one page each of 64 namespaces
+    keys = [f"w{i}" for i in range(16)]
+    monkeypatch.setattr(dram, "EVICT_AHEAD_S", 0.0)
+    assert store.reserve_many("writer", keys, [size] * 16, evict=True) == []
+    monkeypatch.setattr(dram, "EVICT_AHEAD_S", 10.0)
+    assert len(store.reserve_many("writer", keys, [size] * 16, evict=True)) == 16

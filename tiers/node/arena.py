@@ -142,14 +142,8 @@ class BlockArena:
 
     def take(self, nbytes: int) -> Optional[Alloc]:
         """Free blocks for nbytes (lowest first, so a fresh arena gives contiguous runs), or None."""
-        needed = self.blocks_for(nbytes)
-        with self._lock:
-            if len(self._free) < needed:
-                self._expire_locked(time.monotonic())
-                if len(self._free) < needed:
-                    return None
-            blocks = [self._free.pop() for _ in range(needed)]
-        return Alloc(next(self._ids), blocks, nbytes, block_extents(blocks, self.block_size, nbytes))
+        got = self.take_many([nbytes])
+        return got[0] if got else None
 
     def take_many(self, sizes: Sequence[int]) -> List[Alloc]:
         """take for each size in turn under one lock hold; the leading ones that fit (a batch's reserve)."""
@@ -157,7 +151,7 @@ class BlockArena:
         block_size, free = self.block_size, self._free
         with self._lock:
             for nbytes in sizes:
-                needed = -(-nbytes // block_size)
+                needed = self.blocks_for(nbytes)
                 if len(free) < needed:
                     self._expire_locked(time.monotonic())
                     if len(free) < needed:

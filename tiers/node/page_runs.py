@@ -15,7 +15,8 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs
+from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs, view_at
+from tiers.node.checksums import page_sums
 
 
 class PageRuns(NamedTuple):
@@ -122,8 +123,6 @@ def _copy_some(dst: PageRuns, src: PageRuns, src_base: int, summed: bool) -> Lis
 
 def _copy_slow(dst: PageRuns, src: PageRuns, src_base: int, summed: bool) -> List[int]:
     """Where tiers._guardcopy is not built: cut page by page in Python, copy by process_vm_readv."""
-    from tiers.node.checksums import page_sums
-    from tiers.node.buffers import view_at
     d_pages, s_pages = dst.as_lists(), src.as_lists(src_base)
     cuts = [scatter_runs(d, s) for d, s in zip(d_pages, s_pages)]  # ValueError on a size mismatch, before copying
     for d_at, s_at, n in cuts:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -33,6 +34,10 @@ log = logging.getLogger("hicache.dram")
 # at this size; a batch of 128 pages of 8 MiB would have held it for ~0.1 s).  Past it the batch goes on in
 # the next hold.
 EVICT_AHEAD_BYTES = 8 << 20
+# Seconds of evicting ahead in one lock hold at most, whatever the bytes: choosing a victim walks every
+# namespace (tiers/node/fairness.py), so with thousands of them a batch's evictions in one hold would stall
+# the tier's readers for as long as those evictions page by page, each in a hold of its own, would have.
+EVICT_AHEAD_S = 0.001
 
 
 @dataclass(slots=True)
@@ -161,17 +166,7 @@ class DramStore(PageStore):
             return self._allocate_locked(key[0], size)
 
     def commit(self, key: PageKey, alloc: Alloc, parent: Optional[str] = None, checksum: int = 0) -> None:
-        size = alloc.size
-        with self._lock:
-            self._release_locked(key)
-            self._index[key] = _Entry(alloc, checksum=checksum)
-            tenant = self._tenant(key[0])
-            self._held.insert(key_digest(*key), 0, size)
-            tenant.policy.insert(key, (key[0], parent) if parent else None)
-            tenant.bytes += size
-            self._stats.used_bytes += size
-            self._stats.inserts += 1
-            self._stats.bytes_written += size
+        self.commit_many(key[0], [key[1]], [alloc], [parent], [checksum])
 
     def reserve_many(self, namespace: str, keys: Sequence[str], sizes: Sequence[int],
                      evict: bool = False) -> List[Alloc]:
@@ -182,7 +177,7 @@ class DramStore(PageStore):
         reserves the next page alone, evicting, once these are committed.  Nor does it evict once a page
         held already (or one twice in the batch) is among those reserved: committing it frees its old
         blocks, and page by page the pages after it would have found them free; nor for more than
-        EVICT_AHEAD_BYTES of pages in one call (one lock hold).
+        EVICT_AHEAD_BYTES of pages or EVICT_AHEAD_S in one call (one lock hold).
         """
         largest = min(self.max_page_bytes, self.capacity)
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
@@ -197,6 +192,7 @@ class DramStore(PageStore):
             index = self._index
             seen = set(keys[:len(out)])  # a key twice in a batch replaces its own first copy when committed
             replaces = len(seen) < len(out) or any((namespace, key) in index for key in seen)
+            until = time.perf_counter() + EVICT_AHEAD_S
             for key, size in zip(keys[len(out):], sizes[len(out):]):
                 while limit is not None and held + pending + size > limit:
                     if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
@@ -204,7 +200,7 @@ class DramStore(PageStore):
                     held = self._tenants[namespace].bytes
                 alloc = self.arena.take(size)
                 while (alloc is None and evict and not replaces and pending < EVICT_AHEAD_BYTES
-                       and self._evict_one_locked(namespace, size, pending=pending)):
+                       and time.perf_counter() < until and self._evict_one_locked(namespace, size, pending=pending)):
                     alloc = self.arena.take(size)
                 if alloc is None:
                     return out

@@ -93,11 +93,11 @@ from __future__ import annotations
 
 import math
 import os
-from itertools import chain
 import re
 import socket
 import struct
 import time
+from itertools import chain
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
@@ -348,7 +348,10 @@ def decode_descriptor_arrays(desc, counts, n_pages: int,
 
 def decode_descriptors(desc, counts, n_pages: int, region_size: int) -> List[List[Tuple[int, int]]]:
     """decode_descriptor_arrays as a list of (offset, length) runs a page."""
-    offsets, lengths, per_page = decode_descriptor_arrays(desc, counts, n_pages, region_size)
+    return _runs_by_page(*decode_descriptor_arrays(desc, counts, n_pages, region_size))
+
+
+def _runs_by_page(offsets: np.ndarray, lengths: np.ndarray, per_page: np.ndarray) -> List[List[Tuple[int, int]]]:
     out, start = [], 0
     plain = list(zip(offsets.tolist(), lengths.tolist()))  # (offset, length) tuples, no step a pair
     for n in per_page.tolist():
@@ -393,19 +396,15 @@ def decode_pool_extents(desc, counts, sizes: Sequence[int]) -> Optional[List[Lis
     A client's check of a pool's reply: one entry per page, lengths adding up
     to each page's size.  Never raises: a bad reply is a miss.
     """
-    if not isinstance(desc, bytes) or not isinstance(counts, bytes):
-        return None
     try:
-        pages = decode_descriptors(desc, counts, len(sizes), 1 << 62)
+        offsets, lengths, per_page = decode_descriptor_arrays(desc, counts, len(sizes), 1 << 62)
     except ProtocolError:
         return None
-    if pages:  # each page's lengths add up to its size: one numpy pass (every read's locate comes here)
-        per_page = np.frombuffer(counts, dtype="<i4")
-        starts = np.concatenate(([0], np.cumsum(per_page)[:-1]))
-        totals = np.add.reduceat(np.frombuffer(desc, dtype="<i8")[1::2], starts)
-        if not np.array_equal(totals, np.asarray(sizes, dtype=np.int64)):
+    if len(per_page):  # each page's lengths add up to its size: one numpy pass (every read's locate comes here)
+        totals = np.add.reduceat(lengths, np.concatenate(([0], np.cumsum(per_page)[:-1])))
+        if not np.array_equal(totals, np.asarray(sizes, dtype=np.uint64)):
             return None
-    return pages
+    return _runs_by_page(offsets, lengths, per_page)
 
 
 def flags(values: Sequence[bool]) -> bytes:
