@@ -84,17 +84,10 @@ def fit_reads(transfer: Dict[int, float], hits: Dict[int, int], kv_bytes_per_tok
     rows = np.array([[-(-(tokens // page_tokens) // batch_pages), tokens * kv_bytes_per_token]
                      for tokens, _t in points], dtype=float)
     target = np.array([t for _tokens, t in points], dtype=float)
-    best = None
-    for columns in ((0, 1), (1,), (0,)):
-        solved = _solve(rows, target, columns)
-        if solved is not None and (best is None or solved[1] < best[2] - 1e-9):
-            best = (columns, solved[0], solved[1])
+    best = _best_columns(rows, target, ((0, 1), (1,), (0,)))
     if best is None:
         return None
-    values = [0.0, 0.0]
-    for column, value in zip(best[0], best[1]):
-        values[column] = float(value)
-    return ReadFit(fixed_s=values[0], s_per_byte=values[1], error=best[2])
+    return ReadFit(fixed_s=best[0][0], s_per_byte=best[0][1], error=best[1])
 
 
 def service_s(model, cached: float, loaded: float, computed: float, write_s: float = 0.0) -> float:
@@ -112,16 +105,35 @@ def preset_fit(compute_s: float, h2d_s: float) -> Fit:
     return Fit(compute_s=compute_s, h2d_s=h2d_s)
 
 
-def _solve(rows: np.ndarray, y: np.ndarray, columns: Sequence[int]) -> Optional[Tuple[np.ndarray, float]]:
-    """Least squares of y on the chosen columns, relative to y; (coefficients, rms relative error) or None
-    when a coefficient comes out negative (a cost is never negative)."""
-    a = rows[:, list(columns)] / y[:, None]
-    coef, *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
+def _solve(rows: np.ndarray, y: np.ndarray, columns: Sequence[int],
+           scale: Optional[np.ndarray] = None) -> Optional[Tuple[np.ndarray, float]]:
+    """Least squares of y on the chosen columns, relative to scale (default y itself); (coefficients, rms
+    relative error) or None when a coefficient comes out negative (a cost is never negative)."""
+    scale = y if scale is None else scale
+    a = rows[:, list(columns)] / scale[:, None]
+    coef, *_ = np.linalg.lstsq(a, y / scale, rcond=None)
     if (coef < -1e-15).any():
         return None
     coef = np.clip(coef, 0.0, None)
-    residual = a @ coef - 1.0
+    residual = a @ coef - y / scale
     return coef, float(np.sqrt(np.mean(residual ** 2)))
+
+
+def _best_columns(rows: np.ndarray, y: np.ndarray, column_sets: Sequence[Sequence[int]],
+                  scale: Optional[np.ndarray] = None) -> Optional[Tuple[List[float], float]]:
+    """The non-negative _solve with the least error over column_sets, tried in order (a tie keeps the
+    earlier): (a value a column of rows, 0 where unused; its error), or None when none is non-negative."""
+    best = None
+    for columns in column_sets:
+        solved = _solve(rows, y, columns, scale)
+        if solved is not None and (best is None or solved[1] < best[2] - 1e-9):
+            best = (columns, solved[0], solved[1])
+    if best is None:
+        return None
+    values = [0.0] * rows.shape[1]
+    for column, value in zip(best[0], best[1]):
+        values[column] = float(value)
+    return values, best[2]
 
 
 def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hit: Dict[int, int],
@@ -145,17 +157,11 @@ def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hi
         raise ProfileError("no recompute or device-hit figure to fit")
     matrix = np.array([[r[c] for c in COLUMNS] for r in rows], dtype=float)
     target = np.array(y, dtype=float)
-    best = None
-    for size in range(1, len(COLUMNS) + 1):
-        for columns in itertools.combinations(range(len(COLUMNS)), size):
-            solved = _solve(matrix, target, columns)
-            if solved is not None and (best is None or solved[1] < best[2] - 1e-9):
-                best = (columns, solved[0], solved[1])
+    best = _best_columns(matrix, target, [columns for size in range(1, len(COLUMNS) + 1)
+                                          for columns in itertools.combinations(range(len(COLUMNS)), size)])
     if best is None:
         raise ProfileError("no non-negative fit of the recompute and device-hit figures")
-    values = dict.fromkeys(COLUMNS, 0.0)
-    for column, value in zip(best[0], best[1]):
-        values[COLUMNS[column]] = float(value)
+    values = dict(zip(COLUMNS, best[0]))
     h2d, fixed = _fit_load(host or {}, host_hit or {}, device)
     fit = Fit(h2d_s=h2d, load_fixed_s=fixed, serial_load=True, **values)
     errors = {"recompute": _max_error(fit, recompute, {}, False),
@@ -168,25 +174,13 @@ def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hi
 
 def _fit_load(host: Dict[int, float], host_hit: Dict[int, int], device: Dict[int, float]) -> Tuple[float, float]:
     """(h2d a token, fixed a request): the non-negative least squares of (host - device) on [hit, 1], relative
-    to the host hit's time, with the fewer terms on a tie; (0, 0) without a host point."""
+    to the host hit's time, with the fewer terms on a tie; (0, 0) without a host point or a non-negative fit."""
     pairs = [(host_hit[n], host[n] - device[n], host[n]) for n in sorted(host) if n in device and host_hit.get(n)]
     if not pairs:
         return 0.0, 0.0
-    rows = np.array([[hit, 1.0] for hit, _d, _s in pairs])
-    scale = np.array([s for _h, _d, s in pairs])
-    extra = np.array([d for _h, d, _s in pairs])
-    best = None
-    for columns in ((0,), (1,), (0, 1)):
-        a = rows[:, list(columns)] / scale[:, None]
-        coef, *_ = np.linalg.lstsq(a, extra / scale, rcond=None)
-        coef = np.clip(coef, 0.0, None)
-        error = float(np.sqrt(np.mean((a @ coef - extra / scale) ** 2)))
-        if best is None or error < best[2] - 1e-9:
-            best = (columns, coef, error)
-    values = [0.0, 0.0]
-    for column, value in zip(best[0], best[1]):
-        values[column] = float(value)
-    return values[0], values[1]
+    best = _best_columns(np.array([[hit, 1.0] for hit, _d, _s in pairs]), np.array([d for _h, d, _s in pairs]),
+                         ((0,), (1,), (0, 1)), scale=np.array([s for _h, _d, s in pairs]))
+    return (best[0][0], best[0][1]) if best is not None else (0.0, 0.0)
 
 
 def _max_error(fit: Fit, measured: Dict[int, float], hits: Dict[int, int], loaded: bool) -> float:
