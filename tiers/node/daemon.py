@@ -1,6 +1,7 @@
 """The tier daemon: a ZeroMQ ROUTER loop in front of one page store.
 
-Majordomo-style: poll, dispatch ``handle_<op>``, housekeeping per tick.
+Majordomo-style: poll, decode each request into its Struct (tiers/wire/messages.py), dispatch it
+to the handler its type names (``handlers``), housekeeping per tick.
 Lookups, stats, deletes and leased DRAM reads run on the loop thread; page
 transfers run in a small I/O pool (tiers/node/transfers.py) so a long batch never
 stalls a lookup, and their replies come back through a wake pipe.  Engines
@@ -21,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import zmq
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.node.arena import BlockArena
@@ -79,6 +81,11 @@ class TierDaemon:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
         self._sessions: Dict[int, dict] = {}
+        # The operations this daemon serves, by request type (a pool daemon adds its own).
+        self.handlers: Dict[type, Callable] = {
+            M.Hello: self.handle_hello, M.Lookup: self.handle_lookup, M.Put: self.handle_put, M.Get: self.handle_get,
+            M.Release: self.handle_release, M.Delete: self.handle_delete, M.Clear: self.handle_clear,
+            M.Evict: self.handle_evict, M.Stats: self.handle_stats}
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self._session_ok, max_region_bytes or physical_memory()) if fd_socket else None
         self._done: deque = deque()
@@ -199,18 +206,16 @@ class TierDaemon:
         try:
             if raw_header is None:
                 raise P.ProtocolError("bad_request", "empty message")
-            header = P.unpack(raw_header)
-            req_id = header.get("id", 0) if isinstance(header.get("id", 0), int) else 0
-            op, req_id = P.check_request(header)
-            header["id"] = req_id  # optional on the wire (0); handlers echo header["id"]
+            msg = M.decode_request(raw_header)
+            op, req_id = type(msg).__struct_config__.tag, msg.id
             nbytes = sum(len(f) for f in frames) if frames else 0
             if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
-            handler = getattr(self, f"handle_{op}", None)
-            if handler is None:  # a pool operation sent to a tier daemon, or the reverse
+            handler = self.handlers.get(type(msg))
+            if handler is None:  # a pool operation sent to a tier daemon
                 raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
-            result = handler(header, frames)
+            result = handler(msg, frames)
             if isinstance(result, Future):
                 self._in_flight += 1
                 self._inflight_bytes += nbytes
@@ -228,6 +233,7 @@ class TierDaemon:
         logged with its traceback and answered as internal, and must not end the daemon."""
         if isinstance(exc, P.ProtocolError):
             code, message = exc.code, exc.msg
+            req_id = req_id or exc.req_id  # a request that failed to decode still gets its own id back
         elif isinstance(exc, StoreError):
             code, message = exc.code, str(exc)
         else:
@@ -290,18 +296,16 @@ class TierDaemon:
     def _session_ok(self, sid) -> bool:
         return isinstance(sid, int) and not isinstance(sid, bool) and sid in self._sessions
 
-    def _namespace(self, header: dict) -> str:
-        sid = header.get("s")
-        # Any msgpack value may arrive here: only an integer can name a session (a list is unhashable).
-        session = self._sessions.get(sid) if self._session_ok(sid) else None
+    def _namespace(self, msg: M.Request) -> str:
+        session = self._sessions.get(msg.s) if msg.s is not None else None
         if session is None:
             raise P.ProtocolError("no_session", "unknown session; send hello again")
         session["seen"] = time.monotonic()
         return session["ns"]
 
-    def handle_hello(self, header: dict, frames) -> list:
-        ns = P.check_namespace(P.field(header, "ns", str))
-        client = str(P.field(header, "client", str, required=False, default=""))[:200]
+    def handle_hello(self, msg: M.Hello, frames) -> list:
+        ns = P.check_namespace(msg.ns)
+        client = msg.client[:200]
         if len(self._sessions) >= SESSION_LIMIT:
             oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
             del self._sessions[oldest]
@@ -309,46 +313,45 @@ class TierDaemon:
         self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
         # The operator's CLI says hello on every status poll: that is not news.
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
-        return [P.reply_ok(header["id"], session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
+        return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
                            max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "",
                            digests=self.store.answers_digests)]
 
     # ----------------------------------------------------------- operations
-    def handle_lookup(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
-        self._release_done(header)
-        if "digests" in header:  # packed key digests: one field, one native call (tiers/wire/protocol.py)
+    def handle_lookup(self, msg: M.Lookup, frames) -> list:
+        ns = self._namespace(msg)
+        self._release_done(msg)
+        if msg.digests is not None:  # packed key digests: one field, one native call (tiers/wire/protocol.py)
             if not self.store.answers_digests:
                 raise P.ProtocolError("bad_request", f"tier {self.name} takes lookups by key, not by digest")
-            held = self.store.held_digests(ns, P.digests_field(header))
+            held = self.store.held_digests(ns, P.check_digests(msg.digests))
+        elif msg.keys is not None:
+            held = self.store.held(ns, P.check_keys(msg.keys))
         else:
-            held = self.store.held(ns, P.keys_field(header))
+            raise P.ProtocolError("bad_request", "a lookup names keys or digests")
         prefix = P.leading_run(held)
         self.metrics.lookup(len(held), prefix)
-        return [P.reply_ok(header["id"], held=held, prefix=prefix)]
+        return [P.reply_ok(msg.id, held=held, prefix=prefix)]
 
-    def handle_put(self, header: dict, frames):
-        ns = self._namespace(header)
-        self._release_done(header)
-        keys = P.keys_field(header)
-        sources = self.transfers.page_sources(header, frames, keys, self._regions)
-        sums = P.decode_sums(header.get("sums"), len(keys))
-        parents = header.get("parents")
-        if not isinstance(parents, list) or len(parents) != len(keys):
-            parents = [None] * len(keys)
-        mode = header.get("mode", "through")
-        min_reads = header.get("min_reads", 2)
-        if mode not in MODES or type(min_reads) is not int or min_reads < 1:
+    def handle_put(self, msg: M.Put, frames):
+        ns = self._namespace(msg)
+        self._release_done(msg)
+        keys = P.check_keys(msg.keys)
+        sources = self.transfers.page_sources(msg, frames, keys, self._regions)
+        sums = P.decode_sums(msg.sums, len(keys))
+        parents = msg.parents if msg.parents is not None and len(msg.parents) == len(keys) else [None] * len(keys)
+        mode, min_reads = msg.mode, msg.min_reads
+        if mode not in MODES or min_reads < 1:
             raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
-        if header.get("promote") is True:
+        if msg.promote:
             self.metrics.promotions += len(keys)
-        req_id, deadline = header["id"], header.get("dl")
+        req_id, deadline = msg.id, msg.dl
 
         def work(_frames_kept_alive=frames) -> list:
             # A promotion is copied out of a host pool after the engine's read returned: checked
             stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums,
-                                                       checked=header.get("promote") is True and any(sums),
-                                                       hashed=header.get("hash_pages") is True and not any(sums))
+                                                       checked=msg.promote and any(sums),
+                                                       hashed=msg.hash_pages and not any(sums))
             if self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
@@ -363,22 +366,22 @@ class TierDaemon:
             return [P.reply_ok(req_id, **fields)]
         return self._pool.submit(work)
 
-    def handle_get(self, header: dict, frames):
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
-        req_id = header["id"]
-        if header.get("region") is not None:
+    def handle_get(self, msg: M.Get, frames):
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.keys)
+        req_id = msg.id
+        if msg.region is not None:
             raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
-        if "lease" not in header:
+        if msg.lease is None:
             def frame_work() -> list:
-                found, out, sums = self.transfers.frame_reads(ns, keys, header.get("dl"))
+                found, out, sums = self.transfers.frame_reads(ns, keys, msg.dl)
                 self.metrics.pages("get", sum(found), sum(len(f) for f in out))
                 return [P.reply_ok(req_id, found=P.flags(found), sums=sums), *out]
             return self._pool.submit(frame_work)
-        expiry = P.lease_field(header)
-        sizes = P.decode_sizes(header.get("sizes"), len(keys), self.max_page_bytes)
-        self._release_done(header)
-        result = self.transfers.lease_reads(ns, keys, sizes, header["s"], expiry)
+        expiry = P.check_lease_expiry(msg.lease)
+        sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
+        self._release_done(msg)
+        result = self.transfers.lease_reads(ns, keys, sizes, msg.s, expiry)
         if isinstance(result, Future):
             out: Future = Future()
 
@@ -391,64 +394,57 @@ class TierDaemon:
             return out
         return self._lease_reply(req_id, result)
 
-    def _release_done(self, header: dict) -> None:
+    def _release_done(self, msg: M.Request) -> None:
         """Leases of earlier reads the session copied out, released on the way (before any new work)."""
-        done = header.get("done")
-        if isinstance(done, list):
-            for lease in done[:P.MAX_DONE_LEASES]:
-                if type(lease) is int:
-                    self.arena.release(lease, header["s"])
+        for lease in (msg.done or ())[:P.MAX_DONE_LEASES]:
+            self.arena.release(lease, msg.s)
 
     def _lease_reply(self, req_id: int, result) -> list:
         fields, pages, nbytes = result
         self.metrics.pages("get", pages, nbytes)
         return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
 
-    def handle_release(self, header: dict, frames) -> list:
-        self._namespace(header)
-        lease = P.field(header, "lease", int)
-        return [P.reply_ok(header["id"], released=self.arena.release(lease, header["s"]))]
+    def handle_release(self, msg: M.Release, frames) -> list:
+        self._namespace(msg)
+        return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, msg.s))]
 
-    def handle_delete(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
+    def handle_delete(self, msg: M.Delete, frames) -> list:
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.keys)
         for key in keys:
             self.dirty.pop((ns, key))
-        return [P.reply_ok(header["id"], deleted=self.store.delete([(ns, k) for k in keys]))]
+        return [P.reply_ok(msg.id, deleted=self.store.delete([(ns, k) for k in keys]))]
 
-    def _target_namespace(self, header: dict, own: str) -> Optional[str]:
+    def _target_namespace(self, everything: bool, target: Optional[str], own: str) -> Optional[str]:
         """The namespace an admin operation acts on (None: every namespace)."""
-        everything = P.field(header, "all", bool, required=False, default=False)
-        target = header.get("ns")
         if target is not None:
             target = P.check_namespace(target)
         if (everything or (target is not None and target != own)) and own != ADMIN_NAMESPACE:
             raise P.ProtocolError("bad_request", "acting on other namespaces needs an _admin session")
         return None if everything else (target or own)
 
-    def handle_clear(self, header: dict, frames) -> list:
-        own = self._namespace(header)
-        namespace = self._target_namespace(header, own)
+    def handle_clear(self, msg: M.Clear, frames) -> list:
+        own = self._namespace(msg)
+        namespace = self._target_namespace(msg.everything, msg.ns, own)
         self.dirty.discard_namespace(namespace)
-        return [P.reply_ok(header["id"], cleared=self.store.clear(namespace))]
+        return [P.reply_ok(msg.id, cleared=self.store.clear(namespace))]
 
-    def handle_evict(self, header: dict, frames) -> list:
-        own = self._namespace(header)
-        nbytes = P.field(header, "bytes", int)
-        if nbytes < 0:
+    def handle_evict(self, msg: M.Evict, frames) -> list:
+        own = self._namespace(msg)
+        if msg.nbytes < 0:
             raise P.ProtocolError("bad_request", "bytes must not be negative")
-        namespace = self._target_namespace(header, own)
-        if own == ADMIN_NAMESPACE and header.get("ns") is None:
+        namespace = self._target_namespace(msg.everything, msg.ns, own)
+        if own == ADMIN_NAMESPACE and msg.ns is None:
             namespace = None  # the operator evicts across every namespace by default
-        pages, freed = self.store.evict(nbytes, namespace)
-        return [P.reply_ok(header["id"], evicted_pages=pages, evicted_bytes=freed)]
+        pages, freed = self.store.evict(msg.nbytes, namespace)
+        return [P.reply_ok(msg.id, evicted_pages=pages, evicted_bytes=freed)]
 
-    def handle_stats(self, header: dict, frames) -> list:
-        own = self._namespace(header)
+    def handle_stats(self, msg: M.Stats, frames) -> list:
+        own = self._namespace(msg)
         stats = self.stats()
         if own != ADMIN_NAMESPACE:  # a tenant sees its own namespace only
             stats["per_namespace"] = {ns: v for ns, v in stats["per_namespace"].items() if ns == own}
-        return [P.reply_ok(header["id"], tier=self.name, stats=stats)]
+        return [P.reply_ok(msg.id, tier=self.name, stats=stats)]
 
     def stats(self) -> dict:
         """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""

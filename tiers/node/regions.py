@@ -29,6 +29,7 @@ from typing import Callable, Dict, Optional
 
 import zmq
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.node.buffers import address_of, populate
 from tiers.ops.logs import RateLimitedLog
@@ -183,7 +184,7 @@ class RegionRegistry:
                 self._drop(fd, poller)
             return
         try:
-            header, memfd = P.recv_register(conn.sock)
+            raw, memfd = P.recv_register(conn.sock)
         except (ConnectionResetError, OSError):
             self._drop(fd, poller)
             return
@@ -191,7 +192,7 @@ class RegionRegistry:
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
         try:
-            region = self._map(header, memfd, conn.sock)
+            region = self._map(raw, memfd, conn.sock)
         except P.ProtocolError as exc:
             self.refused += 1
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
@@ -222,16 +223,17 @@ class RegionRegistry:
         if region is not None:
             log.info("mapped a host pool region of %d bytes", region.size)
 
-    def _map(self, header: dict, memfd: Optional[int], conn) -> Optional[Region]:
+    def _map(self, raw: bytes, memfd: Optional[int], conn) -> Optional[Region]:
         try:
-            version, session, size = header.get("v"), header.get("s"), header.get("size")
+            attach = M.decode_attach(raw)
+            version, session, size = attach.v, attach.s, attach.size
             if type(version) is not int or version != P.PROTOCOL_VERSION:
                 raise P.ProtocolError("bad_version", f"protocol version {version!r} is not supported")
             if not self._session_ok(session):
                 raise P.ProtocolError("no_session", "attach needs a live session (send hello first)")
             if memfd is None:
                 return None  # the arena only: pages travel as frames on the way in
-            if type(size) is not int or size <= 0:
+            if size is None or size <= 0:
                 raise P.ProtocolError("bad_request", "attach with a memfd needs a positive integer size")
             if size > self.max_region_bytes:
                 raise P.ProtocolError("too_large", f"host pool of {size} bytes exceeds max_region_bytes "

@@ -19,6 +19,7 @@ from functools import cached_property
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.node.arena import Alloc, BlockArena
 from tiers.node.buffers import MemoryFault, address_of
@@ -61,16 +62,16 @@ class PageTransfers:
         self.sum_refused = 0  # pages of a checked put whose bytes did not match their checksum
 
     # ------------------------------------------------------------------ puts
-    def page_sources(self, header: dict, frames, keys: list, regions) -> "Sources":
+    def page_sources(self, msg: M.Put, frames, keys: list, regions) -> "Sources":
         """Where each page's bytes are: frames we own, or runs of an engine's host pool."""
-        region_id = header.get("region")
+        region_id = msg.region
         if region_id is None:
-            pages = _frame_pages(header, keys, frames)
+            pages = _frame_pages(msg.frames_per_page, keys, frames)
             return Sources(pages, [sum(v.nbytes for v in p) for p in pages], None)
         if regions is None:
             raise P.ProtocolError("bad_request", "this daemon takes no shared-memory regions")
-        region = regions.get(region_id, header.get("s"))
-        runs = PageRuns(*P.decode_descriptor_arrays(header.get("desc"), header.get("regions_per_page"), len(keys),
+        region = regions.get(region_id, msg.s)
+        runs = PageRuns(*P.decode_descriptor_arrays(msg.desc, msg.regions_per_page, len(keys),
                                                     region.size))
         return Sources(None, runs.sizes(), runs, region.view, region.base)
 
@@ -365,12 +366,10 @@ def _outcomes(results) -> Tuple[List[bool], Refusal]:
     return stored, next((why for _ok, why in results if why), None)
 
 
-def _frame_pages(header: dict, keys: list, frames) -> List[List[memoryview]]:
-    per_page = header.get("frames_per_page")
+def _frame_pages(per_page: Optional[List[int]], keys: list, frames) -> List[List[memoryview]]:
     if per_page is None:
         per_page = [1] * len(keys)
-    if (not isinstance(per_page, list) or len(per_page) != len(keys)
-            or not all(type(n) is int and n > 0 for n in per_page) or sum(per_page) != len(frames)):
+    if len(per_page) != len(keys) or not all(n > 0 for n in per_page) or sum(per_page) != len(frames):
         raise P.ProtocolError("bad_request", f"{len(keys)} keys do not match {len(frames)} page frames")
     pages, start = [], 0
     for n in per_page:

@@ -1,9 +1,11 @@
 """The wire protocol between the backend, the tier daemons and the pools.
 
-This module is the only place the format is defined.  Every message is a
-ZeroMQ multipart message ``[header, *payload]``: the header is a msgpack map,
-payload frames are raw page bytes (only when pages do not travel through a
-shared host-pool mapping).
+This module and its typed schema (tiers/wire/messages.py: which fields each
+message has, of which type, decoded straight into a msgspec Struct) are the
+only places the format is defined.  Every message is a ZeroMQ multipart
+message ``[header, *payload]``: the header is a msgpack map, payload frames
+are raw page bytes (only when pages do not travel through a shared host-pool
+mapping).
 
 Request header: ``v`` protocol version, ``op`` operation, ``id`` request id
 (echoed in the reply), ``dl`` absolute deadline in Unix seconds (work not
@@ -136,10 +138,11 @@ _KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
 class ProtocolError(Exception):
     """A message that cannot be served; carries the error code for the reply."""
 
-    def __init__(self, code: str, msg: str):
+    def __init__(self, code: str, msg: str, req_id: int = 0):
         super().__init__(msg)
         self.code = code
         self.msg = msg
+        self.req_id = req_id  # the request's id when it could be read (the reply goes to that call)
 
 
 def pack(obj: Dict[str, Any]) -> bytes:
@@ -175,43 +178,6 @@ def request(op: str, req_id: int, deadline: Optional[float] = None, session: Opt
     return pack(header)
 
 
-def check_request(header: Dict[str, Any]) -> Tuple[str, int]:
-    """Validate the common fields; returns (op, id) or raises ProtocolError."""
-    req_id = header.get("id", 0)
-    if not isinstance(req_id, int) or isinstance(req_id, bool):
-        raise ProtocolError("bad_request", "id must be an integer")
-    version = header.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:  # 2.0 and True are not 2
-        raise ProtocolError("bad_version", f"protocol version {version!r} is not supported; this daemon speaks {PROTOCOL_VERSION}")
-    op = header.get("op")
-    if op not in OPS:
-        raise ProtocolError("unknown_op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
-    deadline = header.get("dl")
-    if deadline is not None:
-        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline):
-            raise ProtocolError("bad_request", "dl must be a finite number")
-        if time.time() > deadline:
-            raise ProtocolError("deadline", "deadline passed before the request was served")
-    return op, req_id
-
-
-def deadline_passed(header: Dict[str, Any]) -> bool:
-    deadline = header.get("dl")
-    return deadline is not None and time.time() > deadline
-
-
-def field(header: Dict[str, Any], name: str, kind, required: bool = True, default=None):
-    """A typed field of a request; ProtocolError when missing or of the wrong type."""
-    value = header.get(name, default)
-    if value is None:
-        if required:
-            raise ProtocolError("bad_request", f"missing field {name!r}")
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ProtocolError("bad_request", f"field {name!r} has the wrong type")
-    return value
-
-
 def check_key(key) -> str:
     if (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not _KEY_RE.fullmatch(key)
             or not key.strip(".")):  # ".", ".." and the like name directories, not pages
@@ -226,8 +192,8 @@ def check_namespace(ns) -> str:
     return ns
 
 
-def keys_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> List[str]:
-    keys = field(header, "keys", list)
+def check_keys(keys: List[str], max_batch: int = MAX_BATCH) -> List[str]:
+    """A batch's keys (a list of str, as the schema decoded it): at most max_batch, each check_key's."""
     if len(keys) > max_batch:
         raise ProtocolError("too_large", f"batch of {len(keys)} keys exceeds {max_batch}")
     if not _keys_valid(keys):
@@ -251,9 +217,8 @@ def pack_key_digests(namespace: str, keys: Sequence[str]) -> bytes:
     return native_key_digests(namespace.encode() + b"\0", keys)
 
 
-def digests_field(header: Dict[str, Any], max_batch: int = MAX_BATCH) -> bytes:
+def check_digests(digests: bytes, max_batch: int = MAX_BATCH) -> bytes:
     """A lookup's packed ``digests``: bytes of 16 a key, at most max_batch keys."""
-    digests = field(header, "digests", bytes)
     if len(digests) % 16:
         raise ProtocolError("bad_request", f"digests must be 16 bytes a key, not {len(digests)} bytes")
     if len(digests) // 16 > max_batch:
@@ -428,8 +393,9 @@ def send_register(sock: socket.socket, fd: int, header: Dict[str, Any]) -> None:
     socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
 
 
-def recv_register(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
-    """Read one length-prefixed header and at most one fd; ProtocolError when malformed."""
+def recv_register(sock: socket.socket) -> Tuple[bytes, Optional[int]]:
+    """Read one length-prefixed header (undecoded: tiers/wire/messages.py decode_attach) and at most
+    one fd; ProtocolError when truncated."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
     if not data or len(data) < 4 or _LEN.unpack_from(data)[0] != len(data) - 4:
         for fd in fds:
@@ -439,7 +405,7 @@ def recv_register(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
         raise ProtocolError("bad_request", "register message is truncated")
     for fd in fds[1:]:
         os.close(fd)
-    return unpack(data[4:]), (fds[0] if fds else None)
+    return data[4:], (fds[0] if fds else None)
 
 
 def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] = None) -> None:
@@ -453,13 +419,13 @@ def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] =
 
 def recv_framed_fd(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
     """A header sent by send_framed, and the fd attached to it (None when there is none)."""
-    return recv_register(sock)
+    raw, fd = recv_register(sock)
+    return unpack(raw), fd
 
 
-def lease_field(header: Dict[str, Any]) -> float:
+def check_lease_expiry(expiry: float) -> float:
     """A get's lease expiry (CLOCK_MONOTONIC): finite, in the future, at most MAX_LEASE_SECONDS away."""
-    expiry = header.get("lease")
-    if not isinstance(expiry, (int, float)) or isinstance(expiry, bool) or not math.isfinite(expiry):
+    if not math.isfinite(expiry):
         raise ProtocolError("bad_request", "lease must be a finite number (CLOCK_MONOTONIC seconds)")
     now = time.monotonic()
     if expiry <= now:

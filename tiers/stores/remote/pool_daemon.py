@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.ops.config import NodeConfig, TierConfig
 from tiers.node.daemon import TierDaemon
@@ -32,74 +33,61 @@ class PoolDaemon(TierDaemon):
         super().__init__(name, store, endpoint, fd_socket=None, max_page_bytes=max_page_bytes, io_threads=1,
                          staging_bytes=1 << 20, curve=curve)  # no engine attaches to a pool: no staging needed
         self.pool: PoolStore = store
+        self.handlers.update({M.Alloc: self.handle_alloc, M.Commit: self.handle_commit, M.Locate: self.handle_locate,
+                              M.Release: self.handle_release})
         self.engine = engine
         engine.register(store.base, store.capacity)
         log.info("pool %s: %d bytes registered with the transfer engine as segment %s", name, store.capacity,
                  engine.segment)
 
-    def _ttl(self, header: dict) -> float:
-        ttl = header.get("ttl", self.pool.max_lease)
-        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
+    def _ttl(self, ttl: Optional[float]) -> float:
+        if ttl is None:
+            return self.pool.max_lease
+        if not ttl > 0:  # NaN too
             raise P.ProtocolError("bad_request", "ttl must be a positive number of seconds")
         return float(ttl)
 
-    @staticmethod
-    def _parents(header: dict, n: int) -> List[Optional[str]]:
-        parents = header.get("parents")
-        if not isinstance(parents, list) or len(parents) != n:
-            return [None] * n
-        return [p if isinstance(p, str) else None for p in parents]
-
-    def _lease_field(self, header: dict) -> int:
-        lease = header.get("lease")
-        if not isinstance(lease, int) or isinstance(lease, bool):
-            raise P.ProtocolError("bad_request", "lease must be an integer")
-        return lease
-
-    def handle_alloc(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
+    def handle_alloc(self, msg: M.Alloc, frames) -> list:
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.keys)
         # Sizes over max_page_bytes are refused page by page (refusal), not the whole batch.
-        sizes = P.decode_sizes(header.get("sizes"), len(keys), MAX_SANE_PAGE)
-        sums = P.decode_sums(header.get("sums"), len(keys))
-        lease, grants, refusal = self.pool.allocate(header["s"], [(ns, k) for k in keys], sizes,
-                                                    self._parents(header, len(keys)), self._ttl(header), sums)
+        sizes = P.decode_sizes(msg.sizes, len(keys), MAX_SANE_PAGE)
+        sums = P.decode_sums(msg.sums, len(keys))
+        parents = msg.parents if msg.parents is not None and len(msg.parents) == len(keys) else [None] * len(keys)
+        lease, grants, refusal = self.pool.allocate(msg.s, [(ns, k) for k in keys], sizes, parents,
+                                                    self._ttl(msg.ttl), sums)
         desc, counts = P.encode_descriptors([g for g in grants if g is not None])
         fields = dict(lease=lease, seg=self.engine.segment, granted=P.flags([g is not None for g in grants]),
                       desc=desc, regions_per_page=counts)
         if refusal:
             fields["refusal"] = list(refusal)
-        return [P.reply_ok(header["id"], **fields)]
+        return [P.reply_ok(msg.id, **fields)]
 
-    def handle_commit(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
-        done = self.pool.commit(header["s"], self._lease_field(header), [(ns, k) for k in keys])
+    def handle_commit(self, msg: M.Commit, frames) -> list:
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.keys)
+        done = self.pool.commit(msg.s, msg.lease, [(ns, k) for k in keys])
         self.metrics.pages("put", sum(done), 0)
-        return [P.reply_ok(header["id"], committed=P.flags(done))]
+        return [P.reply_ok(msg.id, committed=P.flags(done))]
 
-    def handle_locate(self, header: dict, frames) -> list:
-        ns = self._namespace(header)
-        keys = P.keys_field(header)
-        done = header.get("done", [])
-        if not isinstance(done, list) or len(done) > P.MAX_DONE_LEASES:
-            raise P.ProtocolError("bad_request", f"done must be a list of at most {P.MAX_DONE_LEASES} leases")
-        for lease in done:
-            if isinstance(lease, int) and not isinstance(lease, bool):
-                self.pool.release(header["s"], lease)
-        lease, found = self.pool.locate(header["s"], [(ns, k) for k in keys], self._ttl(header))
+    def handle_locate(self, msg: M.Locate, frames) -> list:
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.keys)
+        for lease in msg.done or ():  # at most MAX_DONE_LEASES: the schema's bound
+            self.pool.release(msg.s, lease)
+        lease, found = self.pool.locate(msg.s, [(ns, k) for k in keys], self._ttl(msg.ttl))
         held = [f for f in found if f is not None]
         desc, counts = P.encode_descriptors([extents for _size, extents, _sum in held])
         self.metrics.pages("get", len(held), sum(size for size, _e, _sum in held))
-        return [P.reply_ok(header["id"], lease=lease, seg=self.engine.segment,
+        return [P.reply_ok(msg.id, lease=lease, seg=self.engine.segment,
                            found=P.flags([f is not None for f in found]),
                            sizes=P.encode_sizes([size for size, _e, _sum in held]),
                            sums=P.encode_sums([checksum for _size, _e, checksum in held]), desc=desc,
                            regions_per_page=counts)]
 
-    def handle_release(self, header: dict, frames) -> list:
-        self._namespace(header)
-        return [P.reply_ok(header["id"], released=self.pool.release(header["s"], self._lease_field(header)))]
+    def handle_release(self, msg: M.Release, frames) -> list:
+        self._namespace(msg)
+        return [P.reply_ok(msg.id, released=self.pool.release(msg.s, msg.lease))]
 
 
 def endpoint_host(endpoint: str) -> str:

@@ -1,0 +1,199 @@
+"""The typed message schema: one msgspec Struct a request operation, one a reply.
+
+tiers/wire/protocol.py says what each field means and how the batch fields
+(descriptors, sums, sizes, digests) are laid out; this module says which
+fields each message has and of which type, and decodes a message straight
+into its Struct.  A message is still a msgpack map on the wire (a Struct
+encodes as a map of its field names), so the format is the one the protocol
+module documents; what changed is that nothing reads a raw dict: a field of
+the wrong type, a missing field, a header that is not a map, all end in one
+``ProtocolError`` with msgspec's account of where (``Expected `str`, got
+`int` - at `$.keys[0]```).  Unknown fields are ignored, so a newer engine may
+add optional fields without breaking an older daemon.
+
+Decoding into Structs is also faster than msgpack into dicts and checking
+each field in Python (a 128-key lookup header: ~4.6 us against ~5 us for
+msgpack alone, before any check).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any, Dict, List, Optional, Type, Union
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+from tiers.wire.protocol import (MAX_BATCH, MAX_DONE_LEASES, MAX_HEADER_BYTES, OPS, PROTOCOL_VERSION,
+                                 ProtocolError)
+
+# A list longer than this is malformed whatever the daemon's own batch bound (which is checked after
+# decoding, for a too_large reply): it bounds what a hostile header can make the daemon build.
+MAX_LIST = MAX_BATCH * 4
+Keys = Annotated[List[str], Meta(max_length=MAX_LIST)]
+Leases = Annotated[List[int], Meta(max_length=MAX_LIST)]
+
+
+class Request(Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    """The fields every request has: version, request id (echoed), absolute deadline (Unix s), session."""
+    v: Any = None  # checked by value (an old engine's version gets bad_version, not a type error)
+    id: int = 0
+    dl: Optional[float] = None
+    s: Optional[int] = None
+
+
+class Hello(Request, tag="hello"):
+    ns: str
+    client: str = ""
+
+
+class Lookup(Request, tag="lookup"):
+    keys: Optional[Keys] = None
+    digests: Optional[bytes] = None  # 16 bytes a key (protocol.pack_key_digests), instead of keys
+    done: Optional[Leases] = None
+
+
+class Get(Request, tag="get"):
+    keys: Keys
+    region: Optional[int] = None  # refused: a daemon never writes into a host pool
+    lease: Optional[float] = None  # the engine's give-up time on CLOCK_MONOTONIC; absent: pages as frames
+    sizes: Optional[bytes] = None
+    done: Optional[Leases] = None
+
+
+class Put(Request, tag="put"):
+    keys: Keys
+    region: Optional[int] = None
+    desc: Optional[bytes] = None
+    regions_per_page: Optional[bytes] = None
+    frames_per_page: Optional[Annotated[List[int], Meta(max_length=MAX_LIST)]] = None
+    parents: Optional[Annotated[List[Optional[str]], Meta(max_length=MAX_LIST)]] = None
+    sums: Optional[bytes] = None
+    hash_pages: bool = False
+    promote: bool = False
+    mode: str = "through"
+    min_reads: int = 2
+    done: Optional[Leases] = None
+
+
+class Release(Request, tag="release"):
+    lease: int
+
+
+class Delete(Request, tag="delete"):
+    keys: Keys
+
+
+class Stats(Request, tag="stats"):
+    pass
+
+
+class Clear(Request, tag="clear"):
+    everything: bool = field(name="all", default=False)
+    ns: Optional[str] = None
+
+
+class Evict(Request, tag="evict"):
+    nbytes: int = field(name="bytes")
+    everything: bool = field(name="all", default=False)
+    ns: Optional[str] = None
+
+
+class Alloc(Request, tag="alloc"):
+    keys: Keys
+    sizes: bytes
+    parents: Optional[Annotated[List[Optional[str]], Meta(max_length=MAX_LIST)]] = None
+    ttl: Optional[float] = None
+    sums: Optional[bytes] = None
+
+
+class Commit(Request, tag="commit"):
+    lease: int
+    keys: Keys
+
+
+class Locate(Request, tag="locate"):
+    keys: Keys
+    ttl: Optional[float] = None
+    done: Optional[Annotated[List[int], Meta(max_length=MAX_DONE_LEASES)]] = None
+
+
+REQUESTS: Dict[str, Type[Request]] = {cls.__struct_config__.tag: cls for cls in (
+    Hello, Lookup, Get, Put, Release, Delete, Stats, Clear, Evict, Alloc, Commit, Locate)}
+assert set(REQUESTS) == set(OPS), "every operation has its Struct"
+
+_requests = msgspec.msgpack.Decoder(Union[tuple(REQUESTS.values())])
+
+
+class _Envelope(Struct):
+    """What a request that failed to decode is read as, to answer it with the right code and id."""
+    v: Any = None
+    id: Any = 0
+    op: Any = None
+
+
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+
+
+def decode_request(raw: bytes) -> Request:
+    """A request header as its Struct, its version, deadline and types checked; ProtocolError otherwise,
+    carrying the request's id when one could be read (the refusal goes to the right call)."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError("too_large", f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        msg = _requests.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _refusal(raw, str(exc)) from None
+    except Exception as exc:  # DecodeError, and UnicodeDecodeError for a str that is not UTF-8
+        raise ProtocolError("bad_request", f"header is not valid msgpack: {exc}") from None
+    _check_version(msg.v, msg.id)
+    if msg.dl is not None:
+        if not math.isfinite(msg.dl):
+            raise ProtocolError("bad_request", "dl must be a finite number", msg.id)
+        if time.time() > msg.dl:
+            raise ProtocolError("deadline", "deadline passed before the request was served", msg.id)
+    return msg
+
+
+def _check_version(version: Any, req_id: int) -> None:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # 2.0 and True are not 2
+        raise ProtocolError("bad_version", f"protocol version {version!r} is not supported; "
+                                           f"this daemon speaks {PROTOCOL_VERSION}", req_id)
+
+
+def _refusal(raw: bytes, why: str) -> ProtocolError:
+    """The error for a header that did not fit its Struct: a wrong version or operation first."""
+    try:
+        envelope = _envelope.decode(raw)
+    except Exception:  # not a map, or a field the envelope reads is not UTF-8
+        return ProtocolError("bad_request", "header must be a msgpack map")
+    req_id = envelope.id if type(envelope.id) is int else 0
+    _check_version(envelope.v, req_id)
+    if not isinstance(envelope.op, str) or envelope.op not in REQUESTS:  # any msgpack value, a map too
+        return ProtocolError("unknown_op", f"unknown operation {envelope.op!r}; known: {', '.join(OPS)}", req_id)
+    return ProtocolError("bad_request", why, req_id)
+
+
+def encode(msg: Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+# ------------------------------------------------------- attaching a host pool
+
+class Attach(Struct):
+    """The one header a client sends on the fd socket: version, live session, size of its memfd."""
+    v: Any = None
+    s: Optional[int] = None
+    size: Optional[int] = None
+
+
+_attach = msgspec.msgpack.Decoder(Attach)
+
+
+def decode_attach(raw: bytes) -> Attach:
+    try:
+        return _attach.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("bad_request", f"attach header: {exc}") from None
+    except Exception as exc:  # DecodeError, UnicodeDecodeError
+        raise ProtocolError("bad_request", f"attach header is not valid msgpack: {exc}") from None
