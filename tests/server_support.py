@@ -144,8 +144,8 @@ class Node:
             reply = client.call("evict", 5.0, bytes=1 << 40, ns=ns)
         finally:
             client.close()
-        assert reply is not None and reply.header["ok"], reply and reply.header
-        return reply.header["evicted_pages"]
+        assert reply is not None and reply.header.ok, reply and reply.header
+        return reply.header.evicted_pages
 
 
 # The backend's deadlines for these tests (defaults: 1 s a call, 0.5 s a lookup). The module's two cores are

@@ -27,7 +27,8 @@ def _attach(fd_socket: str, session, fd=None, size=0):
         P.send_framed(conn, header)
     else:
         P.send_register(conn, fd, header)
-    reply, arena_fd = P.recv_framed_fd(conn)
+    raw, arena_fd = P.recv_register(conn)
+    reply = P.unpack(raw)
     if arena_fd is not None:
         os.close(arena_fd)
     return conn, reply
@@ -208,7 +209,7 @@ def test_two_models_sharing_a_tier_both_keep_their_fair_share(tmp_path, kind):
         admin = TierClient(kind, endpoint, "_admin", "test")
         try:
             reply = admin.call("evict", 2.0, bytes=4 * page, ns="model-a.tp0-1")
-            assert reply.header["ok"] and reply.header["evicted_pages"] == 4, reply.header
+            assert reply.header.ok and reply.header.evicted_pages == 4, reply.header
         finally:
             admin.close()
         assert sum(a.lookup([f"a{i}" for i in range(96)])) == 12 and sum(b.lookup(b_keys + b_more)) == 16

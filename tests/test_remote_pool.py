@@ -108,17 +108,23 @@ def test_overwrite_replaces_at_commit(store):
 
 
 def test_a_node_treats_malformed_pool_replies_as_misses():
+    from tiers.wire import messages as M
     from tiers.wire import protocol as P
+    from tiers.wire.client import Reply
     from tiers.stores.remote.pool_client import PoolClient
     client = PoolClient("tcp://127.0.0.1:9", "ns", timeout=0.1, retry_max=0.1)  # never called: replies are fed in
     desc, counts = P.encode_descriptors([[(4096, 100)], [(8192, 50), (16384, 50)]])
-    good = {"lease": 7, "seg": "127.0.0.1:15001", "found": b"\x01\x00\x01", "sizes": P.encode_sizes([100, 100]),
-            "desc": desc, "regions_per_page": counts}
-    grant = client._grant(good, "found", 3, None)
-    assert grant.extents == [[(4096, 100)], None, [(8192, 50), (16384, 50)]] and grant.sizes == [100, 0, 100]
+    good = {"v": P.PROTOCOL_VERSION, "id": 1, "ok": True, "lease": 7, "seg": "127.0.0.1:15001",
+            "found": b"\x01\x00\x01", "sizes": P.encode_sizes([100, 100]), "desc": desc, "regions_per_page": counts}
+
+    def grant(fields: dict):
+        """The reply as the client decodes it (tiers/wire/messages.py), then its grant."""
+        return client._grant(client._ok(Reply(M.decode_reply("locate", P.pack(fields)), []), "locate"), 3, None)
+    got = grant(good)
+    assert got.extents == [[(4096, 100)], None, [(8192, 50), (16384, 50)]] and got.sizes == [100, 0, 100]
     for bad in ({"sizes": P.encode_sizes([100, -1])}, {"sizes": P.encode_sizes([100, 99])},  # lengths disagree
                 {"sizes": b"\x00"}, {"found": b"\x01"}, {"lease": "7"}, {"desc": desc[:-8]}, {"seg": None}):
-        assert client._grant({**good, **bad}, "found", 3, None) is None, bad
+        assert grant({**good, **bad}) is None, bad
     client.close()
 
 

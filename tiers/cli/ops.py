@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from tiers.cli.serve import add_config_args, config_from_args, config_path
 from tiers.wire.client import Deadlines, TierClient
+from tiers.wire import messages as M
 from tiers.ops.config import NODE_KEYS, ConfigError, NodeConfig, TierConfig, load_config, parse_size
 from tiers.node.daemon import ADMIN_NAMESPACE
 from tiers.ops.logs import setup_logging
@@ -147,8 +148,8 @@ def query_stats(tiers: List[TierConfig], timeout: float) -> Dict[str, Optional[d
     return out
 
 
-def admin_call(args, op: str, **fields) -> Tuple[int, dict]:
-    """One admin operation on --tier: (exit code, reply header)."""
+def admin_call(args, op: str, **fields) -> Tuple[int, Optional[M.Reply]]:
+    """One admin operation on --tier: (exit code, the operation's reply Struct, None on failure)."""
     tier = selected_tiers(args)[0]
     client = admin_client(tier, args.timeout)
     try:
@@ -156,10 +157,9 @@ def admin_call(args, op: str, **fields) -> Tuple[int, dict]:
     finally:
         client.close()
     if reply is None:
-        return fail(f"tier {tier.name} at {tier.endpoint} did not answer within {args.timeout:g}s", EXIT_FAILED), {}
-    if not reply.header.get("ok"):
-        return fail(f"tier {tier.name} refused {op}: {reply.header.get('code')}: {reply.header.get('msg')}",
-                    EXIT_FAILED), {}
+        return fail(f"tier {tier.name} at {tier.endpoint} did not answer within {args.timeout:g}s", EXIT_FAILED), None
+    if not reply.header.ok:
+        return fail(f"tier {tier.name} refused {op}: {reply.header.code}: {reply.header.msg}", EXIT_FAILED), None
     return EXIT_OK, reply.header
 
 
@@ -217,8 +217,8 @@ def cmd_evict(args) -> int:
     code, reply = admin_call(args, "evict", **fields)
     if code != EXIT_OK:
         return code
-    print(f"tier {args.tier}: evicted {reply.get('evicted_pages', 0)} pages, {reply.get('evicted_bytes', 0)} bytes "
-          f"({human(reply.get('evicted_bytes', 0))})" + (f" of namespace {args.namespace}" if args.namespace else ""))
+    print(f"tier {args.tier}: evicted {reply.evicted_pages} pages, {reply.evicted_bytes} bytes "
+          f"({human(reply.evicted_bytes)})" + (f" of namespace {args.namespace}" if args.namespace else ""))
     return EXIT_OK
 
 
@@ -227,7 +227,7 @@ def cmd_clear(args) -> int:
     code, reply = admin_call(args, "clear", **({"all": True} if args.all else {"ns": args.namespace}))
     if code != EXIT_OK:
         return code
-    print(f"tier {args.tier}: cleared {reply.get('cleared', 0)} pages"
+    print(f"tier {args.tier}: cleared {reply.cleared or 0} pages"
           + ("" if args.all else f" of namespace {args.namespace}"))
     return EXIT_OK
 

@@ -15,6 +15,7 @@ from typing import Dict, Optional, Sequence
 
 import zmq
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.ops.config import NodeConfig, parse_config
@@ -168,8 +169,7 @@ def ping(endpoint: str, timeout: float = 0.5, curve: Optional[security.CurveSett
         sock.send_multipart([P.request("hello", 1, ns="_ping", client="ping")])
         if not sock.poll(int(timeout * 1000)):
             return False
-        reply = P.unpack(sock.recv_multipart()[0])
-        return bool(reply.get("ok"))
+        return M.decode_reply("hello", sock.recv_multipart()[0]).ok
     except (zmq.ZMQError, P.ProtocolError):
         return False
     finally:

@@ -14,6 +14,7 @@ import socket
 from typing import Optional
 
 from tiers.ops.logs import RateLimitedLog
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.arena_map import ArenaMap
 
@@ -61,8 +62,9 @@ class Attachment:
                 P.send_register(conn, self._fd, header)
             else:
                 P.send_framed(conn, header)
-            reply, arena_fd = P.recv_framed_fd(conn)
-            if reply.get("ok") and arena_fd is not None and self.map_arena:
+            raw, arena_fd = P.recv_register(conn)
+            reply = M.decode_attach_reply(raw)
+            if reply.ok and arena_fd is not None and self.map_arena:
                 self._map_arena(arena_fd, reply)
         except (OSError, ValueError, P.ProtocolError) as exc:
             conn.close()
@@ -72,16 +74,16 @@ class Attachment:
         finally:
             if arena_fd is not None:
                 os.close(arena_fd)
-        if not reply.get("ok"):
+        if not reply.ok:
             conn.close()
-            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.get("msg"))
+            self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.msg)
             return
         self._conn = conn
-        self.region_id = reply.get("region") or None
+        self.region_id = reply.region or None
 
-    def _map_arena(self, fd: int, reply: dict) -> None:
-        arena_id, size = reply.get("arena"), reply.get("arena_size")
-        if type(arena_id) is not int or type(size) is not int or size <= 0:
+    def _map_arena(self, fd: int, reply: M.AttachReply) -> None:
+        arena_id, size = reply.arena, reply.arena_size
+        if arena_id is None or size is None or size <= 0:
             return
         if self.arena is not None and self.arena.arena_id == arena_id:
             return  # the same daemon: the mapping we have is the right one

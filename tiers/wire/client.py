@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import zmq
 
 from tiers.wire import held_wait
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
@@ -61,7 +62,7 @@ class Deadlines:
 
 @dataclass
 class Reply:
-    header: dict
+    header: M.Reply  # the operation's reply Struct (tiers/wire/messages.py)
     frames: List[zmq.Frame]
 
 
@@ -208,7 +209,8 @@ class TierClient:
         self._refused = False
         return sock, req_id, time.monotonic() + timeout
 
-    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held: held_wait.HeldWait) -> Optional[Reply]:
+    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held: held_wait.HeldWait,
+                   op: str = "lookup") -> Optional[Reply]:
         """The reply to req_id if it comes within the reply spin (or give_up), waited for holding the GIL."""
         until = min(give_up, time.monotonic() + self.deadlines.reply_spin)
         while True:
@@ -216,17 +218,17 @@ class TierClient:
             if parts is None:
                 return None
             try:
-                reply = P.unpack(parts[0])
+                reply = M.decode_reply(op, parts[0])
             except P.ProtocolError:
                 continue
-            if reply.get("id") == req_id:
+            if reply.id == req_id:
                 return Reply(reply, [zmq.Frame(part) for part in parts[1:]])
 
     def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str,
                  held: Optional[held_wait.HeldWait] = None) -> Optional[Reply]:
         """The reply to req_id, or None after give_up (the socket is then reset)."""
         if held is not None:
-            reply = self.held_reply(sock, req_id, give_up, held)
+            reply = self.held_reply(sock, req_id, give_up, held, op)
             if reply is not None:
                 return reply
         while True:
@@ -238,10 +240,10 @@ class TierClient:
                 return None
             parts = sock.recv_multipart(copy=False)
             try:
-                reply = P.unpack(parts[0].buffer)
+                reply = M.decode_reply(op, parts[0].buffer)
             except P.ProtocolError:
                 continue
-            if reply.get("id") == req_id:
+            if reply.id == req_id:
                 return Reply(reply, parts[1:])
             # A reply to an earlier call that timed out: ignore it.
 
@@ -255,14 +257,15 @@ class TierClient:
     def _hello_locked(self) -> bool:
         reply = self._roundtrip("hello", self.deadlines.lookup,
                                 {"ns": self.namespace, "client": self.client_name})
-        if reply is None or not reply.header.get("ok"):
+        if reply is None or not reply.header.ok:
             if reply is not None:
-                self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.get("msg"))
+                self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.msg)
             return False
-        self._session = reply.header["session"]
-        self.max_page_bytes = reply.header.get("max_page_bytes", self.max_page_bytes)
-        self.fd_socket = reply.header.get("fd_socket", "")
-        self.answers_digests = reply.header.get("digests") is True
+        hello: M.HelloReply = reply.header
+        self._session = hello.session
+        self.max_page_bytes = hello.max_page_bytes or self.max_page_bytes
+        self.fd_socket = hello.fd_socket
+        self.answers_digests = hello.digests
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
         if self._attachment.wanted:
@@ -297,7 +300,7 @@ class TierClient:
             reply = self._roundtrip(op, timeout, fields, frames, session=session)
             if reply is None:
                 return None
-            if reply.header.get("ok") or reply.header.get("code") != "no_session":
+            if reply.header.ok or reply.header.code != "no_session":
                 return reply
             with self._lock:
                 if self._session == session:
@@ -337,13 +340,13 @@ class TierClient:
                           held=self._held_wait("lookup", fields))
 
     def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
-        """The reply to req_id if it is the next message waiting (None: a stale one was skipped)."""
+        """The reply to the lookup req_id if it is the next message waiting (None: a stale one was skipped)."""
         parts = sock.recv_multipart(copy=False)
         try:
-            reply = P.unpack(parts[0].buffer)
+            reply = M.decode_reply("lookup", parts[0].buffer)
         except P.ProtocolError:
             return None
-        return Reply(reply, parts[1:]) if reply.get("id") == req_id else None
+        return Reply(reply, parts[1:]) if reply.id == req_id else None
 
     def give_up(self, sock: zmq.Socket, op: str) -> None:
         """A call on this thread's socket got no reply in time."""
@@ -358,7 +361,7 @@ class TierClient:
         return None if held is None else self.held_reply(*sent, held)
 
     def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
-        if reply.header.get("code") == "no_session":
+        if reply.header.code == "no_session":
             with self._lock:
                 self._session = None
             return self.lookup(keys)  # the daemon restarted: one ordinary retry
@@ -374,7 +377,7 @@ class TierClient:
         if parents:
             fields["parents"] = parents
         self._add_done(fields)
-        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), "stored", len(keys))
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), len(keys))
 
     def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
@@ -389,8 +392,7 @@ class TierClient:
         if parents:
             fields["parents"] = parents
         self._add_done(fields)
-        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields),
-                           "stored", len(keys))
+        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields), len(keys))
 
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
@@ -421,15 +423,15 @@ class TierClient:
         fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
         self._add_done(fields)
         reply = self.call("get", timeout, **fields)
-        found = self._flags(reply, "found", n)
+        found = self._flags(reply, n)
         if not any(found):
             return found
-        lease = reply.header.get("lease")
+        got: M.GetReply = reply.header
+        lease = got.lease
         try:
-            if reply.header.get("arena") != arena.arena_id:
+            if got.arena != arena.arena_id:
                 raise P.ProtocolError("bad_request", "the daemon's arena changed (restart)")
-            extents = PageRuns(*P.decode_descriptor_arrays(reply.header.get("desc"),
-                                                           reply.header.get("regions_per_page"), sum(found), arena.size))
+            extents = PageRuns(*P.decode_descriptor_arrays(got.desc, got.regions_per_page, sum(found), arena.size))
         except P.ProtocolError as exc:
             self._warn.warning(f"lease:{self.name}", "tier %s: unusable read lease: %s", self.name, exc.msg)
             with self._lock:
@@ -437,7 +439,7 @@ class TierClient:
                     self._session = None  # attach again on the next call
             return [False] * n
         try:
-            found_sums = P.decode_sums(reply.header.get("sums"), sum(found))
+            found_sums = P.decode_sums(got.sums, sum(found))
             if sums is not None:
                 sums[:] = _spread(found, found_sums)
             out = arena.copy_out(extents, dst, found, expiry, copied)
@@ -447,7 +449,7 @@ class TierClient:
         except (MemoryFault, ValueError) as exc:
             self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
             out = [False] * n
-        if isinstance(lease, int) and lease:
+        if lease:
             with self._lock:
                 self._done_leases.append(lease)
         return out
@@ -468,10 +470,10 @@ class TierClient:
         if sums is not None:
             sums[:] = [0] * len(keys)
         reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys)
-        found = self._flags(reply, "found", len(keys))
+        found = self._flags(reply, len(keys))
         frames = reply.frames if reply is not None else []
         try:
-            found_sums = P.decode_sums(reply.header.get("sums") if reply is not None else None, sum(found))
+            found_sums = P.decode_sums(reply.header.sums if reply is not None else None, sum(found))
         except P.ProtocolError as exc:  # a reply we cannot verify is no hit
             self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
             frames = []
@@ -483,29 +485,30 @@ class TierClient:
 
     def delete(self, keys: List[str]) -> int:
         reply = self.call("delete", self.deadlines.base, keys=keys)
-        return int(reply.header.get("deleted", 0)) if reply is not None and reply.header.get("ok") else 0
+        return reply.header.deleted if reply is not None and reply.header.ok else 0
 
     def clear(self, everything: bool = False) -> Optional[int]:
         reply = self.call("clear", self.deadlines.base, all=everything)
-        return reply.header.get("cleared") if reply is not None and reply.header.get("ok") else None
+        return reply.header.cleared if reply is not None and reply.header.ok else None
 
     def stats(self) -> Optional[dict]:
         reply = self.call("stats", self.deadlines.base)
-        return reply.header.get("stats") if reply is not None and reply.header.get("ok") else None
+        return reply.header.stats if reply is not None and reply.header.ok else None
 
-    def _flags(self, reply: Optional[Reply], name: str, n: int) -> List[bool]:
+    def _flags(self, reply: Optional[Reply], n: int) -> List[bool]:
         if reply is None:
             return [False] * n
-        if not reply.header.get("ok"):
-            self._warn.warning(f"err:{self.name}:{reply.header.get('code')}", "tier %s refused a request: %s %s",
-                               self.name, reply.header.get("code"), reply.header.get("msg"))
+        header = reply.header
+        if not header.ok:
+            self._warn.warning(f"err:{self.name}:{header.code}", "tier %s refused a request: %s %s",
+                               self.name, header.code, header.msg)
             return [False] * n
-        raw = reply.header.get(name)
-        if not isinstance(raw, bytes) or len(raw) != n:
+        raw = header.flags()
+        if len(raw) != n:
             return [False] * n
-        if "refusal" in reply.header:
+        if isinstance(header, M.PutReply) and header.refusal:
             self._warn.warning(f"refusal:{self.name}", "tier %s stored part of a batch: %s", self.name,
-                               reply.header["refusal"])
+                               header.refusal)
         return [b != 0 for b in raw]
 
     def close(self) -> None:
@@ -525,7 +528,7 @@ def _spread(found: List[bool], found_sums: List[int]) -> List[int]:
 
 def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
     """The held flags of a lookup reply, or None when it failed or is malformed."""
-    if reply is None or not reply.header.get("ok"):
+    if reply is None or not reply.header.ok:
         return None
-    held = reply.header.get("held")
-    return held if isinstance(held, bytes) and len(held) == n else None
+    held = reply.header.held
+    return held if len(held) == n else None

@@ -178,6 +178,135 @@ def encode(msg: Struct) -> bytes:
     return msgspec.msgpack.encode(msg)
 
 
+# ------------------------------------------------------------------ replies
+# Every reply field has a default: an error reply (ok false, code, msg) decodes into its operation's
+# Struct too.  A reply that does not fit (a buggy or hostile daemon) is a failed call, never a crash.
+
+class Reply(Struct, kw_only=True):
+    v: Any = None
+    id: Any = 0
+    ok: bool = False
+    code: str = ""
+    msg: str = ""
+
+    def flags(self) -> bytes:
+        """The reply's one byte a key (stored, found, granted, committed); empty for other replies."""
+        return b""
+
+
+class HelloReply(Reply):
+    session: int = 0
+    tier: str = ""
+    max_page_bytes: int = 0
+    max_batch: int = 0
+    fd_socket: str = ""
+    digests: bool = False
+
+
+class LookupReply(Reply):
+    held: bytes = b""
+    prefix: int = 0
+
+
+class GetReply(Reply):
+    found: bytes = b""
+    sums: Optional[bytes] = None
+    lease: Optional[int] = None  # with a lease: the arena's extents of the found pages
+    arena: Optional[int] = None
+    desc: Optional[bytes] = None
+    regions_per_page: Optional[bytes] = None
+
+    def flags(self) -> bytes:
+        return self.found
+
+
+class PutReply(Reply):
+    stored: bytes = b""
+    refusal: Optional[List[str]] = None  # the first page refused: (code, message)
+
+    def flags(self) -> bytes:
+        return self.stored
+
+
+class ReleaseReply(Reply):
+    released: Union[bool, int] = False
+
+
+class DeleteReply(Reply):
+    deleted: int = 0
+
+
+class StatsReply(Reply):
+    tier: str = ""
+    stats: Optional[Dict[str, Any]] = None
+
+
+class ClearReply(Reply):
+    cleared: Optional[int] = None
+
+
+class EvictReply(Reply):
+    evicted_pages: int = 0
+    evicted_bytes: int = 0
+
+
+class AllocReply(Reply):
+    lease: int = 0
+    seg: str = ""
+    granted: bytes = b""
+    desc: Optional[bytes] = None
+    regions_per_page: Optional[bytes] = None
+    refusal: Optional[List[str]] = None
+
+    def flags(self) -> bytes:
+        return self.granted
+
+
+class CommitReply(Reply):
+    committed: bytes = b""
+
+    def flags(self) -> bytes:
+        return self.committed
+
+
+class LocateReply(Reply):
+    lease: int = 0
+    seg: str = ""
+    found: bytes = b""
+    sizes: Optional[bytes] = None
+    sums: Optional[bytes] = None
+    desc: Optional[bytes] = None
+    regions_per_page: Optional[bytes] = None
+
+    def flags(self) -> bytes:
+        return self.found
+
+
+REPLIES: Dict[str, Type[Reply]] = {
+    "hello": HelloReply, "lookup": LookupReply, "get": GetReply, "put": PutReply, "release": ReleaseReply,
+    "delete": DeleteReply, "stats": StatsReply, "clear": ClearReply, "evict": EvictReply, "alloc": AllocReply,
+    "commit": CommitReply, "locate": LocateReply}
+assert set(REPLIES) == set(OPS), "every operation has its reply Struct"
+_replies = {op: msgspec.msgpack.Decoder(cls) for op, cls in REPLIES.items()}
+_any_reply = msgspec.msgpack.Decoder(Reply)
+
+
+def decode_reply(op: str, raw) -> Reply:
+    """A reply to op as its Struct.  A reply that is not a map at all raises ProtocolError; one whose
+    fields do not fit comes back as a failure (ok false, code internal) with the id it carried, so the
+    call it answers ends at once instead of waiting out its deadline."""
+    try:
+        return _replies[op].decode(raw)
+    except msgspec.ValidationError as exc:
+        try:
+            envelope = _any_reply.decode(raw)  # the common fields alone: the id, to match the call
+        except Exception:
+            raise ProtocolError("bad_request", f"reply does not fit: {exc}") from None
+        return REPLIES[op](v=envelope.v, id=envelope.id, ok=False, code="internal", msg=f"reply does not fit: {exc}")
+    except Exception as exc:  # DecodeError, UnicodeDecodeError
+        raise ProtocolError("bad_request", f"reply is not valid msgpack: {exc}") from None
+
+
 # ------------------------------------------------------- attaching a host pool
 
 class Attach(Struct):
@@ -187,7 +316,19 @@ class Attach(Struct):
     size: Optional[int] = None
 
 
+class AttachReply(Struct, kw_only=True):
+    """The daemon's answer on the fd socket (its arena's descriptor attached when ok)."""
+    v: Any = None
+    ok: bool = False
+    code: str = ""
+    msg: str = ""
+    region: int = 0  # 0: the arena only (no memfd was sent, or the store refused it)
+    arena: Optional[int] = None
+    arena_size: Optional[int] = None
+
+
 _attach = msgspec.msgpack.Decoder(Attach)
+_attach_reply = msgspec.msgpack.Decoder(AttachReply)
 
 
 def decode_attach(raw: bytes) -> Attach:
@@ -197,3 +338,11 @@ def decode_attach(raw: bytes) -> Attach:
         raise ProtocolError("bad_request", f"attach header: {exc}") from None
     except Exception as exc:  # DecodeError, UnicodeDecodeError
         raise ProtocolError("bad_request", f"attach header is not valid msgpack: {exc}") from None
+
+
+def decode_attach_reply(raw: bytes) -> AttachReply:
+    """The daemon's attach reply; a reply that does not fit is a refusal."""
+    try:
+        return _attach_reply.decode(raw)
+    except Exception as exc:
+        return AttachReply(ok=False, code="internal", msg=f"attach reply does not fit: {exc}")

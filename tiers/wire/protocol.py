@@ -417,12 +417,6 @@ def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] =
         socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
 
 
-def recv_framed_fd(sock: socket.socket) -> Tuple[Dict[str, Any], Optional[int]]:
-    """A header sent by send_framed, and the fd attached to it (None when there is none)."""
-    raw, fd = recv_register(sock)
-    return unpack(raw), fd
-
-
 def check_lease_expiry(expiry: float) -> float:
     """A get's lease expiry (CLOCK_MONOTONIC): finite, in the future, at most MAX_LEASE_SECONDS away."""
     if not math.isfinite(expiry):
@@ -433,21 +427,3 @@ def check_lease_expiry(expiry: float) -> float:
     if expiry > now + MAX_LEASE_SECONDS:
         raise ProtocolError("bad_request", f"a lease may last at most {MAX_LEASE_SECONDS:.0f} s")
     return float(expiry)
-
-
-def recv_framed(sock: socket.socket) -> Dict[str, Any]:
-    head = _recv_exact(sock, 4)
-    (length,) = _LEN.unpack(head)
-    if length > 65536:
-        raise ProtocolError("too_large", "framed message too large")
-    return unpack(_recv_exact(sock, length))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("peer closed")
-        buf += chunk
-    return bytes(buf)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
+from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.logs import RateLimitedLog
@@ -54,36 +55,38 @@ class PoolClient:
     def is_down(self) -> bool:
         return self._client.is_down()
 
-    def _ok(self, reply, op: str) -> Optional[dict]:
+    def _ok(self, reply, op: str) -> Optional[M.Reply]:
         if reply is None:
             return None
-        if not reply.header.get("ok"):
-            _warn.warning(f"{self.endpoint}:{op}:{reply.header.get('code')}", "pool %s refused %s: %s %s",
-                          self.endpoint, op, reply.header.get("code"), reply.header.get("msg"))
+        header = reply.header
+        if not header.ok:
+            _warn.warning(f"{self.endpoint}:{op}:{header.code}", "pool %s refused %s: %s %s",
+                          self.endpoint, op, header.code, header.msg)
             return None
-        return reply.header
+        return header
 
-    def _grant(self, header: Optional[dict], flag_name: str, n: int, sizes: Optional[Sequence[int]]) -> Optional[Grant]:
+    def _grant(self, header: Union[M.AllocReply, M.LocateReply, None], n: int,
+               sizes: Optional[Sequence[int]]) -> Optional[Grant]:
         if header is None:
             return None
-        lease, segment, flags = header.get("lease"), header.get("seg"), header.get(flag_name)
-        if (not isinstance(lease, int) or not isinstance(segment, str) or not isinstance(flags, bytes)
-                or len(flags) != n):
+        lease, segment, flags = header.lease, header.seg, header.flags()
+        if len(flags) != n:
             return None
         found = [i for i, b in enumerate(flags) if b]
         found_sums = [0] * len(found)
         if sizes is None:  # locate: the pool says how large each found page is, and its checksum
             try:
-                found_sizes = P.decode_sizes(header.get("sizes"), len(found), 1 << 40)
-                found_sums = P.decode_sums(header.get("sums"), len(found))
+                found_sizes = P.decode_sizes(header.sizes, len(found), 1 << 40)
+                found_sums = P.decode_sums(header.sums, len(found))
             except P.ProtocolError:
                 _warn.warning(f"{self.endpoint}:malformed", "pool %s sent malformed sizes or sums", self.endpoint)
                 return None
         else:
             found_sizes = [sizes[i] for i in found]
-        pages = P.decode_pool_extents(header.get("desc"), header.get("regions_per_page"), found_sizes)
+        pages = P.decode_pool_extents(header.desc, header.regions_per_page, found_sizes)
         if pages is None:
-            _warn.warning(f"{self.endpoint}:malformed", "pool %s sent a malformed %s reply", self.endpoint, flag_name)
+            _warn.warning(f"{self.endpoint}:malformed", "pool %s sent a malformed %s reply", self.endpoint,
+                          type(header).__name__)
             return None
         # Each found page's (address, length) runs, as decoded, at its position among the keys.
         extents: List[Optional[Extents]] = [None] * n
@@ -102,15 +105,15 @@ class PoolClient:
         if sums and any(sums):
             fields["sums"] = P.encode_sums(sums)
         header = self._ok(self._client.call("alloc", self.timeout, **fields), "alloc")
-        if header is not None and "refusal" in header:
+        if header is not None and header.refusal:
             _warn.warning(f"{self.endpoint}:refusal", "pool %s refused part of an alloc: %s", self.endpoint,
-                          header["refusal"])
-        return self._grant(header, "granted", len(keys), sizes)
+                          header.refusal)
+        return self._grant(header, len(keys), sizes)
 
     def commit(self, lease: int, keys: List[str]) -> List[bool]:
         header = self._ok(self._client.call("commit", self.timeout, lease=lease, keys=keys), "commit")
-        raw = header.get("committed") if header is not None else None
-        if not isinstance(raw, bytes) or len(raw) != len(keys):
+        raw = header.flags() if header is not None else b""
+        if len(raw) != len(keys):
             return [False] * len(keys)
         return [b != 0 for b in raw]
 
@@ -119,7 +122,7 @@ class PoolClient:
         with self._done_lock:
             done, self._done = self._done[:P.MAX_DONE_LEASES], self._done[P.MAX_DONE_LEASES:]
         header = self._ok(self._client.call("locate", self.timeout, keys=keys, ttl=ttl, done=done), "locate")
-        return self._grant(header, "found", len(keys), None)
+        return self._grant(header, len(keys), None)
 
     def release(self, lease: int) -> None:
         self._client.call("release", self.timeout, lease=lease)
