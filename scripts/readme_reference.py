@@ -32,6 +32,8 @@ NODE_KEY_HELP = {
     "curve_client_key": "CurveZMQ secret key file clients of tcp:// daemons use",
     "curve_authorized_keys": "directory of public keys allowed to connect over tcp://",
     "allow_insecure_tcp": "serve tcp:// endpoints without CurveZMQ (default false: refuse to start)",
+    "socket_group": "group (name or gid) whose members may connect to the ipc sockets; default none: the "
+                    "daemon's account only. Members are served only as a [[tenants]] entry says",
     "demotion_queue_bytes": "write-back pages on their way to the tier below, per daemon (default 256MiB); "
                             "when the queue is full an evicted dirty page is dropped and counted (demotion_dropped); "
                             "pages pinned in a DRAM arena for it are held to a quarter of that arena besides",
@@ -106,6 +108,7 @@ def reference() -> str:
     from hicache_ext.settings import SETTINGS_HELP, BackendSettings
     from tiers.cli import build_parser
     from tiers.ops.config import COMMON_TIER_OPTIONS, KIND_OPTIONS, NODE_KEYS
+    from tiers.ops.tenants import TENANT_KEY_HELP
 
     missing = set(NODE_KEYS) ^ set(NODE_KEY_HELP)
     if missing:
@@ -119,6 +122,12 @@ def reference() -> str:
             "shards) may take at most SIZE in any one tier; the longest matching prefix wins. Without a quota a "
             "namespace is held to its fair share (capacity / namespaces holding pages) only when others need room.",
             ""]
+    out += ["### Tenants (`[[tenants]]`)", "",
+            "Who may use which namespaces, beside the operator (the daemon's own account, root, and CurveZMQ keys "
+            "the node authorized that no tenant names: every namespace and admin). A connection's tenant is what "
+            "the kernel (SO_PEERCRED) or the CurveZMQ handshake says, never the message; an account in no tenant "
+            "is refused at hello. See docs/RELIABILITY.md (Tenants).", "", "| key | meaning |", "|---|---|"]
+    out += [f"| `{k}` | {_cell(v)} |" for k, v in TENANT_KEY_HELP.items()]
     out += ["", "### Tier options (`[[tiers]]`), every kind", ""]
     _options_table(COMMON_TIER_OPTIONS, out)
     for kind, specs in KIND_OPTIONS.items():

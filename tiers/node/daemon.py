@@ -33,6 +33,7 @@ from tiers.node.faults import CorruptReads
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
+from tiers.ops.tenants import Tenant, TenantTable
 from tiers.node.regions import RegionRegistry
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
@@ -41,6 +42,8 @@ log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+PEER_CACHE = 65536  # connections whose tenant is remembered by routing id (then the cache starts over)
+_UNKNOWN = object()
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
@@ -58,7 +61,8 @@ class TierDaemon:
                  max_page_bytes: int = 64 << 20, io_threads: int = 2, context: Optional[zmq.Context] = None,
                  demoter: Optional[Demoter] = None,
                  staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
-                 curve: Optional[security.CurveSettings] = None, corrupt_reads: Optional[CorruptReads] = None):
+                 curve: Optional[security.CurveSettings] = None, corrupt_reads: Optional[CorruptReads] = None,
+                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None):
         self.name = name
         self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
         self.store = store
@@ -81,13 +85,19 @@ class TierDaemon:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
         self._sessions: Dict[int, dict] = {}
-        # The operations this daemon serves, by request type (a pool daemon adds its own).
+        # The operations this daemon serves, by request type (a pool daemon adds its own); hello, which
+        # every daemon serves, is dispatched with the peer's tenant (_dispatch).
         self.handlers: Dict[type, Callable] = {
-            M.Hello: self.handle_hello, M.Lookup: self.handle_lookup, M.Put: self.handle_put, M.Get: self.handle_get,
+            M.Lookup: self.handle_lookup, M.Put: self.handle_put, M.Get: self.handle_get,
             M.Release: self.handle_release, M.Delete: self.handle_delete, M.Clear: self.handle_clear,
             M.Evict: self.handle_evict, M.Stats: self.handle_stats}
+        self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
+        self._peer_tenants: Dict[bytes, Optional[Tenant]] = {}
+        self._peer_tenant: Optional[Tenant] = None  # the tenant of the request being dispatched
+        self.socket_gid = socket_gid
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
-                                       self._session_ok, max_region_bytes or physical_memory()) if fd_socket else None
+                                       self._session_tenant, max_region_bytes or physical_memory(), self.tenants,
+                                       socket_gid) if fd_socket else None
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
@@ -108,7 +118,7 @@ class TierDaemon:
         daemon refuses to start (tiers/wire/security.py).
         """
         router, self._zap = bind_router(self._ctx, self.endpoint, self.name, self.curve,
-                                        self.max_page_bytes + P.MAX_HEADER_BYTES, HWM)
+                                        self.max_page_bytes + P.MAX_HEADER_BYTES, HWM, self.socket_gid)
         self._router = router
         if self._regions is not None:
             self._regions.bind()
@@ -184,21 +194,45 @@ class TierDaemon:
         self.store.close()
 
     # ------------------------------------------------------------- dispatch
-    def _receive(self) -> Tuple[bytes, Optional[bytes], List[zmq.Frame]]:
-        """The next request (zmq.Again when none): the peer's identity, the header (None when the message
-        had none) and the payload frames.  Identity and header come as bytes: a zmq.Frame each cost more
-        than the copy of a small header (most requests are a header alone); pages stay frames, uncopied."""
+    def _receive(self) -> Tuple[zmq.Frame, Optional[bytes], List[zmq.Frame]]:
+        """The next request (zmq.Again when none): the peer's routing frame (its metadata says who the peer
+        is), the header (bytes; None when the message had none) and the payload frames, uncopied."""
         router = self._router
-        ident = router.recv(_NOBLOCK)
+        peer = router.recv(_NOBLOCK, copy=False)
         if not router.get(zmq.RCVMORE):
-            return ident, None, []
+            return peer, None, []
         header = router.recv(_NOBLOCK)
         payload = []
         while router.get(zmq.RCVMORE):
             payload.append(router.recv(_NOBLOCK, copy=False))
-        return ident, header, payload
+        return peer, header, payload
 
-    def _dispatch(self, ident: bytes, raw_header: Optional[bytes], frames: List[zmq.Frame]) -> None:
+    def _tenant_of(self, peer: zmq.Frame) -> Optional[Tenant]:
+        """Who sent this message, as the kernel (ipc) or the CurveZMQ handshake (tcp) says; None: nobody known.
+
+        Kept by routing id for the ids the ROUTER made up itself (a 0 byte first: never reused while the
+        socket lives, and a peer cannot choose one); a peer that named itself is looked up every time, since
+        another process may take the name once it left."""
+        ident = peer.bytes
+        if ident[:1] == b"\0":
+            tenant = self._peer_tenants.get(ident, _UNKNOWN)
+            if tenant is _UNKNOWN:
+                if len(self._peer_tenants) >= PEER_CACHE:
+                    self._peer_tenants.clear()
+                tenant = self._peer_tenants[ident] = self._lookup_tenant(peer)
+            return tenant
+        return self._lookup_tenant(peer)
+
+    def _lookup_tenant(self, peer: zmq.Frame) -> Optional[Tenant]:
+        try:
+            if self.endpoint.startswith("ipc://"):
+                return self.tenants.of_ipc_peer(peer.get("Peer-Address"))
+            return self.tenants.of_tcp_peer(peer.get("User-Id") if self._zap is not None else None)
+        except zmq.ZMQError:  # no such property on this connection
+            return None if self.endpoint.startswith("ipc://") else self.tenants.of_tcp_peer(None)
+
+    def _dispatch(self, peer: zmq.Frame, raw_header: Optional[bytes], frames: List[zmq.Frame]) -> None:
+        ident = peer.bytes
         req_id = 0
         started = time.perf_counter()
         op = "invalid"
@@ -212,10 +246,14 @@ class TierDaemon:
             if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
-            handler = self.handlers.get(type(msg))
-            if handler is None:  # a pool operation sent to a tier daemon
-                raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
-            result = handler(msg, frames)
+            self._peer_tenant = self._tenant_of(peer)  # read by _namespace: a session is its own tenant's only
+            if type(msg) is M.Hello:
+                result = self.handle_hello(msg, self._peer_tenant)
+            else:
+                handler = self.handlers.get(type(msg))
+                if handler is None:  # a pool operation sent to a tier daemon
+                    raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
+                result = handler(msg, frames)
             if isinstance(result, Future):
                 self._in_flight += 1
                 self._inflight_bytes += nbytes
@@ -293,24 +331,40 @@ class TierDaemon:
             self.demoter.tick(self.store, self._pool.submit)
 
     # ------------------------------------------------------------- sessions
-    def _session_ok(self, sid) -> bool:
-        return isinstance(sid, int) and not isinstance(sid, bool) and sid in self._sessions
+    def _session_tenant(self, sid: Optional[int]) -> Optional[Tenant]:
+        session = self._sessions.get(sid) if type(sid) is int else None
+        return session["tenant"] if session is not None else None
 
-    def _namespace(self, msg: M.Request) -> str:
+    def _namespace(self, msg: M.Request, write: bool = False) -> str:
+        """The namespace of the request's session; write: a request that changes it (puts, deletes, clears)."""
         session = self._sessions.get(msg.s) if msg.s is not None else None
         if session is None:
             raise P.ProtocolError("no_session", "unknown session; send hello again")
+        if session["tenant"] is not self._peer_tenant:  # a session id is no bearer token: only its tenant's
+            raise P.ProtocolError("forbidden", "this session belongs to another tenant")
+        if write and not session["write"]:
+            raise P.ProtocolError("forbidden", f"tenant {session['tenant'].name} may read namespace "
+                                               f"{session['ns']}, not change it")
         session["seen"] = time.monotonic()
         return session["ns"]
 
-    def handle_hello(self, msg: M.Hello, frames) -> list:
+    def handle_hello(self, msg: M.Hello, tenant: Optional[Tenant]) -> list:
         ns = P.check_namespace(msg.ns)
         client = msg.client[:200]
+        if tenant is None:
+            raise P.ProtocolError("forbidden", "this account is no tenant of this node (see [[tenants]] in its "
+                                               "configuration)")
+        if ns == ADMIN_NAMESPACE:
+            if not tenant.admin:
+                raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not open an admin session")
+        elif not tenant.may_read(ns):
+            raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not use namespace {ns}")
         if len(self._sessions) >= SESSION_LIMIT:
             oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
             del self._sessions[oldest]
         session = secrets.randbits(62)
-        self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic()}
+        self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic(), "tenant": tenant,
+                                   "write": ns == ADMIN_NAMESPACE or tenant.may_write(ns)}
         # The operator's CLI says hello on every status poll: that is not news.
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
@@ -334,7 +388,7 @@ class TierDaemon:
         return [P.reply_ok(msg.id, held=held, prefix=prefix)]
 
     def handle_put(self, msg: M.Put, frames):
-        ns = self._namespace(msg)
+        ns = self._namespace(msg, write=True)
         self._release_done(msg)
         keys = P.check_keys(msg.keys)
         sources = self.transfers.page_sources(msg, frames, keys, self._regions)
@@ -409,7 +463,7 @@ class TierDaemon:
         return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, msg.s))]
 
     def handle_delete(self, msg: M.Delete, frames) -> list:
-        ns = self._namespace(msg)
+        ns = self._namespace(msg, write=True)
         keys = P.check_keys(msg.keys)
         for key in keys:
             self.dirty.pop((ns, key))
@@ -424,13 +478,13 @@ class TierDaemon:
         return None if everything else (target or own)
 
     def handle_clear(self, msg: M.Clear, frames) -> list:
-        own = self._namespace(msg)
+        own = self._namespace(msg, write=True)
         namespace = self._target_namespace(msg.everything, msg.ns, own)
         self.dirty.discard_namespace(namespace)
         return [P.reply_ok(msg.id, cleared=self.store.clear(namespace))]
 
     def handle_evict(self, msg: M.Evict, frames) -> list:
-        own = self._namespace(msg)
+        own = self._namespace(msg, write=True)
         if msg.nbytes < 0:
             raise P.ProtocolError("bad_request", "bytes must not be negative")
         namespace = self._target_namespace(msg.everything, msg.ns, own)

@@ -1,8 +1,11 @@
 """A daemon's endpoint: the ROUTER socket bound safely (private ipc files, CurveZMQ on tcp://).
 
 ipc:// sockets are created 0600, under umask 077, in a 0700 directory, so no
-other account can connect at any moment; a tcp:// endpoint needs CurveZMQ
-keys (or allow_insecure_tcp), else ValueError and the daemon refuses to start
+other account can connect at any moment; with ``node.socket_group`` they are
+opened to that group afterwards (socket 0660, directory 0710: members may
+connect, not list), and who connects is then the kernel's word
+(tiers/ops/tenants.py).  A tcp:// endpoint needs CurveZMQ keys (or
+allow_insecure_tcp), else ValueError and the daemon refuses to start
 (tiers/wire/security.py).
 """
 from __future__ import annotations
@@ -18,22 +21,37 @@ from tiers.wire import security
 log = logging.getLogger("hicache.daemon")
 
 
-def private_dir(path: str) -> None:
-    """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so)."""
+def private_dir(path: str, group: Optional[int] = None) -> None:
+    """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so);
+    with group, 0710 owned by that group (its members reach the sockets inside, and list nothing)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
-    if st.st_mode & 0o077 and st.st_uid == os.getuid():
-        log.info("runtime directory %s was mode %o; now 0700 (sockets are for this account only)",
-                 path, st.st_mode & 0o777)
-        os.chmod(path, 0o700)
+    want = 0o710 if group is not None else 0o700
+    if st.st_uid != os.getuid():
+        return
+    if group is not None and st.st_gid != group:
+        os.chown(path, -1, group)
+    if st.st_mode & 0o777 != want:
+        if st.st_mode & 0o077 & ~want:
+            log.info("runtime directory %s was mode %o; now %o", path, st.st_mode & 0o777, want)
+        os.chmod(path, want)
+
+
+def open_socket_file(path: str, group: Optional[int]) -> None:
+    """A socket file just bound (0600 under umask 077): the group's too (0660) when one is configured."""
+    if group is None:
+        os.chmod(path, 0o600)
+        return
+    os.chown(path, -1, group)
+    os.chmod(path, 0o660)
 
 
 def bind_router(context: zmq.Context, endpoint: str, name: str, curve: security.CurveSettings, max_msg_bytes: int,
-                hwm: int) -> Tuple[zmq.Socket, Optional[security.Admission]]:
+                hwm: int, socket_gid: Optional[int] = None) -> Tuple[zmq.Socket, Optional[security.Admission]]:
     """A ROUTER bound to endpoint, and its CurveZMQ admission (None for ipc:// and insecure tcp://)."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
-        private_dir(os.path.dirname(path))
+        private_dir(os.path.dirname(path), socket_gid)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a killed daemon
     router = context.socket(zmq.ROUTER)
@@ -55,7 +73,7 @@ def bind_router(context: zmq.Context, endpoint: str, name: str, curve: security.
             admission.close()
         raise
     if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
+        open_socket_file(endpoint[len("ipc://"):], socket_gid)
     return router, admission
 
 

@@ -7,7 +7,10 @@ from it (writes), and reads it through the SIGBUS-guarded copy, because a
 buggy engine may truncate it.  It answers with a read-only descriptor of its
 arena (tiers/node/arena.py), which the engine maps to copy leased pages out.
 When the connection closes (engine exit or crash) the mapping is dropped, so
-no daemon pins a dead engine's host pool.
+no daemon pins a dead engine's host pool.  The session named must be one the
+connecting account's tenant opened (SO_PEERCRED), and only a tenant allowed
+to (``map_arena``: the operator's accounts, or a tenant so configured) gets the
+arena: the arena holds every namespace's pages.
 
 Bounded against floods: at most MAX_CONNECTIONS open, a connection that has
 not attached within ATTACH_TIMEOUT is closed, a host pool larger than
@@ -22,17 +25,20 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import zmq
 
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.node.buffers import address_of, populate
+from tiers.node.endpoint import open_socket_file, private_dir
 from tiers.ops.logs import RateLimitedLog
+from tiers.ops.tenants import Tenant, TenantTable
 
 log = logging.getLogger("hicache.regions")
 _warn = RateLimitedLog(log)
@@ -40,6 +46,17 @@ _warn = RateLimitedLog(log)
 MAX_CONNECTIONS = 256
 ATTACH_TIMEOUT = 2.0  # seconds a connection may stay silent before attaching
 ACCEPT_PAUSE = 0.2  # seconds accepting rests after running out of descriptors
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer_uid(conn: socket.socket) -> Optional[int]:
+    """The connecting process's uid, as the kernel recorded it at connect (SO_PEERCRED)."""
+    try:
+        return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
+    except OSError:
+        return None
 
 
 def _populate(mapping: mmap.mmap) -> None:
@@ -83,10 +100,13 @@ class _Conn:
 
 class RegionRegistry:
     def __init__(self, path: str, export_fd: Callable[[], int], export_id: int, export_size: int,
-                 session_ok: Callable[[object], bool], max_region_bytes: int):
+                 session_tenant: Callable[[Optional[int]], Optional[Tenant]], max_region_bytes: int,
+                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None):
         self.path = path
         self._export_fd, self.export_id, self.export_size = export_fd, export_id, export_size
-        self._session_ok = session_ok
+        self._session_tenant = session_tenant  # the tenant that opened a live session (None: no such session)
+        self.tenants = tenants or TenantTable()
+        self.socket_gid = socket_gid
         self.max_region_bytes = max_region_bytes
         self._listener: Optional[socket.socket] = None
         self._listening = False
@@ -103,7 +123,7 @@ class RegionRegistry:
         return len(self._by_id)
 
     def bind(self) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        private_dir(os.path.dirname(self.path), self.socket_gid)
         if os.path.exists(self.path):
             os.unlink(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -112,7 +132,7 @@ class RegionRegistry:
             listener.bind(self.path)
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, 0o600)
+        open_socket_file(self.path, self.socket_gid)
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener
@@ -192,7 +212,7 @@ class RegionRegistry:
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
         try:
-            region = self._map(raw, memfd, conn.sock)
+            region, tenant = self._map(raw, memfd, conn.sock)
         except P.ProtocolError as exc:
             self.refused += 1
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
@@ -209,30 +229,37 @@ class RegionRegistry:
         conn.region, conn.attached = region, True
         if region is not None:
             self._by_id[region.region_id] = region
-        export = self._export_fd()
+        # The arena holds every namespace's pages: only a tenant trusted with them maps it (the others read
+        # pages as frames, one copy more).
+        export = self._export_fd() if tenant.map_arena else None
+        reply = {"v": P.PROTOCOL_VERSION, "ok": True, "region": region.region_id if region is not None else 0}
+        if export is not None:
+            reply.update(arena=self.export_id, arena_size=self.export_size)
         try:
-            P.send_framed(conn.sock, {"v": P.PROTOCOL_VERSION, "ok": True,
-                                      "region": region.region_id if region is not None else 0,
-                                      "arena": self.export_id, "arena_size": self.export_size}, fd=export)
+            P.send_framed(conn.sock, reply, fd=export)
         except OSError:  # the client stopped waiting (its deadline passed): it will attach again
             log.info("an engine left before its attach reply")
             self._drop(fd, poller)
             return
         finally:
-            os.close(export)
+            if export is not None:
+                os.close(export)
         if region is not None:
             log.info("mapped a host pool region of %d bytes", region.size)
 
-    def _map(self, raw: bytes, memfd: Optional[int], conn) -> Optional[Region]:
+    def _map(self, raw: bytes, memfd: Optional[int], conn) -> Tuple[Optional[Region], Tenant]:
         try:
             attach = M.decode_attach(raw)
             version, session, size = attach.v, attach.s, attach.size
             if type(version) is not int or version != P.PROTOCOL_VERSION:
                 raise P.ProtocolError("bad_version", f"protocol version {version!r} is not supported")
-            if not self._session_ok(session):
+            tenant = self._session_tenant(session)
+            if tenant is None:
                 raise P.ProtocolError("no_session", "attach needs a live session (send hello first)")
+            if self.tenants.of_uid(_peer_uid(conn)) is not tenant:
+                raise P.ProtocolError("forbidden", "a session attaches only from an account of its own tenant")
             if memfd is None:
-                return None  # the arena only: pages travel as frames on the way in
+                return None, tenant  # the arena only: pages travel as frames on the way in
             if size is None or size <= 0:
                 raise P.ProtocolError("bad_request", "attach with a memfd needs a positive integer size")
             if size > self.max_region_bytes:
@@ -251,7 +278,7 @@ class RegionRegistry:
             if memfd is not None:
                 os.close(memfd)  # the mapping keeps the memory alive
         view = memoryview(mapping)
-        return Region(secrets.randbits(62), session, size, mapping, view, conn, address_of(view))
+        return Region(secrets.randbits(62), session, size, mapping, view, conn, address_of(view)), tenant
 
     def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:
         try:

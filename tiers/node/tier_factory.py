@@ -5,6 +5,7 @@ import os
 from typing import Optional
 
 from tiers.ops.config import NodeConfig, TierConfig
+from tiers.ops.tenants import TenantTable
 from tiers.node.daemon import TierDaemon
 from tiers.node.demotion import Demoter, DemotionLink
 from tiers.node.faults import CorruptReads
@@ -50,4 +51,5 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     return TierDaemon(tier.name, store, tier.endpoint, fd_socket=fd_socket, max_page_bytes=tier.max_page_bytes,
                       io_threads=io_threads, demoter=demoter, staging_bytes=tier.staging_bytes,
                       max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes,
-                      curve=tier.curve, corrupt_reads=CorruptReads.from_environ(tier.name, os.environ))
+                      curve=tier.curve, corrupt_reads=CorruptReads.from_environ(tier.name, os.environ),
+                      tenants=TenantTable(node.tenants), socket_gid=node.socket_gid)

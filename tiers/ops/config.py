@@ -40,6 +40,7 @@ DEFAULT_CONFIG_TOML = ("# hicache-tiers embedded default: DRAM in front of NVMe;
                        "written to NVMe behind it.\n[node]\n" + DEFAULT_CHAIN_TOML)
 
 from tiers.wire.security import CurveSettings
+from tiers.ops.tenants import Tenant, parse_tenants, socket_gid
 from tiers.ops.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
     WRITE_POLICIES,
     LOG_LEVELS,
@@ -200,6 +201,8 @@ class NodeConfig:
     allow_insecure_tcp: bool = False
     demotion_queue_bytes: int = 256 << 20  # write-back pages on their way down, per daemon
     quotas: Dict[str, int] = field(default_factory=dict)  # namespace prefix -> bytes per tier
+    socket_gid: Optional[int] = None  # ipc sockets open to this group (None: the daemon's account only)
+    tenants: List[Tenant] = field(default_factory=list)  # [[tenants]]: accounts and keys beside the operator's
 
     def tier(self, name: str) -> TierConfig:
         for tier in self.tiers:
@@ -224,7 +227,7 @@ def default_data_dir() -> str:
 
 NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
              "metrics_port", "metrics_address", "curve_server_key", "curve_client_key", "curve_authorized_keys",
-             "allow_insecure_tcp", "demotion_queue_bytes"}
+             "allow_insecure_tcp", "demotion_queue_bytes", "socket_group"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -235,9 +238,10 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     problems = _Problems()
-    unknown = set(raw) - {"node", "tiers", "quotas"}
+    unknown = set(raw) - {"node", "tiers", "quotas", "tenants"}
     if unknown:
-        problems.append(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas")
+        problems.append(f"{source}: unknown section(s) {', '.join(sorted(unknown))}; allowed: node, tiers, quotas, "
+                        f"tenants")
     node = raw.get("node", {})
     if not isinstance(node, dict):
         problems.append(f"{source}: [node] must be a table")
@@ -273,6 +277,8 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
         demotion_queue_bytes=check(0, parse_size, node.get("demotion_queue_bytes", "256MiB"),
                                    f"{source}: node.demotion_queue_bytes"),
         quotas=check({}, _quotas, raw.get("quotas", {}), source),
+        socket_gid=check(None, socket_gid, node.get("socket_group", ""), f"{source}: node.socket_group"),
+        tenants=check([], parse_tenants, raw.get("tenants", []), source),
     )
     tiers = raw.get("tiers", [])
     if not isinstance(tiers, list) or not tiers:

@@ -117,6 +117,7 @@ ERROR_CODES = (
     "bad_version",  # protocol version mismatch
     "unknown_op",
     "no_session",  # session unknown (daemon restarted): say hello again
+    "forbidden",  # the connection's tenant may not do this (tiers/ops/tenants.py)
     "deadline",  # the deadline passed before the work was done
     "too_large",  # page or message over the configured bound
     "full",  # no room even after eviction

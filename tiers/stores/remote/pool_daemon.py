@@ -48,7 +48,7 @@ class PoolDaemon(TierDaemon):
         return float(ttl)
 
     def handle_alloc(self, msg: M.Alloc, frames) -> list:
-        ns = self._namespace(msg)
+        ns = self._namespace(msg, write=True)
         keys = P.check_keys(msg.keys)
         # Sizes over max_page_bytes are refused page by page (refusal), not the whole batch.
         sizes = P.decode_sizes(msg.sizes, len(keys), MAX_SANE_PAGE)
@@ -64,7 +64,7 @@ class PoolDaemon(TierDaemon):
         return [P.reply_ok(msg.id, **fields)]
 
     def handle_commit(self, msg: M.Commit, frames) -> list:
-        ns = self._namespace(msg)
+        ns = self._namespace(msg, write=True)
         keys = P.check_keys(msg.keys)
         done = self.pool.commit(msg.s, msg.lease, [(ns, k) for k in keys])
         self.metrics.pages("put", sum(done), 0)

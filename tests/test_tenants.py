@@ -1,0 +1,157 @@
+"""Issue 29, attack 1: a tenant of another account cannot read, probe, poison or clear anyone else's pages.
+
+A real DRAM daemon, its sockets opened to one group (node.socket_group); the
+victim is the operator's account (this test's, root), the attacker a process
+forked from this one that dropped to another uid (nobody) before it did
+anything, so the daemon knows it only as the kernel reports it (SO_PEERCRED).
+The attacker is told the victim's namespace, keys and even its session id (as
+if they leaked), and tries everything the issue lists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+import zmq
+
+from tests.nodes import dram_tier, node_toml
+from tiers.ops.node_runner import NodeRunner
+from tiers.wire import protocol as P
+from tiers.wire.client import Deadlines, TierClient
+
+NOBODY = 65534  # uid and gid of nobody / nogroup on Debian
+STRANGER = 65533  # an account no tenant names
+PAGE = 4096
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="dropping to another uid needs root")
+
+
+def run_as(uid: int, gid: int, attack) -> dict:
+    """attack(results) in a child process of account uid: its results, or its error."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges first, then only a fresh ZeroMQ context
+        os.close(read_end)
+        out = {}
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            attack(out, zmq.Context())
+        except BaseException as exc:  # the parent asserts on it
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        os.write(write_end, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write_end)
+    data = b""
+    while chunk := os.read(read_end, 65536):
+        data += chunk
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def raw_call(ctx: zmq.Context, endpoint: str, op: str, **fields) -> dict:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(P.request(op, 1, **fields))
+        if not sock.poll(5000):
+            return {"timeout": True}
+        reply = P.unpack(sock.recv())
+        return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in reply.items() if k != "stats"}
+    finally:
+        sock.close(linger=0)
+
+
+@pytest.fixture
+def node():
+    # Outside pytest's 0700 temporary tree: the other account must be able to reach the socket directory.
+    root = tempfile.mkdtemp(prefix="hct-tenants-", dir="/tmp")
+    os.chmod(root, 0o711)
+    config = node_toml(dram_tier("16MiB"), socket_group=NOBODY)
+    config += ('\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\nread_namespaces = ["shared"]\n'
+               % NOBODY)
+    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
+    runner.start()
+    yield runner
+    runner.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_another_accounts_tenant_cannot_read_probe_poison_or_clear_the_victims_pages(node):
+    endpoint = node.config.tier("dram").endpoint
+    victim = TierClient("dram", endpoint, "victim", "victim", Deadlines(base=2.0))
+    shared = TierClient("dram", endpoint, "shared", "victim", Deadlines(base=2.0))
+    keys = [f"v{i}" for i in range(4)]
+    pages = [[bytes([i + 1]) * PAGE] for i in range(4)]
+    assert victim.put_frames(keys, pages, 4 * PAGE) == [True] * 4
+    assert shared.put_frames(["s0"], [[b"S" * PAGE]], PAGE) == [True]
+    assert victim.connect()
+    stolen = victim._session
+
+    def attack(out: dict, ctx: zmq.Context) -> None:
+        out["uid"] = os.getuid()
+        # Open a session on the victim's namespace, or an admin one: refused by name.
+        out["hello_victim"] = raw_call(ctx, endpoint, "hello", ns="victim", client="attacker")
+        out["hello_admin"] = raw_call(ctx, endpoint, "hello", ns="_admin", client="attacker")
+        # With the victim's session id (leaked): every request is refused, nothing is read or changed.
+        for op, fields in (("lookup", dict(keys=keys)), ("get", dict(keys=keys)), ("delete", dict(keys=keys)),
+                           ("clear", {}), ("stats", {}),
+                           ("put", dict(keys=["v0"], frames_per_page=[1]))):
+            out[f"stolen_{op}"] = raw_call(ctx, endpoint, op, s=stolen, **fields)
+        # Its own namespace works; the victim's keys are not there, and its puts land in its own namespace.
+        own = TierClient("dram", endpoint, "guest-1", "attacker", Deadlines(base=2.0), context=ctx, attach=True)
+        out["own_connect"] = own.connect()
+        out["own_lookup"] = own.lookup(keys).hex()
+        out["own_put"] = own.put_frames(["v0"], [[b"X" * PAGE]], PAGE)
+        out["own_arena_mapped"] = own.arena is not None  # the arena holds every namespace's bytes
+        own.close()
+        # A namespace it may only read: reads yes, writes no.
+        reader = TierClient("dram", endpoint, "shared", "attacker", Deadlines(base=2.0), context=ctx)
+        found, frames = reader.get_frames(["s0"], PAGE)
+        out["shared_read"] = found == [True] and frames[0].bytes == b"S" * PAGE
+        out["shared_put"] = reader.put_frames(["s0"], [[b"X" * PAGE]], PAGE)
+        out["shared_delete"] = reader.delete(["s0"])
+        reader.close()
+
+    got = run_as(NOBODY, NOBODY, attack)
+    assert "error" not in got, got
+    assert got["uid"] == NOBODY
+    assert got["hello_victim"]["code"] == "forbidden" and "guest" in got["hello_victim"]["msg"]
+    assert got["hello_admin"]["code"] == "forbidden"
+    for op in ("lookup", "get", "delete", "clear", "stats", "put"):
+        assert got[f"stolen_{op}"]["code"] == "forbidden", (op, got[f"stolen_{op}"])
+    assert got["own_connect"] and got["own_lookup"] == "00" * 4 and got["own_put"] == [True]
+    assert got["own_arena_mapped"] is False
+    assert got["shared_read"] is True and got["shared_put"] == [False] and got["shared_delete"] == 0
+
+    # The victim keeps every page, byte for byte, and its session.
+    found, frames = victim.get_frames(keys, 4 * PAGE)
+    assert found == [True] * 4 and [f.bytes for f in frames] == [p[0] for p in pages]
+    found, frames = shared.get_frames(["s0"], PAGE)
+    assert found == [True] and frames[0].bytes == b"S" * PAGE
+    assert victim._session == stolen
+    victim.close()
+    shared.close()
+
+
+def test_an_account_no_tenant_names_gets_a_clear_refusal(node):
+    endpoint = node.config.tier("dram").endpoint
+
+    def stranger(out: dict, ctx: zmq.Context) -> None:
+        out["hello"] = raw_call(ctx, endpoint, "hello", ns="guest-1", client="stranger")
+
+    got = run_as(STRANGER, NOBODY, stranger)  # in the socket's group, in no tenant
+    assert got["hello"]["code"] == "forbidden" and "no tenant" in got["hello"]["msg"], got
+
+    def outsider(out: dict, ctx: zmq.Context) -> None:
+        out["hello"] = raw_call(ctx, endpoint, "hello", ns="guest-1", client="outsider")
+
+    # Not even in the socket's group: the kernel refuses the connection, the daemon never hears of it.
+    got = run_as(STRANGER, STRANGER, outsider)
+    assert got["hello"] == {"timeout": True}, got
