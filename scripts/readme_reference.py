@@ -120,7 +120,9 @@ def reference() -> str:
     out += ["", "### Quotas (`[quotas]`)", "",
             "`\"PREFIX\" = SIZE`: the pages of every namespace starting with PREFIX (a model name matches all its "
             "shards) may take at most SIZE in any one tier; the longest matching prefix wins. Without a quota a "
-            "namespace is held to its fair share (capacity / namespaces holding pages) only when others need room.",
+            "namespace is held to its fair share only when others need room: capacity / the shares holding pages, "
+            "where each of the operator's namespaces is a share and all the namespaces of one [[tenants]] entry "
+            "are one (spreading pages over namespaces gains a tenant nothing).",
             ""]
     out += ["### Tenants (`[[tenants]]`)", "",
             "Who may use which namespaces, beside the operator (the daemon's own account, root, and CurveZMQ keys "

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 import zmq
 
-from tests.nodes import dram_tier, node_toml
+from tests.nodes import dram_tier, node_toml, nvme_tier
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
@@ -155,3 +155,56 @@ def test_an_account_no_tenant_names_gets_a_clear_refusal(node):
     # Not even in the socket's group: the kernel refuses the connection, the daemon never hears of it.
     got = run_as(STRANGER, STRANGER, outsider)
     assert got["hello"] == {"timeout": True}, got
+
+
+@pytest.fixture(params=["dram", "nvme"])
+def small_node(request):
+    """One tier of 40 pages, DRAM or NVMe; tenant guest (nobody) owns guest*."""
+    root = tempfile.mkdtemp(prefix="hct-fair-", dir="/tmp")
+    os.chmod(root, 0o711)
+    tier = dram_tier(f"{40 * PAGE}") if request.param == "dram" else nvme_tier(f"{40 * PAGE}")
+    config = node_toml(tier, socket_group=NOBODY)
+    config += ('\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n' % NOBODY)
+    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
+    runner.start()
+    yield runner
+    runner.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _pages_by_namespace(endpoint: str) -> dict:
+    admin = TierClient("tier", endpoint, "_admin", "test")
+    try:
+        return {ns: v["pages"] for ns, v in admin.stats()["per_namespace"].items()}
+    finally:
+        admin.close()
+
+
+def test_a_tenant_spreading_its_pages_over_many_namespaces_gains_nothing(small_node):
+    """Attack 2: one tenant's 20 namespaces share one fair share, not twenty."""
+    endpoint = small_node.config.tiers[0].endpoint
+    honest = TierClient("tier", endpoint, "honest", "honest", Deadlines(base=2.0))
+    keys = [f"h{i}" for i in range(20)]
+    assert honest.put_frames(keys, [[b"H" * PAGE]] * 20, 20 * PAGE) == [True] * 20
+
+    def sybil(out: dict, ctx: zmq.Context) -> None:
+        stored = 0
+        for n in range(20):
+            client = TierClient("tier", endpoint, f"guest-{n}", "sybil", Deadlines(base=2.0), context=ctx)
+            stored += sum(client.put_frames([f"s{n}-{i}" for i in range(10)], [[b"S" * PAGE]] * 10, 10 * PAGE))
+            client.close()
+        out["stored"] = stored
+
+    got = run_as(NOBODY, NOBODY, sybil)
+    assert got.get("stored", 0) == 200, got  # every put is taken: the sybil evicts its own pages
+    pages = _pages_by_namespace(endpoint)
+    sybil_pages = sum(n for ns, n in pages.items() if ns.startswith("guest-"))
+    kept = pages.get("honest", 0)
+    print(f"\nsybil: 200 pages over 20 namespaces into a tier of 40 pages' bytes ({kept + sybil_pages} pages with "
+          f"their on-disk headers); honest keeps {kept} of 20, sybil holds {sybil_pages} (per namespace the honest "
+          f"tenant kept 1 of 40 in the issue's run)")
+    # Two tenants: each keeps half of what the tier holds (DRAM 20 + 20; NVMe's chunks carry a header, 10 + 10).
+    assert kept == sybil_pages and kept >= 10, pages
+    found, frames = honest.get_frames(keys, 20 * PAGE)
+    assert sum(found) == kept and all(f.bytes == b"H" * PAGE for f in frames)
+    honest.close()

@@ -33,7 +33,7 @@ from tiers.node.faults import CorruptReads
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
-from tiers.ops.tenants import Tenant, TenantTable
+from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.regions import RegionRegistry
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
@@ -363,6 +363,8 @@ class TierDaemon:
             oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
             del self._sessions[oldest]
         session = secrets.randbits(62)
+        if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
+            self.store.assign_tenant(ns, tenant.name)
         self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic(), "tenant": tenant,
                                    "write": ns == ADMIN_NAMESPACE or tenant.may_write(ns)}
         # The operator's CLI says hello on every status poll: that is not news.

@@ -1,19 +1,25 @@
 """Which tenant gives up space when a shared tier is full.
 
-Every engine of a node shares its tiers; a namespace (one model's pages of one
-shard and format) is a tenant.  Each namespace has its own eviction policy,
-and when space is needed the victim comes from:
+Every engine of a node shares its tiers.  Each namespace (one model's pages of
+one shard and format) has its own eviction policy; namespaces are grouped for
+fairness: the namespaces of one configured tenant (tiers/ops/tenants.py) are
+one group, so spreading pages over many namespaces gains a tenant nothing; the
+operator's namespaces are a group each (the daemon says which is which:
+``assign``).  When space is needed the victim comes from:
 1. the writer's own namespace, when it is over its quota (if one is set);
-2. otherwise the namespace most above its fair share, capacity divided by the
-   namespaces holding pages (so no namespace pushes another below
-   min(its usage, its fair share));
-3. otherwise the writer's own namespace.
+2. otherwise the group most above its fair share, capacity divided by the
+   groups holding pages (so no group pushes another below min(its usage, its
+   fair share)); within that group the writer's own namespace, else the
+   group's largest;
+3. otherwise the writer's own group (its own namespace first).
 A quota is matched by the longest configured prefix of the namespace (a model
 name matches all its shards).
 """
 from __future__ import annotations
 
 from typing import Dict, Hashable, Mapping, Optional
+
+MAX_ASSIGNED = 65536  # namespaces whose group is remembered (past it the oldest is forgotten: its own group)
 
 
 class FairShare:
@@ -23,6 +29,27 @@ class FairShare:
         self.capacity = capacity
         # Longest prefix first, so "llama.tp0" wins over "llama".
         self.quotas = sorted((quotas or {}).items(), key=lambda kv: -len(kv[0]))
+        self._group: Dict[Hashable, Hashable] = {}  # namespace -> its tenant's group (absent: itself)
+
+    def assign(self, namespace: Hashable, group: Hashable) -> None:
+        """namespace's pages count toward group's share."""
+        self._group.pop(namespace, None)  # re-inserted last: the most recently assigned are kept
+        if len(self._group) >= MAX_ASSIGNED:
+            del self._group[next(iter(self._group))]
+        self._group[namespace] = group
+
+    def group(self, namespace: Hashable) -> Hashable:
+        return self._group.get(namespace, namespace)
+
+    def groups_held(self, usage: Mapping[Hashable, int]) -> Dict[Hashable, int]:
+        """Bytes each group holds, from each namespace's."""
+        out: Dict[Hashable, int] = {}
+        group_of = self._group.get
+        for ns, n in usage.items():
+            if n > 0:
+                g = group_of(ns, ns)
+                out[g] = out.get(g, 0) + n
+        return out
 
     def quota(self, namespace: str) -> Optional[int]:
         """Bytes namespace may hold (None: no quota of its own)."""
@@ -49,15 +76,27 @@ class FairShare:
             return None
         if writer is not None and writer in held and writer_over_quota:
             return writer
-        share = self.share(len(held) + (0 if writer is None or writer in held else 1))
+        groups = self.groups_held(held)
+        own = self.group(writer) if writer is not None else None
+        share = self.share(len(groups) + (0 if writer is None or own in groups else 1))
         worst, excess = None, 0.0
-        for ns, n in held.items():
+        for g, n in groups.items():
             over = n - share
-            if over > excess or (over == excess and ns == writer and over > 0):
-                worst, excess = ns, over
+            if over > excess or (over == excess and g == own and over > 0):
+                worst, excess = g, over
         if worst is not None:
-            return worst
-        return writer if writer in held else max(held, key=held.get)
+            return self._member(worst, writer, held)
+        # Nobody above the share: the writer's own group gives (its namespace first), else the largest.
+        return self._member(own, writer, held) if own in groups else max(held, key=held.get)
+
+    def _member(self, group: Hashable, writer: Optional[Hashable], held: Mapping[Hashable, int]) -> Hashable:
+        """The namespace of group (which holds pages) that gives one: the writer's own if it is one of them
+        and holds pages, else the group's largest."""
+        if writer in held and self.group(writer) == group:
+            return writer
+        if group in held and group not in self._group:  # a namespace that is its own group
+            return group
+        return max((ns for ns in held if self._group.get(ns, ns) == group), key=held.get)
 
 
 def bounded_top(per_namespace: Dict[str, dict], limit: int = 32, by: str = "bytes") -> Dict[str, dict]:

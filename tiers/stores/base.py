@@ -178,6 +178,11 @@ class PageStore(ABC):
         """
         raise Unsupported(f"{type(self).__name__} does not support evict")
 
+    def assign_tenant(self, namespace: str, tenant: str) -> None:
+        """namespace is tenant's: its pages count toward that tenant's one fair share. The daemon says so at
+        each hello of a configured tenant (tiers/ops/tenants.py); a namespace never assigned is a tenant of
+        its own. Stores without a fair share ignore it."""
+
     # ------------------------------------------------ optional capabilities
     def export_arena(self):
         """The BlockArena (tiers/node/arena.py) this store keeps its pages in, when engines may read them from it.

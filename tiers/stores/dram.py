@@ -375,6 +375,10 @@ class DramStore(PageStore):
                 pages, freed = pages + 1, freed + before - self._stats.used_bytes
         return pages, freed
 
+    def assign_tenant(self, namespace: str, tenant: str) -> None:
+        with self._lock:
+            self._fair.assign(namespace, ("tenant", tenant))
+
     def stats(self) -> StoreStats:
         with self._lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()
@@ -385,7 +389,7 @@ class DramStore(PageStore):
                           "leases_expired": self.arena.leases_expired}
             # Counted once, not once a namespace: with thousands of namespaces that sum made stats quadratic
             # (seconds under the store lock).
-            fair_share = int(self._fair.share(sum(1 for x in self._tenants.values() if x.bytes)))
+            fair_share = int(self._fair.share(len(self._fair.groups_held({ns: t.bytes for ns, t in self._tenants.items()}))))
             per_ns = {ns: {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
                            "fair_share": fair_share, "quota": self._fair.quota(ns) or 0}
                       for ns, t in self._tenants.items() if t.bytes or t.hits or t.evictions}

@@ -107,6 +107,11 @@ class Ledger:
     def order_code(self) -> int:
         return self._order
 
+    def assign_tenant(self, ns_hash: int, tenant: str) -> None:
+        """The namespace of ns_hash counts toward tenant's fair share (tiers/node/fairness.py)."""
+        with self.lock:
+            self._fair.assign(ns_hash, ("tenant", tenant))
+
     def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
         """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
         with self.lock:
