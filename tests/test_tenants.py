@@ -208,3 +208,38 @@ def test_a_tenant_spreading_its_pages_over_many_namespaces_gains_nothing(small_n
     found, frames = honest.get_frames(keys, 20 * PAGE)
     assert sum(found) == kept and all(f.bytes == b"H" * PAGE for f in frames)
     honest.close()
+
+
+@pytest.mark.parametrize("small_node", ["dram"], indirect=True)
+def test_a_tenant_that_leases_and_never_copies_pins_a_quarter_of_the_arena_at_most(small_node):
+    """Attack 5: one tenant leasing every page it holds (and never copying them out) starves no writer."""
+    endpoint = small_node.config.tiers[0].endpoint
+    keys = [f"g{i}" for i in range(40)]
+
+    def hoarder(out: dict, ctx: zmq.Context) -> None:
+        client = TierClient("tier", endpoint, "guest-0", "hoarder", Deadlines(base=2.0), context=ctx)
+        out["stored"] = sum(client.put_frames(keys, [[b"G" * PAGE]] * 40, 40 * PAGE))
+        client.close()
+        import time
+        found = 0
+        for n in range(4):  # four sessions, as a tenant could open any number
+            session = raw_call(ctx, endpoint, "hello", ns="guest-0", client=f"hoarder{n}")["session"]
+            reply = raw_call(ctx, endpoint, "get", s=session, keys=keys, lease=time.monotonic() + 29,
+                             sizes=P.encode_sizes([PAGE] * 40))
+            found += bytes.fromhex(reply["found"]).count(1)
+        out["leased"] = found
+        too_long = raw_call(ctx, endpoint, "get", s=session, keys=keys[:1], lease=time.monotonic() + 100,
+                            sizes=P.encode_sizes([PAGE]))
+        out["too_long"] = too_long.get("code")
+
+    got = run_as(NOBODY, NOBODY, hoarder)
+    assert "error" not in got, got
+    assert got["stored"] == 40 and got["too_long"] == "bad_request"
+    assert got["leased"] == 10, got  # a quarter of the 40-page arena, however many sessions ask
+    writer = TierClient("tier", endpoint, "late", "writer", Deadlines(base=2.0))
+    stored = writer.put_frames([f"w{i}" for i in range(20)], [[b"W" * PAGE]] * 20, 20 * PAGE)
+    held = writer.lookup([f"w{i}" for i in range(20)])
+    print(f"\nhoarder pinned {got['leased']} of 40 pages for 29 s; a new writer then stored {sum(stored)} of 20, "
+          f"{held.count(1)} held at the end")
+    assert stored == [True] * 20 and held.count(1) >= 10
+    writer.close()

@@ -42,6 +42,7 @@ log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+TENANT_LEASE_SHARE = 0.25  # of the arena, pinned by read leases of one configured tenant at most
 PEER_CACHE = 65536  # connections whose tenant is remembered by routing id (then the cache starts over)
 _UNKNOWN = object()
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
@@ -93,6 +94,7 @@ class TierDaemon:
             M.Evict: self.handle_evict, M.Stats: self.handle_stats}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
         self._peer_tenants: Dict[bytes, Optional[Tenant]] = {}
+        self._tenant_owners: Dict[str, int] = {}  # a configured tenant's lease owner id (negative: no session's)
         self._peer_tenant: Optional[Tenant] = None  # the tenant of the request being dispatched
         self.socket_gid = socket_gid
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
@@ -348,6 +350,16 @@ class TierDaemon:
         session["seen"] = time.monotonic()
         return session["ns"]
 
+    def _lease_owner(self, msg: M.Request) -> Tuple[int, Optional[int]]:
+        """Whose read leases a request's are, and the most that owner may hold pinned (None: the tier's own
+        bound a session). The operator's sessions lease each for itself; all the sessions of a configured
+        tenant lease as one owner, which may pin TENANT_LEASE_SHARE of the arena: a tenant that leases and
+        never copies (or opens many sessions to) can starve the writers of the others of that much at most."""
+        session = self._sessions.get(msg.s)
+        if session is None or session["tenant"] is OPERATOR:
+            return msg.s, None
+        return session["owner"], int(self.arena.size * TENANT_LEASE_SHARE)
+
     def handle_hello(self, msg: M.Hello, tenant: Optional[Tenant]) -> list:
         ns = P.check_namespace(msg.ns)
         client = msg.client[:200]
@@ -366,6 +378,7 @@ class TierDaemon:
         if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
             self.store.assign_tenant(ns, tenant.name)
         self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic(), "tenant": tenant,
+                                   "owner": self._tenant_owners.setdefault(tenant.name, -2 - len(self._tenant_owners)),
                                    "write": ns == ADMIN_NAMESPACE or tenant.may_write(ns)}
         # The operator's CLI says hello on every status poll: that is not news.
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
@@ -437,7 +450,8 @@ class TierDaemon:
         expiry = P.check_lease_expiry(msg.lease)
         sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
         self._release_done(msg)
-        result = self.transfers.lease_reads(ns, keys, sizes, msg.s, expiry)
+        owner, budget = self._lease_owner(msg)
+        result = self.transfers.lease_reads(ns, keys, sizes, owner, expiry, budget)
         if isinstance(result, Future):
             out: Future = Future()
 
@@ -452,8 +466,9 @@ class TierDaemon:
 
     def _release_done(self, msg: M.Request) -> None:
         """Leases of earlier reads the session copied out, released on the way (before any new work)."""
+        owner = self._lease_owner(msg)[0] if msg.done else None
         for lease in (msg.done or ())[:P.MAX_DONE_LEASES]:
-            self.arena.release(lease, msg.s)
+            self.arena.release(lease, owner)
 
     def _lease_reply(self, req_id: int, result) -> list:
         fields, pages, nbytes = result
@@ -462,7 +477,7 @@ class TierDaemon:
 
     def handle_release(self, msg: M.Release, frames) -> list:
         self._namespace(msg)
-        return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, msg.s))]
+        return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, self._lease_owner(msg)[0]))]
 
     def handle_delete(self, msg: M.Delete, frames) -> list:
         ns = self._namespace(msg, write=True)

@@ -255,9 +255,12 @@ class PageTransfers:
         return stored, refusal or first
 
     # ------------------------------------------------------------------ gets
-    def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float):
-        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them."""
-        budget = max(0, self.max_lease_bytes - self.arena.leased_bytes(owner))
+    def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
+                    max_bytes: Optional[int] = None):
+        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them.
+        The owner's pinned bytes stay within max_bytes (default: this tier's bound a session)."""
+        limit = self.max_lease_bytes if max_bytes is None else min(max_bytes, self.max_lease_bytes)
+        budget = max(0, limit - self.arena.leased_bytes(owner))
         if not self.stages:
             lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
             return self._lease_reply(lease, extents, sums)

@@ -417,7 +417,9 @@ class TierClient:
         sizes = dst.sizes()
         nbytes = sum(sizes)
         timeout = self.deadlines.for_bytes(nbytes)
-        expiry = time.monotonic() + timeout  # CLOCK_MONOTONIC is one clock for the whole machine
+        # CLOCK_MONOTONIC is one clock for the whole machine; a daemon refuses a lease past MAX_LEASE_SECONDS.
+        timeout = min(timeout, P.MAX_LEASE_SECONDS - 1.0)
+        expiry = time.monotonic() + timeout
         if arena is None:
             return [False] * n
         fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))

@@ -131,7 +131,9 @@ MAX_KEY_CHARS = 256
 MAX_NAMESPACE_CHARS = 512
 MAX_BATCH = 4096
 MAX_DONE_LEASES = 256  # read leases a locate may release on the way
-MAX_LEASE_SECONDS = 120.0  # the longest a read lease may pin arena blocks
+# The longest a read lease may pin arena blocks: a reader that stops (frozen, or hostile) holds its blocks out
+# of everyone's use this long at most. An engine copies a 1 GiB batch out in well under a second.
+MAX_LEASE_SECONDS = 30.0
 # Keys reach file names in the NVMe tier: a conservative alphabet, no separators.
 _KEY_RE = re.compile(r"[A-Za-z0-9_.:=+-]+")
 
