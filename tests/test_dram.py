@@ -184,3 +184,25 @@ def test_a_batch_reserve_stops_evicting_ahead_once_its_time_in_the_lock_is_spent
     assert store.reserve_many("writer", keys, [size] * 16, evict=True) == []
     monkeypatch.setattr(dram, "EVICT_AHEAD_S", 10.0)
     assert len(store.reserve_many("writer", keys, [size] * 16, evict=True)) == 16
+
+
+def test_namespaces_that_hold_nothing_are_forgotten():
+    """Issue 29, attack 6: a tenant opening namespace after namespace leaves no state behind, and stats stay
+    linear (10,000 namespaces once took ~5 s of the store's lock)."""
+    import time
+    store = DramStore(64 * 4096, "lru", block_size=4096)
+    store.put(("keep", "k"), [b"k" * 4096])
+    for n in range(10_000):
+        store.put((f"churn-{n}", "p"), [b"c" * 4096])
+        assert store.delete([(f"churn-{n}", "p")]) == 1
+    for n in range(2_000):  # evicted rather than deleted: forgotten too
+        store.put((f"flood-{n}", "p"), [b"f" * 4096])
+    assert store.stats().extra["namespaces"] == 12_001  # until the daemon's housekeeping prunes
+    assert store.prune() == 12_001 - store.stats().pages
+    began = time.perf_counter()
+    stats = store.stats()
+    took = time.perf_counter() - began
+    # One page a namespace here: every namespace left holds one (12,001 were opened).
+    assert 0 < stats.pages <= 64 and stats.extra["namespaces"] == stats.pages, (stats.pages, stats.extra)
+    assert took < 0.05, took
+    store.close()

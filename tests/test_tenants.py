@@ -243,3 +243,39 @@ def test_a_tenant_that_leases_and_never_copies_pins_a_quarter_of_the_arena_at_mo
           f"{held.count(1)} held at the end")
     assert stored == [True] * 20 and held.count(1) >= 10
     writer.close()
+
+
+@pytest.mark.parametrize("small_node", ["dram"], indirect=True)
+def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node):
+    """Attack 6: 2,000 namespaces opened, written and emptied by a tenant; the daemon forgets them (each tick)
+    and its admin stats stay quick."""
+    import time
+    endpoint = small_node.config.tiers[0].endpoint
+
+    def churn_with_sessions(out: dict, ctx: zmq.Context) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+
+        def call(op, *frames, **fields):
+            sock.send_multipart([P.request(op, 1, **fields), *frames])
+            reply = P.unpack(sock.recv_multipart()[0])
+            assert reply["ok"], (op, reply)
+            return reply
+        for n in range(2000):
+            session = call("hello", ns=f"guest-{n}", client="churn")["session"]
+            call("put", b"c" * PAGE, s=session, keys=["p"])
+            assert call("delete", s=session, keys=["p"])["deleted"] == 1
+        out["done"] = True
+        sock.close(linger=0)
+
+    got = run_as(NOBODY, NOBODY, churn_with_sessions)
+    assert got.get("done"), got
+    admin = TierClient("tier", endpoint, "_admin", "test")
+    time.sleep(1.2)  # two housekeeping ticks
+    began = time.perf_counter()
+    stats = admin.stats()
+    took = time.perf_counter() - began
+    admin.close()
+    assert stats["namespaces"] == 0 and stats["pages"] == 0, {k: stats[k] for k in ("namespaces", "pages")}
+    assert took < 0.5, took

@@ -327,6 +327,7 @@ class TierDaemon:
 
     def _housekeeping(self, poller) -> None:
         self.arena.expire()
+        self.store.prune()
         if self._regions is not None:
             self._regions.tick(poller)
         if self.demoter is not None:

@@ -82,12 +82,15 @@ class FairShare:
         worst, excess = None, 0.0
         for g, n in groups.items():
             over = n - share
-            if over > excess or (over == excess and g == own and over > 0):
+            # Ties go to the writer's own group, then to the smallest name: never to whichever namespace
+            # happens to come first (forgetting an emptied namespace and meeting it again reorders them).
+            if over > excess or (over == excess and over > 0 and worst != own
+                                 and (g == own or _name(g) < _name(worst))):
                 worst, excess = g, over
         if worst is not None:
             return self._member(worst, writer, held)
         # Nobody above the share: the writer's own group gives (its namespace first), else the largest.
-        return self._member(own, writer, held) if own in groups else max(held, key=held.get)
+        return self._member(own, writer, held) if own in groups else _largest(held, held)
 
     def _member(self, group: Hashable, writer: Optional[Hashable], held: Mapping[Hashable, int]) -> Hashable:
         """The namespace of group (which holds pages) that gives one: the writer's own if it is one of them
@@ -96,7 +99,21 @@ class FairShare:
             return writer
         if group in held and group not in self._group:  # a namespace that is its own group
             return group
-        return max((ns for ns in held if self._group.get(ns, ns) == group), key=held.get)
+        return _largest((ns for ns in held if self._group.get(ns, ns) == group), held)
+
+
+def _name(namespace: Hashable) -> str:
+    return str(namespace)
+
+
+def _largest(namespaces, held: Mapping[Hashable, int]) -> Hashable:
+    """The namespace holding the most; of equals, the smallest name (an order every process agrees on)."""
+    best, most = None, -1
+    for ns in namespaces:
+        n = held[ns]
+        if n > most or (n == most and _name(ns) < _name(best)):
+            best, most = ns, n
+    return best
 
 
 def bounded_top(per_namespace: Dict[str, dict], limit: int = 32, by: str = "bytes") -> Dict[str, dict]:

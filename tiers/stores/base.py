@@ -183,6 +183,11 @@ class PageStore(ABC):
         each hello of a configured tenant (tiers/ops/tenants.py); a namespace never assigned is a tenant of
         its own. Stores without a fair share ignore it."""
 
+    def prune(self) -> int:
+        """Forget per-namespace state of namespaces that hold nothing; how many. Called by the daemon between
+        requests (each tick). Stores that keep none return 0."""
+        return 0
+
     # ------------------------------------------------ optional capabilities
     def export_arena(self):
         """The BlockArena (tiers/node/arena.py) this store keeps its pages in, when engines may read them from it.

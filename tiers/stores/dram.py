@@ -197,7 +197,8 @@ class DramStore(PageStore):
                 while limit is not None and held + pending + size > limit:
                     if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
                         return out
-                    held = self._tenants[namespace].bytes
+                    tenant = self._tenants.get(namespace)
+                    held = tenant.bytes if tenant is not None else 0
                 alloc = self.arena.take(size)
                 while (alloc is None and evict and not replaces and pending < EVICT_AHEAD_BYTES
                        and time.perf_counter() < until and self._evict_one_locked(namespace, size, pending=pending)):
@@ -379,6 +380,16 @@ class DramStore(PageStore):
         with self._lock:
             self._fair.assign(namespace, ("tenant", tenant))
 
+    def prune(self) -> int:
+        """Forget the namespaces that hold nothing (their counters with them): a tenant opening namespace
+        after namespace leaves no state behind, and eviction walks only those that hold. Called between
+        requests (the daemon's housekeeping), never inside an eviction, so no choice sees one vanish."""
+        with self._lock:
+            empty = [ns for ns, t in self._tenants.items() if not t.bytes and not len(t.policy)]
+            for ns in empty:
+                del self._tenants[ns]
+            return len(empty)
+
     def stats(self) -> StoreStats:
         with self._lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()
@@ -386,7 +397,7 @@ class DramStore(PageStore):
             snap.pages = len(self._index)
             snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
                           "leases": self.arena.lease_count(), "pinned_pages": self.arena.pinned_allocations(),
-                          "leases_expired": self.arena.leases_expired}
+                          "leases_expired": self.arena.leases_expired, "namespaces": len(self._tenants)}
             # Counted once, not once a namespace: with thousands of namespaces that sum made stats quadratic
             # (seconds under the store lock).
             fair_share = int(self._fair.share(len(self._fair.groups_held({ns: t.bytes for ns, t in self._tenants.items()}))))
