@@ -279,3 +279,40 @@ def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node)
     admin.close()
     assert stats["namespaces"] == 0 and stats["pages"] == 0, {k: stats[k] for k in ("namespaces", "pages")}
     assert took < 0.5, took
+
+
+def test_replies_a_peer_never_reads_are_dropped_and_counted(tmp_path):
+    """Attack 8: a peer that asks and never reads loses its own replies, each one counted (they were dropped
+    silently before); other clients are served meanwhile."""
+    from tests.nodes import dram_config, eventually, start_node
+    runner = start_node(tmp_path, dram_config(capacity="16MiB"))
+    endpoint = runner.config.tier("dram").endpoint
+    big = 1 << 20
+    owner = TierClient("dram", endpoint, "greedy", "owner", Deadlines(base=2.0))
+    assert owner.put_frames(["big"], [[b"b" * big]], big) == [True]
+    owner.close()
+    ctx = zmq.Context.instance()
+    greedy = ctx.socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.RCVHWM, 1)
+    greedy.connect(endpoint)
+    admin = TierClient("dram", endpoint, "_admin", "test")
+    try:
+        greedy.send(P.request("hello", 1, ns="greedy", client="greedy"))
+        assert greedy.poll(5000)
+        session = P.unpack(greedy.recv())["session"]
+        asked = 300
+        for i in range(asked):  # 1 MiB replies: the socket buffers fill after a few, the daemon's queue after 64
+            greedy.send(P.request("get", 2 + i, s=session, keys=["big"]))
+        served = eventually(lambda: admin.stats()["requests"].get("get", 0) >= asked, within=30)
+        assert served
+        honest = TierClient("dram", endpoint, "honest", "honest", Deadlines(base=2.0))
+        assert honest.put_frames(["k"], [[b"h" * PAGE]], PAGE) == [True] and honest.lookup(["k"]) == b"\x01"
+        honest.close()
+        errors = admin.stats()["errors"]
+        print(f"\n{asked} gets of 1 MiB never read: {errors.get('reply_dropped', 0)} replies dropped and counted")
+        assert errors.get("reply_dropped", 0) >= asked // 2, errors
+    finally:
+        admin.close()
+        greedy.close(linger=0)
+        assert runner.stop() == {"dram": 0}

@@ -285,19 +285,22 @@ class TierDaemon:
     def _send(self, ident: bytes, reply: list) -> None:
         # Zero-copy pays for pages only: a small reply sent without copying costs a zmq.Frame a part and a
         # message to pyzmq's garbage-collector thread, ~20 us of a 60 us lookup.
+        # The ROUTER is mandatory (tiers/node/endpoint.py): a reply it cannot queue raises instead of
+        # vanishing, and is counted.
         router = self._router
-        if len(reply) == 1 and len(reply[0]) < ZERO_COPY_BYTES:  # a header alone (lookups, puts): the common reply
-            try:
+        try:
+            if len(reply) == 1 and len(reply[0]) < ZERO_COPY_BYTES:  # a header alone (lookups, puts): the common reply
                 router.send(ident, _MORE_NOBLOCK)
                 router.send(reply[0], _NOBLOCK)
-            except zmq.Again:  # the peer does not read its replies: it loses this one, nobody else waits
-                self.metrics.error("reply_dropped")
-            return
-        big = any(memoryview(part).nbytes >= ZERO_COPY_BYTES for part in reply)
-        try:
+                return
+            big = any(memoryview(part).nbytes >= ZERO_COPY_BYTES for part in reply)
             router.send_multipart([ident, *reply], copy=not big, flags=_NOBLOCK)
-        except zmq.Again:
+        except zmq.Again:  # the peer does not read its replies (its queue is full): it loses this one, nobody waits
             self.metrics.error("reply_dropped")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.metrics.error("reply_unroutable")  # the peer left before its reply was ready
 
     def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int) -> None:
         try:

@@ -59,6 +59,9 @@ def bind_router(context: zmq.Context, endpoint: str, name: str, curve: security.
     router.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     router.setsockopt(zmq.RCVHWM, hwm)
     router.setsockopt(zmq.SNDHWM, hwm)
+    # A reply to a peer whose queue is full (it does not read) or that is gone raises instead of being dropped
+    # silently, so the daemon counts it (reply_dropped, reply_unroutable).
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     admission = None
     try:
         admission = security.secure_router(router, context, endpoint, name, curve)
