@@ -25,7 +25,8 @@ NODE_KEY_HELP = {
     "data_dir": "NVMe data; default $STATE_DIRECTORY or $XDG_DATA_HOME/hicache-tiers",
     "write_policy": "write_through (default), write_back or selective",
     "log_level": "debug, info (default), warning or error",
-    "max_dirty_pages": "write-back pages a tier may hold before flushing the oldest down (default 1024)",
+    "max_dirty_pages": "acknowledged write-back pages a tier may hold not yet written below, what a crash may "
+                       "lose; a put past it writes the oldest below before it is answered (default 1024)",
     "metrics_port": "Prometheus base port: tier i serves on metrics_port + i (default 0: off)",
     "metrics_address": "address the metrics endpoints bind (default 127.0.0.1)",
     "curve_server_key": "CurveZMQ secret key file of this node's tcp:// daemons",
@@ -34,8 +35,9 @@ NODE_KEY_HELP = {
     "allow_insecure_tcp": "serve tcp:// endpoints without CurveZMQ (default false: refuse to start)",
     "socket_group": "group (name or gid) whose members may connect to the ipc sockets; default none: the "
                     "daemon's account only. Members are served only as a [[tenants]] entry says",
-    "demotion_queue_bytes": "write-back pages on their way to the tier below, per daemon (default 256MiB); "
-                            "when the queue is full an evicted dirty page is dropped and counted (demotion_dropped); "
+    "demotion_queue_bytes": "pages on their way to the tier below, per daemon (default 256MiB); when the queue "
+                            "is full an evicted selective page is dropped and counted (demotion_dropped); "
+                            "write-back pages are queued whatever the bound (max_dirty_pages bounds them); "
                             "pages pinned in a DRAM arena for it are held to a quarter of that arena besides",
 }
 ENVIRONMENT = {

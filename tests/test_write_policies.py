@@ -187,3 +187,25 @@ def test_dirty_pages_go_down_through_shared_memory_aligned_for_o_direct(make_nod
         assert tier_stats(engine)["nvme"]["unaligned_writes"] == 0
     finally:
         engine.close()
+
+
+def test_a_crash_under_write_back_loses_at_most_max_dirty_pages_acknowledged_pages(make_node):
+    """Issue 29, attack 7: SIGKILL of the DRAM daemon under write_back lost 276-325 acknowledged pages with
+    max_dirty_pages=16; now a put past the bound writes the oldest below before it is answered."""
+    runner = make_node(dram_pages=512, max_dirty=16, write_policy="write_back")
+    dram = TierClient("dram", runner.config.tier("dram").endpoint, "crash-wb", "test")
+    acknowledged = []
+    for batch in range(30):
+        keys = [f"p{batch}-{i}" for i in range(10)]
+        stored = dram.put_frames(keys, [[bytes([batch]) * PAGE_BYTES]] * 10, 10 * PAGE_BYTES, mode="back")
+        acknowledged += [k for k, ok in zip(keys, stored) if ok]
+    dram.close()
+    os.kill(runner.pid("dram"), signal.SIGKILL)
+    nvme = TierClient("nvme", runner.config.tier("nvme").endpoint, "crash-wb", "test")
+    try:
+        held = nvme.lookup(acknowledged)
+        lost = sum(1 for b in held if b == 0)
+    finally:
+        nvme.close()
+    print(f"\nwrite_back, max_dirty_pages 16, SIGKILL after {len(acknowledged)} acknowledged pages: {lost} lost")
+    assert len(acknowledged) == 300 and lost <= 16, lost

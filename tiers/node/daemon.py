@@ -425,7 +425,9 @@ class TierDaemon:
             stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums,
                                                        checked=msg.promote and any(sums),
                                                        hashed=msg.hash_pages and not any(sums))
-            if self.demoter is not None:
+            if self.demoter is not None and mode == "back":
+                stored = self.demoter.admit_write_back(self.store, ns, keys, stored, min_reads)
+            elif self.demoter is not None:
                 for key, ok in zip(keys, stored):
                     if ok:
                         self.dirty.add((ns, key), mode, min_reads)

@@ -129,6 +129,7 @@ class _Pending:
     extents: Optional[list] = None  # runs in the upper arena, pinned by lease until pushed
     lease: Optional[int] = None
     checksum: int = 0  # the writer's, kept below
+    promised: bool = False  # an acknowledged write-back page (Demoter.admit_write_back counts it until pushed)
 
 
 class DemotionQueue:
@@ -152,6 +153,7 @@ class DemotionQueue:
         self._items: Deque[_Pending] = deque()
         self._bytes = 0
         self._pages = 0  # queued or being pushed
+        self.promised = 0  # acknowledged write-back pages among them
         self._cond = threading.Condition()
         self._closed = False
         self.dropped = 0
@@ -179,7 +181,7 @@ class DemotionQueue:
             self._items.append(item)
             self._cond.notify()
 
-    def offer_pinned(self, key: PageKey, extents: list, lease: int, checksum: int = 0) -> bool:
+    def offer_pinned(self, key: PageKey, extents: list, lease: int, checksum: int = 0, promised: bool = False) -> bool:
         """Queue a page of self.arena by its runs, pinned by lease (released once pushed).  Pinned memory is
         bounded by the queue's bytes and by PINNED_SHARE of the arena.  Never waits; False when full (counted
         when the queue is): the caller keeps the lease."""
@@ -192,19 +194,30 @@ class DemotionQueue:
             with self._cond:
                 self.pinned_bytes -= nbytes
             return False
-        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease, checksum))
+        if promised:
+            with self._cond:
+                self.promised += 1
+        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease, checksum, promised))
         return True
 
-    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False, checksum: int = 0) -> bool:
-        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full."""
+    def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False, checksum: int = 0,
+              promised: bool = False) -> bool:
+        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full.
+        promised: an acknowledged write-back page, queued whatever the bound (their number is bounded by
+        max_dirty_pages, Demoter.admit_write_back): dropping it would lose a page the policy promised."""
         nbytes = sum(v.nbytes for v in views)
-        if not self._admit(key, nbytes):
+        if promised:
+            with self._cond:
+                self._bytes += nbytes
+                self._pages += 1
+                self.promised += 1
+        elif not self._admit(key, nbytes):
             return False
         if copy:
             data = bytearray(nbytes)
             scatter_copy([memoryview(data)], views)
             views = [memoryview(data)]
-        self._append(_Pending(key, list(views), nbytes, checksum=checksum))
+        self._append(_Pending(key, list(views), nbytes, checksum=checksum, promised=promised))
         return True
 
     def queued(self) -> Tuple[int, int]:
@@ -258,6 +271,7 @@ class DemotionQueue:
         with self._cond:
             self._bytes -= sum(i.nbytes for i in items)
             self._pages -= len(items)
+            self.promised -= sum(i.promised for i in items)
             self.pinned_bytes -= sum(i.nbytes for i in items if i.lease is not None)
 
     def close(self) -> None:
@@ -280,6 +294,9 @@ class Demoter(EvictionListener):
         self.link = link
         self.queue = DemotionQueue(link, queue_bytes)
         self._flushing = False
+        self._admission = threading.Lock()  # one write-back put at a time weighs the bound
+        self.written_down = 0  # write-back pages a put wrote below before it was acknowledged
+        self.refused = 0  # write-back pages not acknowledged: the bound was reached and the tier below failed
 
     def share_arena(self, arena) -> None:
         """The store keeps its pages in arena (a BlockArena): pages go down by (offset, length) in it."""
@@ -291,7 +308,63 @@ class Demoter(EvictionListener):
         """Inside the store's lock, before an evicted page's memory is reused: only queues a copy."""
         pending = self.dirty.pop(key)
         if pending is not None and should_demote(pending[0], pending[1], reads):
-            self.queue.offer(key, views, copy=True, checksum=checksum)
+            self.queue.offer(key, views, copy=True, checksum=checksum, promised=pending[0] == "back")
+
+    def unsafe_pages(self) -> int:
+        """Acknowledged write-back pages not yet acknowledged by the tier below: what a crash now would lose."""
+        return self.dirty.write_back_count() + self.queue.promised
+
+    def admit_write_back(self, store: PageStore, namespace: str, keys: Sequence[str], stored: List[bool],
+                         min_reads: int) -> List[bool]:
+        """The write-back pages of a put, stored here; which may be acknowledged.
+
+        write_back promises that a crash loses at most max_dirty_pages acknowledged pages: when this put
+        would take the pages not yet below past that, the oldest go down now, from this worker thread,
+        before the put is answered (a lower tier that cannot take them leaves the newest of this put
+        unacknowledged: stored here, not promised)."""
+        out = list(stored)
+        with self._admission:
+            new = [(namespace, k) for k, ok in zip(keys, stored) if ok]
+            for key in new:
+                self.dirty.add(key, "back", min_reads)
+            over = self.unsafe_pages() - self.dirty.limit
+            if over > 0:
+                oldest = self.dirty.oldest_write_back(over)
+                for key, ok in zip(oldest, self.write_down(store, oldest)):
+                    if ok:
+                        self.dirty.pop(key)
+                        self.written_down += 1
+            over = self.unsafe_pages() - self.dirty.limit
+            if over > 0:  # the tier below failed: the newest of this put are not promised
+                unpromised = {k for k in new[-over:]}
+                for key in unpromised:
+                    self.dirty.pop(key)
+                self.refused += len(unpromised)
+                out = [ok and (namespace, k) not in unpromised for k, ok in zip(keys, stored)]
+        return out
+
+    def write_down(self, store: PageStore, keys: Sequence[PageKey]) -> List[bool]:
+        """Write stored pages to the tier below now, a call a namespace; True where it acknowledged."""
+        done = {}
+        by_ns: Dict[str, List[PageKey]] = {}
+        for key in keys:
+            by_ns.setdefault(key[0], []).append(key)
+        arena = self.queue.arena
+        for namespace, group in by_ns.items():
+            pins = [store.pin_page(key, DEMOTION_OWNER) if arena is not None else None for key in group]
+            try:
+                if arena is not None and all(p is not None for p in pins):
+                    stored = self.link.push_many(namespace, [k[1] for k in group],
+                                                 [arena.extent_views(p[1]) for p in pins], [p[1] for p in pins],
+                                                 [p[2] for p in pins])
+                else:
+                    stored = [self._push_stored(store, key) for key in group]
+            finally:
+                for pin in pins:
+                    if pin is not None:
+                        arena.release(pin[0], DEMOTION_OWNER)
+            done.update(zip(group, stored))
+        return [done.get(key, False) for key in keys]
 
     def tick(self, store: PageStore, submit) -> None:
         """Housekeeping: queue the dirty pages over the bound, off the loop thread (submit runs it)."""
@@ -307,7 +380,8 @@ class Demoter(EvictionListener):
                     queued = self._offer_stored(store, key)
                 else:
                     data, checksum = store.peek_with_sum(key)
-                    queued = None if data is None else self.queue.offer(key, [memoryview(data)], checksum=checksum)
+                    queued = None if data is None else self.queue.offer(key, [memoryview(data)], checksum=checksum,
+                                                                        promised=True)
                 if queued is None:
                     self.dirty.pop(key)
                 elif queued:
@@ -323,7 +397,7 @@ class Demoter(EvictionListener):
         if pinned is None:
             return None
         lease, extents, checksum = pinned
-        if self.queue.offer_pinned(key, extents, lease, checksum):
+        if self.queue.offer_pinned(key, extents, lease, checksum, promised=True):
             return True
         self.queue.arena.release(lease, DEMOTION_OWNER)
         return False
@@ -366,10 +440,13 @@ class Demoter(EvictionListener):
         return {"demotions": self.link.demoted, "demotions_by_region": self.link.by_region,
                 "demotion_failures": self.link.failed,
                 "demotion_queued_pages": pages, "demotion_queued_bytes": nbytes,
-                "demotion_dropped": self.queue.dropped, "lower_tier": self.link.name}
+                "demotion_dropped": self.queue.dropped, "lower_tier": self.link.name,
+                "write_back_unsafe_pages": self.unsafe_pages(), "write_back_written_down": self.written_down,
+                "write_back_refused": self.refused}
 
     @staticmethod
     def idle_stats() -> dict:
         """The same figures for a daemon with no tier below."""
         return {"demotions": 0, "demotions_by_region": 0, "demotion_failures": 0, "demotion_queued_pages": 0, "demotion_queued_bytes": 0,
-                "demotion_dropped": 0, "lower_tier": ""}
+                "demotion_dropped": 0, "lower_tier": "", "write_back_unsafe_pages": 0, "write_back_written_down": 0,
+                "write_back_refused": 0}

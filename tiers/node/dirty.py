@@ -20,26 +20,44 @@ class DirtySet:
     def __init__(self, limit: int):
         self.limit = limit
         self._pages: "OrderedDict[PageKey, Tuple[str, int]]" = OrderedDict()
+        self._back = 0  # write-back pages among them (kept, not counted: every write-back put asks)
         self._lock = threading.Lock()
 
     def add(self, key: PageKey, mode: str, min_reads: int) -> None:
         with self._lock:
-            self._pages.pop(key, None)
+            self._forget_locked(key)
             if mode != "through":
                 self._pages[key] = (mode, min_reads)
+                self._back += mode == "back"
 
     def pop(self, key: PageKey) -> Optional[Tuple[str, int]]:
         with self._lock:
-            return self._pages.pop(key, None)
+            return self._forget_locked(key)
+
+    def _forget_locked(self, key: PageKey) -> Optional[Tuple[str, int]]:
+        was = self._pages.pop(key, None)
+        if was is not None and was[0] == "back":
+            self._back -= 1
+        return was
 
     def discard_namespace(self, namespace: Optional[str]) -> None:
         with self._lock:
             for key in [k for k in self._pages if namespace is None or k[0] == namespace]:
-                del self._pages[key]
+                self._forget_locked(key)
 
     def write_back_count(self) -> int:
+        return self._back
+
+    def oldest_write_back(self, n: int) -> List[PageKey]:
+        """The n oldest write-back pages."""
         with self._lock:
-            return sum(1 for mode, _ in self._pages.values() if mode == "back")
+            out = []
+            for key, (mode, _) in self._pages.items():
+                if len(out) >= n:
+                    break
+                if mode == "back":
+                    out.append(key)
+            return out
 
     def oldest_over_limit(self) -> List[PageKey]:
         """Write-back pages beyond the bound, oldest first (selective pages wait for eviction)."""

@@ -27,6 +27,9 @@ GAUGES = {
     "used_bytes": ("used_bytes", "Bytes of pages held."),
     "pages": ("pages", "Pages held."),
     "dirty_pages": ("dirty_pages", "Pages acknowledged here and not yet written to the tier below (write-back, selective)."),
+    "write_back_unsafe_pages": ("write_back_unsafe_pages", "Acknowledged write-back pages not yet acknowledged by "
+                                                           "the tier below (what a crash would lose; at most "
+                                                           "max_dirty_pages)."),
     "sessions": ("sessions", "Open client sessions (engine ranks and tools)."),
     "regions": ("regions", "Host-pool shared-memory regions mapped."),
 }
@@ -44,7 +47,11 @@ COUNTERS = {
     "demotions_by_region": ("demotions_by_region", "Demoted pages the tier below copied out of this tier's arena "
                                                    "(shared memory, aligned for O_DIRECT) instead of receiving frames."),
     "demotion_failures": ("demotion_failures", "Pages the tier below refused or could not take."),
-    "demotion_dropped": ("demotion_dropped", "Dirty pages evicted while the demotion queue was full (lost to the tiers below)."),
+    "demotion_dropped": ("demotion_dropped", "Selective pages evicted while the demotion queue was full (lost to the tiers below)."),
+    "write_back_written_down": ("write_back_written_down", "Write-back pages a put wrote below before it was answered "
+                                                           "(the dirty bound was reached)."),
+    "write_back_refused": ("write_back_refused", "Write-back pages stored but not acknowledged: the dirty bound was "
+                                                 "reached and the tier below could not take the oldest."),
     "source_gone": ("source_gone", "Writes refused because the engine's host pool shrank under the copy."),
     "staging_full": ("staging_full", "Pages not moved because the staging arena was full."),
     "leases_expired": ("leases_expired", "Read leases that ended by time instead of a release."),
