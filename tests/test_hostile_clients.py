@@ -12,7 +12,7 @@ import zmq
 
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tests.nodes import RawPeer, dram_config, node_toml, nvme_tier, rss_bytes, start_node
+from tests.nodes import RawPeer, dram_config, eventually, node_toml, nvme_tier, rss_bytes, start_node
 from tiers.ops.node_runner import NodeRunner
 
 NVME = node_toml(nvme_tier(staging_bytes="16MiB"))
@@ -235,3 +235,72 @@ def test_a_quota_caps_a_model_below_its_fair_share(tmp_path, kind):
     finally:
         a.close()
         assert runner.stop() == {kind: 0}
+
+
+def _vm_pte_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmPTE:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_one_host_pool_attached_over_many_connections_is_mapped_once(tmp_path):
+    """Attack 4: one memfd attached over many connections cost a mapping (and its page tables) each, and
+    closing them stalled the loop (munmap on it). Now: mapped once, unmapped off the loop at the last close."""
+    import threading
+    runner = start_node(tmp_path, dram_config(capacity="16MiB"))
+    endpoint = runner.config.tier("dram").endpoint
+    pid = runner.pid("dram")
+    size = 128 << 20
+    fd = os.memfd_create("shared-pool")
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # resident: the daemon populates its mapping's page tables
+    clients = []
+    try:
+        before = _vm_pte_kib(pid)
+        for n in range(40):
+            client = TierClient("dram", endpoint, f"rank{n}", "test", Deadlines(base=2.0), attach=True)
+            client.attach_region(fd, size)
+            assert client.connect() and client.region_id is not None
+            clients.append(client)
+        time.sleep(1.0)  # the populate thread
+        grown = _vm_pte_kib(pid) - before
+        one_mapping = size // 4096 * 8 // 1024  # KiB of page tables for one 128 MiB mapping
+        print(f"\n40 attaches of one 128 MiB memfd: page tables grew {grown} KiB (one mapping's: {one_mapping} KiB)")
+        assert grown < 4 * one_mapping, grown
+        watcher = TierClient("dram", endpoint, "watcher", "test", Deadlines(base=2.0))
+        assert watcher.put_frames(["w"], [[b"w" * 4096]], 4096) == [True]
+        lookups, failed, stop = [], [], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                began = time.perf_counter()
+                if watcher.lookup(["w"]) != b"\x01":
+                    failed.append(1)
+                lookups.append(time.perf_counter() - began)
+        thread = threading.Thread(target=watch)
+        thread.start()
+        for client in clients:
+            client.close()
+        clients.clear()
+        time.sleep(0.5)
+        stop.set()
+        thread.join()
+        watcher.close()
+        print(f"closing them: {len(lookups)} lookups meanwhile, {len(failed)} failed, worst {max(lookups) * 1e3:.1f} ms")
+        assert not failed and max(lookups) < 0.25
+        assert eventually(lambda: _admin_stats_regions(endpoint) == 0)
+    finally:
+        for client in clients:
+            client.close()
+        os.close(fd)
+        assert runner.stop() == {"dram": 0}
+
+
+def _admin_stats_regions(endpoint: str) -> int:
+    admin = TierClient("dram", endpoint, "_admin", "test")
+    try:
+        return admin.stats()["regions"]
+    finally:
+        admin.close()

@@ -316,3 +316,48 @@ def test_replies_a_peer_never_reads_are_dropped_and_counted(tmp_path):
         admin.close()
         greedy.close(linger=0)
         assert runner.stop() == {"dram": 0}
+
+
+def test_peers_that_never_read_their_replies_do_not_grow_the_daemon(tmp_path):
+    """Attack 3: peers that ask for pages as frames and never read the replies grew the daemon by every reply
+    (8 peers x 64 reads of 4 MiB: 2,034 MiB); now each may leave PEER_UNREAD_BYTES unread, then gets busy."""
+    from tests.nodes import dram_config, eventually, rss_bytes, start_node
+    from tiers.node.peers import PEER_UNREAD_BYTES
+    runner = start_node(tmp_path, dram_config(capacity="64MiB"))
+    endpoint = runner.config.tier("dram").endpoint
+    pid = runner.pid("dram")
+    big = 4 << 20
+    owner = TierClient("dram", endpoint, "pages", "owner", Deadlines(base=2.0))
+    assert owner.put_frames(["big"], [[b"b" * big]], big) == [True]
+    admin = TierClient("dram", endpoint, "_admin", "test")
+    ctx = zmq.Context.instance()
+    peers, asked = [], 4 * 64
+    try:
+        before = rss_bytes(pid)
+        for p in range(4):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.connect(endpoint)
+            sock.send(P.request("hello", 1, ns="pages", client=f"greedy{p}"))
+            assert sock.poll(5000)
+            session = P.unpack(sock.recv())["session"]
+            for i in range(64):
+                sock.send(P.request("get", 2 + i, s=session, keys=["big"]))
+            peers.append(sock)
+        assert eventually(lambda: admin.stats()["requests"].get("get", 0) >= asked, within=30)
+        grown = rss_bytes(pid) - before
+        errors = admin.stats()["errors"]
+        # The honest reader (another peer, nothing unread) is served as ever.
+        found, frames = owner.get_frames(["big"], big)
+        print(f"\n{asked} unread 4 MiB replies asked by 4 peers: daemon grew {grown >> 20} MiB (bound a peer "
+              f"{PEER_UNREAD_BYTES >> 20} MiB), {errors.get('busy', 0)} reads refused busy")
+        assert found == [True] and frames[0].bytes == b"b" * big
+        assert errors.get("busy", 0) >= asked // 2, errors
+        assert grown < 4 * (PEER_UNREAD_BYTES + 2 * big) + (64 << 20), grown >> 20
+    finally:
+        for sock in peers:
+            sock.close(linger=0)
+        owner.close()
+        admin.close()
+        assert runner.stop() == {"dram": 0}

@@ -34,6 +34,7 @@ from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
 from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
@@ -94,6 +95,7 @@ class TierDaemon:
             M.Evict: self.handle_evict, M.Stats: self.handle_stats}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
         self._peer_tenants: Dict[bytes, Optional[Tenant]] = {}
+        self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
         self._tenant_owners: Dict[str, int] = {}  # a configured tenant's lease owner id (negative: no session's)
         self._peer_tenant: Optional[Tenant] = None  # the tenant of the request being dispatched
         self.socket_gid = socket_gid
@@ -249,6 +251,9 @@ class TierDaemon:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
             self._peer_tenant = self._tenant_of(peer)  # read by _namespace: a session is its own tenant's only
+            frames_read = type(msg) is M.Get and msg.lease is None  # pages come back as frames: bounded a peer
+            if frames_read:
+                self._peer_replies.admit(ident)
             if type(msg) is M.Hello:
                 result = self.handle_hello(msg, self._peer_tenant)
             else:
@@ -259,8 +264,11 @@ class TierDaemon:
             if isinstance(result, Future):
                 self._in_flight += 1
                 self._inflight_bytes += nbytes
+                if frames_read:
+                    self._peer_replies.started(ident)
                 result.add_done_callback(
-                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes: self._finish(fut, i, r, o, t, n))
+                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes, f=frames_read:
+                    self._finish(fut, i, r, o, t, n, f))
                 return
             reply = result
         except Exception as exc:
@@ -293,8 +301,13 @@ class TierDaemon:
                 router.send(ident, _MORE_NOBLOCK)
                 router.send(reply[0], _NOBLOCK)
                 return
-            big = any(memoryview(part).nbytes >= ZERO_COPY_BYTES for part in reply)
-            router.send_multipart([ident, *reply], copy=not big, flags=_NOBLOCK)
+            big = sum(memoryview(part).nbytes for part in reply)
+            if big < ZERO_COPY_BYTES:
+                router.send_multipart([ident, *reply], flags=_NOBLOCK)
+                return
+            # Pages leave without a copy; libzmq holds them until the peer reads them: counted until then.
+            self._peer_replies.sent(ident, router.send_multipart([ident, *reply], copy=False, track=True,
+                                                                  flags=_NOBLOCK), big)
         except zmq.Again:  # the peer does not read its replies (its queue is full): it loses this one, nobody waits
             self.metrics.error("reply_dropped")
         except zmq.ZMQError as exc:
@@ -302,13 +315,14 @@ class TierDaemon:
                 raise
             self.metrics.error("reply_unroutable")  # the peer left before its reply was ready
 
-    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int) -> None:
+    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int,
+                frames_read: bool = False) -> None:
         try:
             reply = fut.result()
         except Exception as exc:
             reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
-        self._done.append((ident, reply, nbytes))
+        self._done.append((ident, reply, nbytes, frames_read))
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -323,13 +337,16 @@ class TierDaemon:
 
     def _send_done(self) -> None:
         while self._done:
-            ident, reply, nbytes = self._done.popleft()
+            ident, reply, nbytes, frames_read = self._done.popleft()
             self._in_flight -= 1
             self._inflight_bytes -= nbytes
+            if frames_read:
+                self._peer_replies.finished(ident)
             self._send(ident, reply)
 
     def _housekeeping(self, poller) -> None:
         self.arena.expire()
+        self._peer_replies.prune()
         self.store.prune()
         if self._regions is not None:
             self._regions.tick(poller)

@@ -7,7 +7,11 @@ from it (writes), and reads it through the SIGBUS-guarded copy, because a
 buggy engine may truncate it.  It answers with a read-only descriptor of its
 arena (tiers/node/arena.py), which the engine maps to copy leased pages out.
 When the connection closes (engine exit or crash) the mapping is dropped, so
-no daemon pins a dead engine's host pool.  The session named must be one the
+no daemon pins a dead engine's host pool.  A memfd is mapped once however many
+connections attach it (its page tables once, not once a connection: 200
+attaches of 1 GiB cost 401 MiB of them), and unmapped when its last
+connection closes, off the loop thread (unmapping a large mapping takes
+long).  The session named must be one the
 connecting account's tenant opened (SO_PEERCRED), and only a tenant allowed
 to (``map_arena``: the operator's accounts, or a tenant so configured) gets the
 arena: the arena holds every namespace's pages.
@@ -28,6 +32,7 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -80,14 +85,38 @@ def _resident(fd: int, size: int) -> bool:
 
 
 @dataclass
+class _Mapping:
+    """One memfd's read-only mapping, shared by every region attached from it."""
+    key: Tuple[int, int, int]  # the memfd's st_dev, st_ino, and the size mapped
+    mapping: mmap.mmap
+    view: memoryview
+    base: int  # its address in this process
+    users: int = 0
+
+
+def _unmap(shared: _Mapping) -> None:
+    try:
+        shared.view.release()
+        shared.mapping.close()
+    except BufferError:  # a transfer still holds a slice; the mapping goes when it is done
+        log.debug("region still in use at close")
+
+
+@dataclass
 class Region:
     region_id: int
     session: int
     size: int
-    mapping: mmap.mmap
-    view: memoryview
+    shared: _Mapping
     conn: socket.socket
-    base: int = 0  # the mapping's address in this process
+
+    @property
+    def view(self) -> memoryview:
+        return self.shared.view
+
+    @property
+    def base(self) -> int:
+        return self.shared.base
 
 
 @dataclass
@@ -112,6 +141,8 @@ class RegionRegistry:
         self._listening = False
         self._resume_at = 0.0
         self._by_id: Dict[int, Region] = {}
+        self._mappings: Dict[Tuple[int, int, int], _Mapping] = {}
+        self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unmap")
         self._conns: Dict[int, _Conn] = {}
         self.refused = 0
         # Store hooks: called with a region's view after mapping (an exception refuses
@@ -217,17 +248,18 @@ class RegionRegistry:
             self.refused += 1
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
-        if region is not None and self.on_map is not None:
+        if region is not None and region.shared.users == 0 and self.on_map is not None:  # a memfd new to us
             try:
                 self.on_map(region.view)
             except Exception as exc:  # the store refused the mapping: the client falls back to frames
                 log.warning("store refused a host pool region: %s", exc)
-                region.view.release()
-                region.mapping.close()
+                _unmap(region.shared)
                 self._reply_and_drop(fd, poller, {"ok": False, "code": "io_error", "msg": f"store refused the region: {exc}"})
                 return
         conn.region, conn.attached = region, True
         if region is not None:
+            region.shared.users += 1
+            self._mappings[region.shared.key] = region.shared
             self._by_id[region.region_id] = region
         # The arena holds every namespace's pages: only a tenant trusted with them maps it (the others read
         # pages as frames, one copy more).
@@ -265,20 +297,23 @@ class RegionRegistry:
             if size > self.max_region_bytes:
                 raise P.ProtocolError("too_large", f"host pool of {size} bytes exceeds max_region_bytes "
                                                    f"{self.max_region_bytes}")
-            actual = os.fstat(memfd).st_size
-            if actual < size:
-                raise P.ProtocolError("bad_request", f"fd holds {actual} bytes, fewer than the declared {size}")
-            try:
-                mapping = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-            except (OSError, ValueError) as exc:
-                raise P.ProtocolError("bad_request", f"cannot map the fd: {exc}") from None
-            if _resident(memfd, size):
-                threading.Thread(target=_populate, args=(mapping,), name="populate", daemon=True).start()
+            st = os.fstat(memfd)
+            if st.st_size < size:
+                raise P.ProtocolError("bad_request", f"fd holds {st.st_size} bytes, fewer than the declared {size}")
+            shared = self._mappings.get((st.st_dev, st.st_ino, size))
+            if shared is None:
+                try:
+                    mapping = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                except (OSError, ValueError) as exc:
+                    raise P.ProtocolError("bad_request", f"cannot map the fd: {exc}") from None
+                if _resident(memfd, size):
+                    threading.Thread(target=_populate, args=(mapping,), name="populate", daemon=True).start()
+                view = memoryview(mapping)
+                shared = _Mapping((st.st_dev, st.st_ino, size), mapping, view, address_of(view))
         finally:
             if memfd is not None:
                 os.close(memfd)  # the mapping keeps the memory alive
-        view = memoryview(mapping)
-        return Region(secrets.randbits(62), session, size, mapping, view, conn, address_of(view)), tenant
+        return Region(secrets.randbits(62), session, size, shared, conn), tenant
 
     def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:
         try:
@@ -296,14 +331,13 @@ class RegionRegistry:
         region = conn.region
         if region is not None:
             self._by_id.pop(region.region_id, None)
-            self._unhook(region)
-            try:
-                region.view.release()
-                region.mapping.close()
-            except BufferError:
-                # A transfer still holds a slice; the mapping goes when it is done.
-                log.debug("region still in use at close")
-            log.info("unmapped a host pool region of %d bytes (client went away)", region.size)
+            shared = region.shared
+            shared.users -= 1
+            if shared.users == 0:  # its last connection: unmapped on a thread of its own (munmap takes long)
+                self._mappings.pop(shared.key, None)
+                self._unhook(region)
+                self._unmapper.submit(_unmap, shared)
+                log.info("unmapping a host pool region of %d bytes (client went away)", region.size)
         conn.sock.close()
 
     def _unhook(self, region: Region) -> None:
@@ -317,13 +351,12 @@ class RegionRegistry:
         for fd in list(self._conns):
             self._conns.pop(fd).sock.close()
         for region in self._by_id.values():
-            self._unhook(region)
-            try:
-                region.view.release()
-                region.mapping.close()
-            except BufferError:
-                pass
+            if region.shared.key in self._mappings:
+                del self._mappings[region.shared.key]
+                self._unhook(region)
+                _unmap(region.shared)
         self._by_id.clear()
+        self._unmapper.shutdown(wait=True)
         if self._listener is not None:
             self._listener.close()
             try:
