@@ -36,17 +36,13 @@ from tiers.ops.metrics import DaemonMetrics
 from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
+from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
 
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
-SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
-TENANT_LEASE_SHARE = 0.25  # of the arena, pinned by read leases of one configured tenant at most
-PEER_CACHE = 65536  # connections whose tenant is remembered by routing id (then the cache starts over)
-_UNKNOWN = object()
-ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
 ZERO_COPY_BYTES = 64 << 10  # a reply part this large is sent from its buffer, not copied (pyzmq's advice)
@@ -86,7 +82,6 @@ class TierDaemon:
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
-        self._sessions: Dict[int, dict] = {}
         # The operations this daemon serves, by request type (a pool daemon adds its own); hello, which
         # every daemon serves, is dispatched with the peer's tenant (_dispatch).
         self.handlers: Dict[type, Callable] = {
@@ -94,13 +89,12 @@ class TierDaemon:
             M.Release: self.handle_release, M.Delete: self.handle_delete, M.Clear: self.handle_clear,
             M.Evict: self.handle_evict, M.Stats: self.handle_stats}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
-        self._peer_tenants: Dict[bytes, Optional[Tenant]] = {}
+        self.sessions = Sessions(self.tenants, endpoint.startswith("ipc://"), curve is not None and curve.enabled)
         self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
-        self._tenant_owners: Dict[str, int] = {}  # a configured tenant's lease owner id (negative: no session's)
         self._peer_tenant: Optional[Tenant] = None  # the tenant of the request being dispatched
         self.socket_gid = socket_gid
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
-                                       self._session_tenant, max_region_bytes or physical_memory(), self.tenants,
+                                       self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
                                        socket_gid) if fd_socket else None
         self._done: deque = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -211,30 +205,6 @@ class TierDaemon:
             payload.append(router.recv(_NOBLOCK, copy=False))
         return peer, header, payload
 
-    def _tenant_of(self, peer: zmq.Frame) -> Optional[Tenant]:
-        """Who sent this message, as the kernel (ipc) or the CurveZMQ handshake (tcp) says; None: nobody known.
-
-        Kept by routing id for the ids the ROUTER made up itself (a 0 byte first: never reused while the
-        socket lives, and a peer cannot choose one); a peer that named itself is looked up every time, since
-        another process may take the name once it left."""
-        ident = peer.bytes
-        if ident[:1] == b"\0":
-            tenant = self._peer_tenants.get(ident, _UNKNOWN)
-            if tenant is _UNKNOWN:
-                if len(self._peer_tenants) >= PEER_CACHE:
-                    self._peer_tenants.clear()
-                tenant = self._peer_tenants[ident] = self._lookup_tenant(peer)
-            return tenant
-        return self._lookup_tenant(peer)
-
-    def _lookup_tenant(self, peer: zmq.Frame) -> Optional[Tenant]:
-        try:
-            if self.endpoint.startswith("ipc://"):
-                return self.tenants.of_ipc_peer(peer.get("Peer-Address"))
-            return self.tenants.of_tcp_peer(peer.get("User-Id") if self._zap is not None else None)
-        except zmq.ZMQError:  # no such property on this connection
-            return None if self.endpoint.startswith("ipc://") else self.tenants.of_tcp_peer(None)
-
     def _dispatch(self, peer: zmq.Frame, raw_header: Optional[bytes], frames: List[zmq.Frame]) -> None:
         ident = peer.bytes
         req_id = 0
@@ -250,7 +220,7 @@ class TierDaemon:
             if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
-            self._peer_tenant = self._tenant_of(peer)  # read by _namespace: a session is its own tenant's only
+            self._peer_tenant = self.sessions.tenant_of(peer)  # read by _namespace: a session is its own tenant's only
             frames_read = type(msg) is M.Get and msg.lease is None  # pages come back as frames: bounded a peer
             if frames_read:
                 self._peer_replies.admit(ident)
@@ -354,53 +324,19 @@ class TierDaemon:
             self.demoter.tick(self.store, self._pool.submit)
 
     # ------------------------------------------------------------- sessions
-    def _session_tenant(self, sid: Optional[int]) -> Optional[Tenant]:
-        session = self._sessions.get(sid) if type(sid) is int else None
-        return session["tenant"] if session is not None else None
-
     def _namespace(self, msg: M.Request, write: bool = False) -> str:
         """The namespace of the request's session; write: a request that changes it (puts, deletes, clears)."""
-        session = self._sessions.get(msg.s) if msg.s is not None else None
-        if session is None:
-            raise P.ProtocolError("no_session", "unknown session; send hello again")
-        if session["tenant"] is not self._peer_tenant:  # a session id is no bearer token: only its tenant's
-            raise P.ProtocolError("forbidden", "this session belongs to another tenant")
-        if write and not session["write"]:
-            raise P.ProtocolError("forbidden", f"tenant {session['tenant'].name} may read namespace "
-                                               f"{session['ns']}, not change it")
-        session["seen"] = time.monotonic()
-        return session["ns"]
+        return self.sessions.get(msg.s, self._peer_tenant, write).ns
 
     def _lease_owner(self, msg: M.Request) -> Tuple[int, Optional[int]]:
-        """Whose read leases a request's are, and the most that owner may hold pinned (None: the tier's own
-        bound a session). The operator's sessions lease each for itself; all the sessions of a configured
-        tenant lease as one owner, which may pin TENANT_LEASE_SHARE of the arena: a tenant that leases and
-        never copies (or opens many sessions to) can starve the writers of the others of that much at most."""
-        session = self._sessions.get(msg.s)
-        if session is None or session["tenant"] is OPERATOR:
-            return msg.s, None
-        return session["owner"], int(self.arena.size * TENANT_LEASE_SHARE)
+        return self.sessions.lease_owner(msg.s, self.arena.size)
 
     def handle_hello(self, msg: M.Hello, tenant: Optional[Tenant]) -> list:
         ns = P.check_namespace(msg.ns)
         client = msg.client[:200]
-        if tenant is None:
-            raise P.ProtocolError("forbidden", "this account is no tenant of this node (see [[tenants]] in its "
-                                               "configuration)")
-        if ns == ADMIN_NAMESPACE:
-            if not tenant.admin:
-                raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not open an admin session")
-        elif not tenant.may_read(ns):
-            raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not use namespace {ns}")
-        if len(self._sessions) >= SESSION_LIMIT:
-            oldest = min(self._sessions, key=lambda s: self._sessions[s]["seen"])
-            del self._sessions[oldest]
-        session = secrets.randbits(62)
+        session = self.sessions.open(ns, client, tenant)
         if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
             self.store.assign_tenant(ns, tenant.name)
-        self._sessions[session] = {"ns": ns, "client": client, "seen": time.monotonic(), "tenant": tenant,
-                                   "owner": self._tenant_owners.setdefault(tenant.name, -2 - len(self._tenant_owners)),
-                                   "write": ns == ADMIN_NAMESPACE or tenant.may_write(ns)}
         # The operator's CLI says hello on every status poll: that is not news.
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
@@ -545,7 +481,7 @@ class TierDaemon:
         snap = self.store.stats()
         stats = snap.as_dict()
         stats.update(self.metrics.snapshot())
-        stats["sessions"] = len({s["client"] for s in self._sessions.values() if s["ns"] != ADMIN_NAMESPACE})
+        stats["sessions"] = self.sessions.clients()
         stats["dirty_pages"] = len(self.dirty)
         stats.update(self.demoter.stats() if self.demoter is not None else Demoter.idle_stats())
         stats["regions"] = len(self._regions) if self._regions is not None else 0

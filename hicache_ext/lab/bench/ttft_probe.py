@@ -50,7 +50,7 @@ class TierProbe:
     def _client(self, tier: TierConfig) -> TierClient:
         client = self._clients.get(tier.name)
         if client is None:
-            from tiers.node.daemon import ADMIN_NAMESPACE
+            from tiers.node.sessions import ADMIN_NAMESPACE
             deadlines = Deadlines(base=self.timeout, lookup=self.timeout, connect_wait=self.timeout / 2)
             client = self._clients[tier.name] = TierClient(tier.name, tier.endpoint, ADMIN_NAMESPACE,
                                                            client_name="hicache-bench-ttft", deadlines=deadlines,
