@@ -361,3 +361,38 @@ def test_peers_that_never_read_their_replies_do_not_grow_the_daemon(tmp_path):
         owner.close()
         admin.close()
         assert runner.stop() == {"dram": 0}
+
+
+@pytest.fixture
+def quota_node():
+    """A 40-page DRAM tier; tenant capped (uid STRANGER) may hold 8 pages over all its namespaces."""
+    root = tempfile.mkdtemp(prefix="hct-quota-", dir="/tmp")
+    os.chmod(root, 0o711)
+    config = node_toml(dram_tier(f"{40 * PAGE}"), socket_group=NOBODY)
+    config += ('\n[[tenants]]\nname = "capped"\nuids = [%d]\nnamespaces = ["capped*"]\nquota = "%dKiB"\n'
+               % (STRANGER, 8 * PAGE // 1024))
+    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
+    runner.start()
+    yield runner
+    runner.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_tenants_quota_caps_all_its_namespaces_together(quota_node):
+    endpoint = quota_node.config.tiers[0].endpoint
+
+    def capped(out: dict, ctx: zmq.Context) -> None:
+        stored = 0
+        for n in range(4):
+            client = TierClient("tier", endpoint, f"capped-{n}", "capped", Deadlines(base=2.0), context=ctx)
+            stored += sum(client.put_frames([f"c{n}-{i}" for i in range(5)], [[b"C" * PAGE]] * 5, 5 * PAGE))
+            client.close()
+        out["stored"] = stored
+
+    got = run_as(STRANGER, NOBODY, capped)
+    assert "error" not in got, got
+    pages = _pages_by_namespace(endpoint)
+    held = sum(n for ns, n in pages.items() if ns.startswith("capped-"))
+    print(f"\n20 pages put over 4 namespaces by a tenant with a quota of 8 pages, tier of 40: {held} held")
+    assert got["stored"] == 20 and held == 8, (got, pages)  # each put is taken; its largest namespace makes way
+    assert pages.get("capped-3", 0) >= 2, pages  # the newest namespace is not the one that gives way

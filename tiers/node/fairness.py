@@ -17,7 +17,7 @@ name matches all its shards).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Mapping, Optional
+from typing import Dict, Hashable, Iterable, Mapping, Optional, Set, Tuple
 
 MAX_ASSIGNED = 65536  # namespaces whose group is remembered (past it the oldest is forgotten: its own group)
 
@@ -30,13 +30,36 @@ class FairShare:
         # Longest prefix first, so "llama.tp0" wins over "llama".
         self.quotas = sorted((quotas or {}).items(), key=lambda kv: -len(kv[0]))
         self._group: Dict[Hashable, Hashable] = {}  # namespace -> its tenant's group (absent: itself)
+        self._members: Dict[Hashable, Set[Hashable]] = {}  # group -> its namespaces
+        self._group_quota: Dict[Hashable, int] = {}  # group -> bytes its namespaces may hold together
 
-    def assign(self, namespace: Hashable, group: Hashable) -> None:
-        """namespace's pages count toward group's share."""
-        self._group.pop(namespace, None)  # re-inserted last: the most recently assigned are kept
+    def assign(self, namespace: Hashable, group: Hashable, quota: Optional[int] = None) -> None:
+        """namespace's pages count toward group's share (and toward its quota, bytes, when one is given)."""
+        self._forget(namespace)  # re-inserted last: the most recently assigned are kept
         if len(self._group) >= MAX_ASSIGNED:
-            del self._group[next(iter(self._group))]
+            self._forget(next(iter(self._group)))
         self._group[namespace] = group
+        self._members.setdefault(group, set()).add(namespace)
+        if quota:
+            self._group_quota[group] = quota
+        else:
+            self._group_quota.pop(group, None)
+
+    def _forget(self, namespace: Hashable) -> None:
+        group = self._group.pop(namespace, None)
+        members = self._members.get(group)
+        if members is not None:
+            members.discard(namespace)
+            if not members:
+                del self._members[group]
+                self._group_quota.pop(group, None)
+
+    def group_quota(self, namespace: Hashable) -> Tuple[Optional[int], Iterable[Hashable]]:
+        """The quota of namespace's group (None: none) and the group's namespaces."""
+        group = self._group.get(namespace)
+        if group is None:
+            return None, ()
+        return self._group_quota.get(group), self._members.get(group, ())
 
     def group(self, namespace: Hashable) -> Hashable:
         return self._group.get(namespace, namespace)

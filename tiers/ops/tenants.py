@@ -33,7 +33,7 @@ import pwd
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-from tiers.ops.config_values import ConfigError
+from tiers.ops.config_values import ConfigError, parse_size
 
 TENANT_KEY_HELP = {  # the README's reference is written from this (scripts/readme_reference.py)
     "name": "the tenant's name in refusals and logs",
@@ -44,6 +44,8 @@ TENANT_KEY_HELP = {  # the README's reference is written from this (scripts/read
     "admin": "may open an _admin session: stats of every namespace, clear and evict across them (default false)",
     "map_arena": "may map the daemon's arena for zero-copy leased reads; the arena holds every namespace's "
                  "pages, so only a tenant trusted with them (default false: its reads come as frames)",
+    "quota": "bytes all its namespaces may hold together in a DRAM tier (e.g. \"4GiB\"; default: none, its "
+             "fair share only)",
 }
 TENANT_KEYS = tuple(TENANT_KEY_HELP)
 
@@ -61,6 +63,7 @@ class Tenant:
     read_namespaces: Tuple[str, ...] = ()
     admin: bool = False
     map_arena: bool = False
+    quota: int = 0  # bytes its namespaces may hold together in a DRAM tier (0: none)
 
     def may_write(self, namespace: str) -> bool:
         return any(fnmatch.fnmatchcase(namespace, pattern) for pattern in self.namespaces)
@@ -144,7 +147,8 @@ def parse_tenants(tables: Any, source: str) -> List[Tenant]:
             tuple(_str(p, f"{where}.namespaces") for p in _list(table.get("namespaces", []), f"{where}.namespaces")),
             tuple(_str(p, f"{where}.read_namespaces")
                   for p in _list(table.get("read_namespaces", []), f"{where}.read_namespaces")),
-            _bool(table.get("admin", False), f"{where}.admin"), _bool(table.get("map_arena", False), f"{where}.map_arena")))
+            _bool(table.get("admin", False), f"{where}.admin"), _bool(table.get("map_arena", False), f"{where}.map_arena"),
+            parse_size(table.get("quota", 0), f"{where}.quota")))
     return tenants
 
 

@@ -178,8 +178,9 @@ class PageStore(ABC):
         """
         raise Unsupported(f"{type(self).__name__} does not support evict")
 
-    def assign_tenant(self, namespace: str, tenant: str) -> None:
-        """namespace is tenant's: its pages count toward that tenant's one fair share. The daemon says so at
+    def assign_tenant(self, namespace: str, tenant: str, quota: Optional[int] = None) -> None:
+        """namespace is tenant's: its pages count toward that tenant's one fair share, and toward its quota
+        (bytes all its namespaces may hold together in this tier) when one is given. The daemon says so at
         each hello of a configured tenant (tiers/ops/tenants.py); a namespace never assigned is a tenant of
         its own. Stores without a fair share ignore it."""
 

@@ -134,11 +134,32 @@ class DramStore(PageStore):
         self._stats.evictions += 1
         return True
 
-    def _allocate_locked(self, namespace: str, size: int) -> Alloc:
-        limit = self._fair.quota(namespace)
+    def _quota_room_locked(self, namespace: str) -> Optional[Tuple[int, str, int]]:
+        """(bytes namespace may still add, the namespace that gives way when it adds more, what that quota's
+        holder holds) under the tighter of its [quotas] entry and its tenant's quota; None: no quota."""
+        room = None
         tenant = self._tenants.get(namespace)
-        while limit is not None and tenant is not None and tenant.bytes + size > limit:
-            if not self._evict_one_locked(namespace, only=namespace):
+        own = tenant.bytes if tenant is not None else 0
+        limit = self._fair.quota(namespace)
+        if limit is not None:
+            room = (limit - own, namespace, own)
+        group_limit, members = self._fair.group_quota(namespace)
+        if group_limit is not None:
+            held = {ns: self._tenants[ns].bytes for ns in members if ns in self._tenants}
+            total = sum(held.values())
+            if room is None or group_limit - total < room[0]:
+                # The tenant's largest namespace gives way (of equals, the smallest name): a tenant's newest
+                # namespace does not evict its own pages while older ones hold more.
+                giver = min(held, key=lambda ns: (-held[ns], ns), default=namespace)
+                room = (group_limit - total, giver, total)
+        return room
+
+    def _allocate_locked(self, namespace: str, size: int) -> Alloc:
+        while True:
+            room = self._quota_room_locked(namespace)
+            if room is None or room[0] >= size:
+                break
+            if not self._evict_one_locked(namespace, only=room[1]):
                 break  # a page larger than the quota still fits once the namespace holds nothing else
         while True:
             alloc = self.arena.take(size)
@@ -158,9 +179,8 @@ class DramStore(PageStore):
             raise PageTooLarge(f"page of {size} bytes not accepted (max {min(self.max_page_bytes, self.capacity)})")
         with self._lock:
             if not evict:
-                tenant = self._tenants.get(key[0])
-                limit = self._fair.quota(key[0])
-                if limit is not None and tenant is not None and tenant.bytes + size > limit:
+                room = self._quota_room_locked(key[0])
+                if room is not None and room[0] < size and room[2]:  # a page over the quota fits an empty holder
                     return None
                 return self.arena.take(size)
             return self._allocate_locked(key[0], size)
@@ -183,22 +203,19 @@ class DramStore(PageStore):
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
         evict = evict and self._room_for_batches
         with self._lock:
-            limit = self._fair.quota(namespace)
-            tenant = self._tenants.get(namespace)
-            held = tenant.bytes if tenant is not None else 0
+            room = self._quota_room_locked(namespace)
             # What fits as it is, taken at once; then page by page, evicting.
-            out = self.arena.take_many(sizes if limit is None else _within(sizes, limit - held))
+            out = self.arena.take_many(sizes if room is None else _within(sizes, room[0]))
             pending = sum(alloc.size for alloc in out)
             index = self._index
             seen = set(keys[:len(out)])  # a key twice in a batch replaces its own first copy when committed
             replaces = len(seen) < len(out) or any((namespace, key) in index for key in seen)
             until = time.perf_counter() + EVICT_AHEAD_S
             for key, size in zip(keys[len(out):], sizes[len(out):]):
-                while limit is not None and held + pending + size > limit:
-                    if not (evict and held and not replaces and self._evict_one_locked(namespace, only=namespace)):
+                while room is not None and pending + size > room[0]:
+                    if not (evict and room[2] and not replaces and self._evict_one_locked(namespace, only=room[1])):
                         return out
-                    tenant = self._tenants.get(namespace)
-                    held = tenant.bytes if tenant is not None else 0
+                    room = self._quota_room_locked(namespace)
                 alloc = self.arena.take(size)
                 while (alloc is None and evict and not replaces and pending < EVICT_AHEAD_BYTES
                        and time.perf_counter() < until and self._evict_one_locked(namespace, size, pending=pending)):
@@ -376,9 +393,9 @@ class DramStore(PageStore):
                 pages, freed = pages + 1, freed + before - self._stats.used_bytes
         return pages, freed
 
-    def assign_tenant(self, namespace: str, tenant: str) -> None:
+    def assign_tenant(self, namespace: str, tenant: str, quota: Optional[int] = None) -> None:
         with self._lock:
-            self._fair.assign(namespace, ("tenant", tenant))
+            self._fair.assign(namespace, ("tenant", tenant), quota)
 
     def prune(self) -> int:
         """Forget the namespaces that hold nothing (their counters with them): a tenant opening namespace
