@@ -33,6 +33,9 @@ class InProcessMemoryStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.pages: Dict[str, np.ndarray] = {}
         self.view: Optional[HostPoolView] = None
+        # Arrays of cleared pages, by size, taken again by later writes: a floor pays a copy, not the page
+        # faults of fresh memory (a store keeps its memory too).
+        self._free: Dict[int, List[np.ndarray]] = {}
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         self.view = HostPoolView(mem_pool_host)
@@ -75,7 +78,7 @@ class InProcessMemoryStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         batch = self.view.batch(list(keys), host_indices)
         new = [i for i, key in enumerate(keys) if key not in self.pages]
-        arrays = [np.empty(int(batch.lengths[i].sum()), dtype=np.uint8) for i in new]
+        arrays = [self._array(int(batch.lengths[i].sum())) for i in new]
         self._runs(batch.pointers[new].tolist(), batch.lengths[new].tolist(), arrays, to_pool=False)
         for i, array in zip(new, arrays):
             self.pages[keys[i]] = array
@@ -96,5 +99,11 @@ class InProcessMemoryStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> bool:
         raise NotImplementedError("memory_reference serves interface v1 only")
 
+    def _array(self, nbytes: int) -> np.ndarray:
+        free = self._free.get(nbytes)
+        return free.pop() if free else np.empty(nbytes, dtype=np.uint8)
+
     def clear(self) -> None:
+        for array in self.pages.values():
+            self._free.setdefault(array.nbytes, []).append(array)
         self.pages.clear()
