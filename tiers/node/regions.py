@@ -43,12 +43,13 @@ from tiers.wire import protocol as P
 from tiers.node.buffers import address_of, populate
 from tiers.node.endpoint import open_socket_file, private_dir
 from tiers.ops.logs import RateLimitedLog
-from tiers.ops.tenants import Tenant, TenantTable
+from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
 
 log = logging.getLogger("hicache.regions")
 _warn = RateLimitedLog(log)
 
 MAX_CONNECTIONS = 256
+MAX_TENANT_CONNECTIONS = 64  # of them, one configured tenant's (the operator's engines may take them all)
 ATTACH_TIMEOUT = 2.0  # seconds a connection may stay silent before attaching
 ACCEPT_PAUSE = 0.2  # seconds accepting rests after running out of descriptors
 
@@ -123,6 +124,7 @@ class Region:
 class _Conn:
     sock: socket.socket
     opened: float
+    tenant: Tenant
     region: Optional[Region] = None
     attached: bool = False
 
@@ -144,6 +146,7 @@ class RegionRegistry:
         self._mappings: Dict[Tuple[int, int, int], _Mapping] = {}
         self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unmap")
         self._conns: Dict[int, _Conn] = {}
+        self._per_tenant: Dict[str, int] = {}  # open connections of each configured tenant
         self.refused = 0
         # Store hooks: called with a region's view after mapping (an exception refuses
         # the region) and before unmapping; the remote tier registers it with its engine.
@@ -212,13 +215,21 @@ class RegionRegistry:
                 if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
                     continue
                 raise
-            if len(self._conns) >= MAX_CONNECTIONS:
+            tenant = self.tenants.of_uid(_peer_uid(sock))
+            if tenant is None:  # an account no tenant names: it holds no slot, not even for ATTACH_TIMEOUT
                 sock.close()
                 self.refused += 1
-                _warn.warning("conns", "refused an attach connection: %d already open", MAX_CONNECTIONS)
+                continue
+            mine = self._per_tenant.get(tenant.name, 0)
+            if len(self._conns) >= MAX_CONNECTIONS or (tenant is not OPERATOR and mine >= MAX_TENANT_CONNECTIONS):
+                sock.close()
+                self.refused += 1
+                _warn.warning("conns", "refused an attach connection of tenant %s: %d open (%d of it)",
+                              tenant.name, len(self._conns), mine)
                 continue
             sock.settimeout(2.0)
-            self._conns[sock.fileno()] = _Conn(sock, time.monotonic())
+            self._per_tenant[tenant.name] = mine + 1
+            self._conns[sock.fileno()] = _Conn(sock, time.monotonic(), tenant)
             poller.register(sock.fileno(), zmq.POLLIN)
 
     def _serve_conn(self, fd: int, poller) -> None:
@@ -243,7 +254,7 @@ class RegionRegistry:
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
         try:
-            region, tenant = self._map(raw, memfd, conn.sock)
+            region, tenant = self._map(raw, memfd, conn.sock, conn.tenant)
         except P.ProtocolError as exc:
             self.refused += 1
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
@@ -279,7 +290,8 @@ class RegionRegistry:
         if region is not None:
             log.info("mapped a host pool region of %d bytes", region.size)
 
-    def _map(self, raw: bytes, memfd: Optional[int], conn) -> Tuple[Optional[Region], Tenant]:
+    def _map(self, raw: bytes, memfd: Optional[int], conn, peer: Tenant) -> Tuple[Optional[Region], Tenant]:
+        """The region a connection of tenant peer attaches (None: the arena only), and the session's tenant."""
         try:
             attach = M.decode_attach(raw)
             version, session, size = attach.v, attach.s, attach.size
@@ -288,7 +300,7 @@ class RegionRegistry:
             tenant = self._session_tenant(session)
             if tenant is None:
                 raise P.ProtocolError("no_session", "attach needs a live session (send hello first)")
-            if self.tenants.of_uid(_peer_uid(conn)) is not tenant:
+            if peer is not tenant:
                 raise P.ProtocolError("forbidden", "a session attaches only from an account of its own tenant")
             if memfd is None:
                 return None, tenant  # the arena only: pages travel as frames on the way in
@@ -324,6 +336,11 @@ class RegionRegistry:
 
     def _drop(self, fd: int, poller) -> None:
         conn = self._conns.pop(fd)
+        left = self._per_tenant.get(conn.tenant.name, 1) - 1
+        if left > 0:
+            self._per_tenant[conn.tenant.name] = left
+        else:
+            self._per_tenant.pop(conn.tenant.name, None)
         try:
             poller.unregister(fd)
         except KeyError:
