@@ -427,3 +427,41 @@ def test_a_tenant_cannot_take_every_attach_slot(node):
     finally:
         engine.close()
         os.close(fd)
+
+
+def test_a_tenant_opening_session_after_session_forgets_only_its_own(node):
+    """Sessions were one pool of 4,096, oldest forgotten: a tenant saying hello in a loop pushed every other
+    client's session out. A configured tenant now forgets its own oldest past 1,024."""
+    from tiers.node.sessions import TENANT_SESSION_LIMIT
+    endpoint = node.config.tier("dram").endpoint
+    ctx = zmq.Context.instance()
+    victim = ctx.socket(zmq.DEALER)
+    victim.setsockopt(zmq.LINGER, 0)
+    victim.connect(endpoint)
+    try:
+        victim.send(P.request("hello", 1, ns="victim", client="victim"))
+        assert victim.poll(5000)
+        session = P.unpack(victim.recv())["session"]
+
+        def flood(out: dict, ctx: zmq.Context) -> None:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            first = None
+            for i in range(5000):
+                sock.send(P.request("hello", i, ns="guest-1", client="flood"))
+                reply = P.unpack(sock.recv())
+                first = first or reply["session"]
+            sock.send(P.request("lookup", 1, s=first, keys=["k"]))
+            out["first_after"] = P.unpack(sock.recv()).get("code")
+            sock.close(linger=0)
+
+        got = run_as(NOBODY, NOBODY, flood)
+        assert got.get("first_after") == "no_session", got  # its own oldest went
+        victim.send(P.request("lookup", 2, s=session, keys=["k"]))
+        assert victim.poll(5000)
+        reply = P.unpack(victim.recv())
+        assert reply["ok"], reply  # 5,000 hellos of another tenant later, the victim's session lives
+        assert TENANT_SESSION_LIMIT < 5000
+    finally:
+        victim.close(linger=0)

@@ -21,6 +21,7 @@ from tiers.wire import protocol as P
 
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
+TENANT_SESSION_LIMIT = 1024  # a configured tenant's: past it its own oldest go, never another's
 TENANT_LEASE_SHARE = 0.25  # of the arena, pinned by read leases of one configured tenant at most
 PEER_CACHE = 65536  # connections whose tenant is remembered by routing id (then the cache starts over)
 _UNKNOWN = object()
@@ -42,6 +43,7 @@ class Sessions:
         self._ipc = ipc  # peers are told apart by uid (ipc) or by CurveZMQ key (tcp)
         self._authenticated = authenticated  # a tcp endpoint with CurveZMQ (its peers carry a User-Id)
         self._sessions: Dict[int, Session] = {}
+        self._per_tenant: Dict[str, int] = {}  # sessions of each tenant
         self._peer_tenants: Dict[bytes, Optional[Tenant]] = {}
         self._tenant_owners: Dict[str, int] = {}  # a configured tenant's lease owner id (negative: no session's)
 
@@ -79,14 +81,26 @@ class Sessions:
                 raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not open an admin session")
         elif not tenant.may_read(ns):
             raise P.ProtocolError("forbidden", f"tenant {tenant.name} may not use namespace {ns}")
-        if len(self._sessions) >= SESSION_LIMIT:
-            oldest = min(self._sessions, key=lambda s: self._sessions[s].seen)
-            del self._sessions[oldest]
+        if tenant is not OPERATOR and self._per_tenant.get(tenant.name, 0) >= TENANT_SESSION_LIMIT:
+            # A tenant opening session after session forgets its own oldest, not the others' live ones.
+            self._forget(min((s for s, v in self._sessions.items() if v.tenant is tenant),
+                             key=lambda s: self._sessions[s].seen))
+        elif len(self._sessions) >= SESSION_LIMIT:
+            self._forget(min(self._sessions, key=lambda s: self._sessions[s].seen))
         sid = secrets.randbits(62)
         owner = self._tenant_owners.setdefault(tenant.name, -2 - len(self._tenant_owners))
         self._sessions[sid] = Session(ns, client, tenant, owner, ns == ADMIN_NAMESPACE or tenant.may_write(ns),
                                       time.monotonic())
+        self._per_tenant[tenant.name] = self._per_tenant.get(tenant.name, 0) + 1
         return sid
+
+    def _forget(self, sid: int) -> None:
+        session = self._sessions.pop(sid)
+        left = self._per_tenant.get(session.tenant.name, 1) - 1
+        if left > 0:
+            self._per_tenant[session.tenant.name] = left
+        else:
+            self._per_tenant.pop(session.tenant.name, None)
 
     def get(self, sid: Optional[int], peer_tenant: Optional[Tenant], write: bool = False) -> Session:
         """The session a request names, checked against the tenant of the peer that sent it."""
