@@ -70,19 +70,25 @@ def raw_call(ctx: zmq.Context, endpoint: str, op: str, **fields) -> dict:
         sock.close(linger=0)
 
 
-@pytest.fixture
-def node():
-    # Outside pytest's 0700 temporary tree: the other account must be able to reach the socket directory.
+def tenant_node(tier: dict, tenants: str):
+    """A node of one tier, its sockets open to the group nogroup, with these [[tenants]] tables; stopped and
+    removed after the test. Outside pytest's 0700 temporary tree: another account must reach its sockets."""
     root = tempfile.mkdtemp(prefix="hct-tenants-", dir="/tmp")
     os.chmod(root, 0o711)
-    config = node_toml(dram_tier("16MiB"), socket_group=NOBODY)
-    config += ('\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\nread_namespaces = ["shared"]\n'
-               % NOBODY)
-    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
-    runner.start()
-    yield runner
-    runner.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    runner = NodeRunner(node_toml(tier, socket_group=NOBODY) + tenants, os.path.join(root, "run"),
+                        os.path.join(root, "data"))
+    try:
+        runner.start()
+        yield runner
+    finally:
+        runner.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def node():
+    yield from tenant_node(dram_tier("16MiB"), '\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n'
+                                             'read_namespaces = ["shared"]\n' % NOBODY)
 
 
 def test_another_accounts_tenant_cannot_read_probe_poison_or_clear_the_victims_pages(node):
@@ -162,16 +168,8 @@ def test_an_account_no_tenant_names_gets_a_clear_refusal(node):
 @pytest.fixture(params=["dram", "nvme"])
 def small_node(request):
     """One tier of 40 pages, DRAM or NVMe; tenant guest (nobody) owns guest*."""
-    root = tempfile.mkdtemp(prefix="hct-fair-", dir="/tmp")
-    os.chmod(root, 0o711)
     tier = dram_tier(f"{40 * PAGE}") if request.param == "dram" else nvme_tier(f"{40 * PAGE}")
-    config = node_toml(tier, socket_group=NOBODY)
-    config += ('\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n' % NOBODY)
-    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
-    runner.start()
-    yield runner
-    runner.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from tenant_node(tier, '\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n' % NOBODY)
 
 
 def _pages_by_namespace(endpoint: str) -> dict:
@@ -359,16 +357,8 @@ def test_peers_that_never_read_their_replies_do_not_grow_the_daemon(tmp_path):
 @pytest.fixture
 def quota_node():
     """A 40-page DRAM tier; tenant capped (uid STRANGER) may hold 8 pages over all its namespaces."""
-    root = tempfile.mkdtemp(prefix="hct-quota-", dir="/tmp")
-    os.chmod(root, 0o711)
-    config = node_toml(dram_tier(f"{40 * PAGE}"), socket_group=NOBODY)
-    config += ('\n[[tenants]]\nname = "capped"\nuids = [%d]\nnamespaces = ["capped*"]\nquota = "%dKiB"\n'
-               % (STRANGER, 8 * PAGE // 1024))
-    runner = NodeRunner(config, os.path.join(root, "run"), os.path.join(root, "data"))
-    runner.start()
-    yield runner
-    runner.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from tenant_node(dram_tier(f"{40 * PAGE}"), '\n[[tenants]]\nname = "capped"\nuids = [%d]\n'
+                           'namespaces = ["capped*"]\nquota = "%dKiB"\n' % (STRANGER, 8 * PAGE // 1024))
 
 
 def test_a_tenants_quota_caps_all_its_namespaces_together(quota_node):

@@ -163,12 +163,16 @@ class DemotionQueue:
         self._thread = threading.Thread(target=self._run, name=f"demote-{link.name}", daemon=True)
         self._thread.start()
 
-    def _admit(self, key: PageKey, nbytes: int) -> bool:
+    def _admit(self, key: PageKey, nbytes: int, promised: bool = False) -> bool:
+        """Count a page in (reserved before the copy or pin, so the bound holds under races); False, counted,
+        when full. A promised page (an acknowledged write-back one) is taken whatever the bytes: their number
+        is bounded by max_dirty_pages (Demoter.admit_write_back), and dropping one would break the promise."""
         with self._cond:
-            accepted = not self._closed and self._bytes + nbytes <= self.max_bytes
+            accepted = promised or (not self._closed and self._bytes + nbytes <= self.max_bytes)
             if accepted:
-                self._bytes += nbytes  # reserved before the copy or pin, so the bound holds under races
+                self._bytes += nbytes
                 self._pages += 1
+                self.promised += promised
             else:
                 self.dropped += 1
         if not accepted:
@@ -190,28 +194,19 @@ class DemotionQueue:
             if self.max_pinned is not None and self.pinned_bytes + nbytes > self.max_pinned:
                 return False
             self.pinned_bytes += nbytes
-        if not self._admit(key, nbytes):
+        if not self._admit(key, nbytes, promised):
             with self._cond:
                 self.pinned_bytes -= nbytes
             return False
-        if promised:
-            with self._cond:
-                self.promised += 1
         self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease, checksum, promised))
         return True
 
     def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False, checksum: int = 0,
               promised: bool = False) -> bool:
-        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full.
-        promised: an acknowledged write-back page, queued whatever the bound (their number is bounded by
-        max_dirty_pages, Demoter.admit_write_back): dropping it would lose a page the policy promised."""
+        """Queue a page (never waits; copy: the views are only valid now); False, counted, when full (never
+        for a promised page: see _admit)."""
         nbytes = sum(v.nbytes for v in views)
-        if promised:
-            with self._cond:
-                self._bytes += nbytes
-                self._pages += 1
-                self.promised += 1
-        elif not self._admit(key, nbytes):
+        if not self._admit(key, nbytes, promised):
             return False
         if copy:
             data = bytearray(nbytes)
@@ -351,6 +346,7 @@ class Demoter(EvictionListener):
             by_ns.setdefault(key[0], []).append(key)
         arena = self.queue.arena
         for namespace, group in by_ns.items():
+            # From the shared arena where every page of the group can be pinned; else each page's bytes.
             pins = [store.pin_page(key, DEMOTION_OWNER) if arena is not None else None for key in group]
             try:
                 if arena is not None and all(p is not None for p in pins):
@@ -358,7 +354,10 @@ class Demoter(EvictionListener):
                                                  [arena.extent_views(p[1]) for p in pins], [p[1] for p in pins],
                                                  [p[2] for p in pins])
                 else:
-                    stored = [self._push_stored(store, key) for key in group]
+                    stored = []
+                    for key in group:
+                        data, checksum = store.peek_with_sum(key)
+                        stored.append(data is not None and self.link.push(key, [memoryview(data)], checksum))
             finally:
                 for pin in pins:
                     if pin is not None:
@@ -402,19 +401,6 @@ class Demoter(EvictionListener):
         self.queue.arena.release(lease, DEMOTION_OWNER)
         return False
 
-    def _push_stored(self, store: PageStore, key: PageKey) -> bool:
-        """Write a stored page below now (graceful stop): from the shared arena where it can be pinned."""
-        arena = self.queue.arena
-        pinned = store.pin_page(key, DEMOTION_OWNER) if arena is not None else None
-        if pinned is None:
-            data, checksum = store.peek_with_sum(key)
-            return data is not None and self.link.push(key, [memoryview(data)], checksum)
-        lease, extents, checksum = pinned
-        try:
-            return self.link.push_many(key[0], [key[1]], [arena.extent_views(extents)], [extents], [checksum])[0]
-        finally:
-            arena.release(lease, DEMOTION_OWNER)
-
     def close(self, store: PageStore) -> None:
         """Graceful stop: push what is queued, then every eligible dirty page of store straight down."""
         self.queue.close()
@@ -423,7 +409,7 @@ class Demoter(EvictionListener):
             if not should_demote(mode, min_reads, store.read_count(key)):
                 continue
             total += 1
-            if self._push_stored(store, key):
+            if self.write_down(store, [key])[0]:
                 self.dirty.pop(key)
                 done += 1
         if total:

@@ -49,9 +49,9 @@ class DirtySet:
         return self._back
 
     def oldest_write_back(self, n: int) -> List[PageKey]:
-        """The n oldest write-back pages."""
+        """The n oldest write-back pages (none for n <= 0)."""
         with self._lock:
-            out = []
+            out: List[PageKey] = []
             for key, (mode, _) in self._pages.items():
                 if len(out) >= n:
                     break
@@ -61,9 +61,7 @@ class DirtySet:
 
     def oldest_over_limit(self) -> List[PageKey]:
         """Write-back pages beyond the bound, oldest first (selective pages wait for eviction)."""
-        with self._lock:
-            back = [k for k, (mode, _) in self._pages.items() if mode == "back"]
-        return back[:max(0, len(back) - self.limit)]
+        return self.oldest_write_back(self._back - self.limit)
 
     def snapshot(self) -> List[Tuple[PageKey, str, int]]:
         with self._lock:

@@ -113,7 +113,7 @@ class FairShare:
         if worst is not None:
             return self._member(worst, writer, held)
         # Nobody above the share: the writer's own group gives (its namespace first), else the largest.
-        return self._member(own, writer, held) if own in groups else _largest(held, held)
+        return self._member(own, writer, held) if own in groups else largest(held, held)
 
     def _member(self, group: Hashable, writer: Optional[Hashable], held: Mapping[Hashable, int]) -> Hashable:
         """The namespace of group (which holds pages) that gives one: the writer's own if it is one of them
@@ -122,14 +122,14 @@ class FairShare:
             return writer
         if group in held and group not in self._group:  # a namespace that is its own group
             return group
-        return _largest((ns for ns in held if self._group.get(ns, ns) == group), held)
+        return largest((ns for ns in held if self._group.get(ns, ns) == group), held)
 
 
 def _name(namespace: Hashable) -> str:
     return str(namespace)
 
 
-def _largest(namespaces, held: Mapping[Hashable, int]) -> Hashable:
+def largest(namespaces: Iterable[Hashable], held: Mapping[Hashable, int]) -> Optional[Hashable]:
     """The namespace holding the most; of equals, the smallest name (an order every process agrees on)."""
     best, most = None, -1
     for ns in namespaces:

@@ -131,7 +131,7 @@ def parse_tenants(tables: Any, source: str) -> List[Tenant]:
         if not isinstance(name, str) or not name:
             raise TenantError(f"{where}.name: a non-empty string is required")
         uids = frozenset(_uid(u, f"{where}.uids") for u in _list(table.get("uids", []), f"{where}.uids"))
-        keys = frozenset(_str(k, f"{where}.keys") for k in _list(table.get("keys", []), f"{where}.keys"))
+        keys = frozenset(_strings(table, "keys", where))
         if not uids and not keys:
             raise TenantError(f"{where}: name at least one of uids or keys (who this tenant is)")
         for uid in uids:
@@ -144,9 +144,7 @@ def parse_tenants(tables: Any, source: str) -> List[Tenant]:
             seen_keys[key] = name
         tenants.append(Tenant(
             name, uids, keys,
-            tuple(_str(p, f"{where}.namespaces") for p in _list(table.get("namespaces", []), f"{where}.namespaces")),
-            tuple(_str(p, f"{where}.read_namespaces")
-                  for p in _list(table.get("read_namespaces", []), f"{where}.read_namespaces")),
+            _strings(table, "namespaces", where), _strings(table, "read_namespaces", where),
             _bool(table.get("admin", False), f"{where}.admin"), _bool(table.get("map_arena", False), f"{where}.map_arena"),
             parse_size(table.get("quota", 0), f"{where}.quota")))
     return tenants
@@ -156,25 +154,29 @@ def socket_gid(group: Any, where: str) -> Optional[int]:
     """node.socket_group as a gid (None: the sockets stay the daemon account's alone)."""
     if group in ("", None):
         return None
-    if isinstance(group, int) and not isinstance(group, bool) and group >= 0:
-        return group
-    if isinstance(group, str):
-        try:
-            return grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise TenantError(f"{where}: no group named {group!r} on this machine") from None
-    raise TenantError(f"{where}: a group name or gid is required")
+    return _system_id(group, where, "group", "gid", lambda name: grp.getgrnam(name).gr_gid)
 
 
 def _uid(value: Any, where: str) -> int:
+    return _system_id(value, where, "account", "uid", lambda name: pwd.getpwnam(name).pw_uid)
+
+
+def _system_id(value: Any, where: str, what: str, number: str, by_name) -> int:
+    """A non-negative id as given, or the id of the name by_name looks up on this machine."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         try:
-            return pwd.getpwnam(value).pw_uid
+            return by_name(value)
         except KeyError:
-            raise TenantError(f"{where}: no account named {value!r} on this machine") from None
-    raise TenantError(f"{where}: {value!r} is neither a uid nor an account name")
+            raise TenantError(f"{where}: no {what} named {value!r} on this machine") from None
+    raise TenantError(f"{where}: {value!r} is neither a {number} nor {'an' if what[0] in 'aeiou' else 'a'} "
+                      f"{what} name")
+
+
+def _strings(table: dict, key: str, where: str) -> Tuple[str, ...]:
+    """A list of non-empty strings under key (absent: none)."""
+    return tuple(_str(v, f"{where}.{key}") for v in _list(table.get(key, []), f"{where}.{key}"))
 
 
 def _list(value: Any, where: str) -> Iterable:

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
-from tiers.node.fairness import FairShare, bounded_top
+from tiers.node.fairness import FairShare, bounded_top, largest
 from tiers.node.page_index import ORDER_NONE, PageIndex
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
@@ -150,7 +150,7 @@ class DramStore(PageStore):
             if room is None or group_limit - total < room[0]:
                 # The tenant's largest namespace gives way (of equals, the smallest name): a tenant's newest
                 # namespace does not evict its own pages while older ones hold more.
-                giver = min(held, key=lambda ns: (-held[ns], ns), default=namespace)
+                giver = largest(held, held) if held else namespace
                 room = (group_limit - total, giver, total)
         return room
 
