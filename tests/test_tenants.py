@@ -117,6 +117,8 @@ def test_another_accounts_tenant_cannot_read_probe_poison_or_clear_the_victims_p
         out["own_connect"] = own.connect()
         out["own_lookup"] = own.lookup(keys).hex()
         out["own_put"] = own.put_frames(["v0"], [[b"X" * PAGE]], PAGE)
+        # A put naming the victim's namespace (as a demotion link's _admin session may) from its own session.
+        out["own_put_into_victim"] = own.put_frames(["v1"], [[b"X" * PAGE]], PAGE, ns="victim")
         out["own_arena_mapped"] = own.arena is not None  # the arena holds every namespace's bytes
         own.close()
         # A namespace it may only read: reads yes, writes no.
@@ -135,6 +137,7 @@ def test_another_accounts_tenant_cannot_read_probe_poison_or_clear_the_victims_p
     for op in ("lookup", "get", "delete", "clear", "stats", "put"):
         assert got[f"stolen_{op}"]["code"] == "forbidden", (op, got[f"stolen_{op}"])
     assert got["own_connect"] and got["own_lookup"] == "00" * 4 and got["own_put"] == [True]
+    assert got["own_put_into_victim"] == [False]
     assert got["own_arena_mapped"] is False
     assert got["shared_read"] is True and got["shared_put"] == [False] and got["shared_delete"] == 0
 

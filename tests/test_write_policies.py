@@ -9,6 +9,7 @@ import pytest
 from hicache_ext.lab.sglang_harness import make_keys
 from tests.backend_env import Engine
 from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page
@@ -209,3 +210,44 @@ def test_a_crash_under_write_back_loses_at_most_max_dirty_pages_acknowledged_pag
         nvme.close()
     print(f"\nwrite_back, max_dirty_pages 16, SIGKILL after {len(acknowledged)} acknowledged pages: {lost} lost")
     assert len(acknowledged) == 300 and lost <= 16, lost
+
+
+def test_write_back_of_many_namespaces_goes_down_one_connection_and_stops_gracefully(tmp_path):
+    """Issue 29, attack 7: the demotion link kept one client (a connection and an attach) per namespace, so
+    a DRAM daemon holding dirty pages of ~1,000 namespaces ran out of descriptors, stopped demoting and
+    exited 1 on SIGTERM without its flush. Here both daemons have 256 descriptors and 400 namespaces each
+    write one page back: SIGTERM flushes all 400 through one session and exits 0."""
+    namespaces = [f"tenant{i:03d}" for i in range(400)]
+    runner = NodeRunner(chain_config(dram_pages=1024, write_policy="write_back"), str(tmp_path / "run"),
+                        str(tmp_path / "data"))
+    runner.limit_fds = (256, 256)
+    runner.start()
+    try:
+        endpoint = runner.config.tier("dram").endpoint
+        for ns in namespaces:  # a client a namespace, closed at once: this process keeps its descriptors
+            dram = TierClient("dram", endpoint, ns, "test")
+            try:
+                assert dram.put_frames(["page"], [[ns.encode() * (PAGE_BYTES // 9)]], PAGE_BYTES,
+                                       mode="back") == [True]
+            finally:
+                dram.close()
+        nvme = TierClient("nvme", runner.config.tier("nvme").endpoint, "_admin", "test")
+        try:
+            fds_before = nvme.stats()["open_fds"]
+            assert runner.stop("dram") == {"dram": 0}  # the graceful flush: every dirty page goes down
+            stats = nvme.stats()
+        finally:
+            nvme.close()
+        print(f"\n400 namespaces written back through the DRAM daemon: NVMe holds {stats['pages']} pages, "
+              f"its open descriptors {fds_before} -> {stats['open_fds']}")
+        assert stats["pages"] == 400
+        assert stats["open_fds"] < fds_before + 8  # one demotion connection and its attach, not 400
+        for ns in namespaces[::37]:
+            nvme = TierClient("nvme", runner.config.tier("nvme").endpoint, ns, "test")
+            try:
+                found, frames = nvme.get_frames(["page"], PAGE_BYTES)
+                assert found == [True] and bytes(frames[0]) == ns.encode() * (PAGE_BYTES // 9)
+            finally:
+                nvme.close()
+    finally:
+        runner.stop()

@@ -360,7 +360,9 @@ class TierDaemon:
         return [P.reply_ok(msg.id, held=held, prefix=prefix)]
 
     def handle_put(self, msg: M.Put, frames):
-        ns = self._namespace(msg, write=True)
+        # An _admin session may name the namespace per put: a demotion link carries every namespace's pages
+        # through one session (one connection, one attach), however many namespaces the tier above holds.
+        ns = self._target_namespace(False, msg.ns, self._namespace(msg, write=True))
         self._release_done(msg)
         keys = P.check_keys(msg.keys)
         sources = self.transfers.page_sources(msg, frames, keys, self._regions)

@@ -32,6 +32,7 @@ from tiers.node.buffers import scatter_copy
 from tiers.node.dirty import DirtySet, should_demote
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
+from tiers.node.sessions import ADMIN_NAMESPACE
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import EvictionListener, PageKey, PageStore
 from tiers.wire.security import CurveSettings
@@ -46,18 +47,22 @@ PINNED_SHARE = 0.25
 
 
 class DemotionLink:
-    """Puts pages into the next tier down, one session per namespace (called from the demotion thread only)."""
+    """Puts pages into the next tier down (called from the demotion thread only).
+
+    One _admin session carries every namespace's pages, each put naming its namespace: one connection and
+    one arena attach whatever the number of namespaces above (one client a namespace ran a daemon holding
+    pages of ~1,000 namespaces out of descriptors, and out of the lower tier's attach slots past 256).
+    The daemon below must take this daemon's account as an admin: its own operator, or a tenant with
+    ``admin`` (tiers/ops/tenants.py)."""
 
     def __init__(self, name: str, endpoint: str, deadlines: Optional[Deadlines] = None,
                  curve: Optional[CurveSettings] = None):
         self.name = name
         self.endpoint = endpoint
-        self.curve = curve
         self.deadlines = deadlines or Deadlines(reply_spin=0.0)  # a daemon waits without spinning (pool_client.py)
-        self._clients: Dict[str, TierClient] = {}
+        self._client = TierClient(name, endpoint, ADMIN_NAMESPACE, "demotion", self.deadlines, curve=curve)
         self._lock = threading.Lock()
         self._arena_fd: Optional[int] = None
-        self._arena_size = 0
         self.demoted = 0
         self.failed = 0
         self.by_region = 0  # pages the lower tier copied out of our arena (the rest went as frames)
@@ -65,23 +70,11 @@ class DemotionLink:
     def attach_arena(self, fd: int, size: int) -> None:
         """Offer the upper store's arena (a read-only memfd we own from now on) to the lower daemon."""
         with self._lock:
-            self._arena_fd, self._arena_size = fd, size
-            for client in self._clients.values():
-                client.attach_region(fd, size)
+            self._arena_fd = fd
+            self._client.attach_region(fd, size)
 
-    def _client(self, namespace: str) -> TierClient:
-        with self._lock:
-            client = self._clients.get(namespace)
-            if client is None:
-                client = TierClient(self.name, self.endpoint, namespace, "demotion", self.deadlines,
-                                    curve=self.curve)
-                if self._arena_fd is not None:
-                    client.attach_region(self._arena_fd, self._arena_size)
-                self._clients[namespace] = client
-            return client
-
-    def is_down(self, namespace: str) -> bool:
-        return self._client(namespace).is_down()
+    def is_down(self) -> bool:
+        return self._client.is_down()
 
     def push_many(self, namespace: str, keys: List[str], pages: Sequence[Sequence[memoryview]],
                   extents: Optional[Sequence[list]] = None, sums: Sequence[int] = ()) -> List[bool]:
@@ -91,8 +84,8 @@ class DemotionLink:
         extents: each page's (offset, length) runs in the attached arena; the lower daemon then copies
         them itself (its call's deadline guards the copy as for an engine's host pool)."""
         nbytes = sum(v.nbytes for page in pages for v in page)
-        client = self._client(namespace)
-        extra = {"sums": P.encode_sums(sums)} if any(sums) else {}
+        client = self._client
+        extra = {"ns": namespace, **({"sums": P.encode_sums(sums)} if any(sums) else {})}
         stored, by_region = [], 0
         if extents is not None and client.connect() and client.region_id is not None:
             desc, counts = P.encode_descriptors(extents)
@@ -113,9 +106,7 @@ class DemotionLink:
 
     def close(self) -> None:
         with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+            self._client.close()
             if self._arena_fd is not None:
                 os.close(self._arena_fd)
                 self._arena_fd = None
@@ -243,7 +234,7 @@ class DemotionQueue:
     def _push(self, namespace: str, items: List[_Pending]) -> None:
         """Push until the lower tier answers (or the queue closes while it is down)."""
         while True:
-            if self.link.is_down(namespace):
+            if self.link.is_down():
                 with self._cond:
                     if self._closed:
                         break  # stopping and the tier is down: these count as failures below
@@ -256,7 +247,7 @@ class DemotionQueue:
             except Exception:  # a bug here must not stop demotion for good
                 log.exception("demotion to %s failed", self.link.name)
                 break
-            if any(stored) or not self.link.is_down(namespace):
+            if any(stored) or not self.link.is_down():
                 break  # the tier answered (refused pages are counted by the link)
             # The call found the tier down: the pages wait for it to come back.
         for item in items:

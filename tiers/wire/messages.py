@@ -74,6 +74,7 @@ class Put(Request, tag="put"):
     mode: str = "through"
     min_reads: int = 2
     done: Optional[Leases] = None
+    ns: Optional[str] = None  # another namespace than the session's: _admin sessions only (demotion links)
 
 
 class Release(Request, tag="release"):
