@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 
 import pytest
@@ -70,13 +71,14 @@ def raw_call(ctx: zmq.Context, endpoint: str, op: str, **fields) -> dict:
         sock.close(linger=0)
 
 
-def tenant_node(tier: dict, tenants: str):
+def tenant_node(tier: dict, tenants: str, limit_fds=None):
     """A node of one tier, its sockets open to the group nogroup, with these [[tenants]] tables; stopped and
     removed after the test. Outside pytest's 0700 temporary tree: another account must reach its sockets."""
     root = tempfile.mkdtemp(prefix="hct-tenants-", dir="/tmp")
     os.chmod(root, 0o711)
     runner = NodeRunner(node_toml(tier, socket_group=NOBODY) + tenants, os.path.join(root, "run"),
                         os.path.join(root, "data"))
+    runner.limit_fds = limit_fds
     try:
         runner.start()
         yield runner
@@ -158,7 +160,7 @@ def test_an_account_no_tenant_names_gets_a_clear_refusal(node):
         out["hello"] = raw_call(ctx, endpoint, "hello", ns="guest-1", client="stranger")
 
     got = run_as(STRANGER, NOBODY, stranger)  # in the socket's group, in no tenant
-    assert got["hello"]["code"] == "forbidden" and "no tenant" in got["hello"]["msg"], got
+    assert got["hello"].get("code") == "forbidden" and "no tenant" in got["hello"]["msg"], got
 
     def outsider(out: dict, ctx: zmq.Context) -> None:
         out["hello"] = raw_call(ctx, endpoint, "hello", ns="guest-1", client="outsider")
@@ -458,3 +460,73 @@ def test_a_tenant_opening_session_after_session_forgets_only_its_own(node):
         assert TENANT_SESSION_LIMIT < 5000
     finally:
         victim.close(linger=0)
+
+
+def test_a_tenants_connection_flood_cannot_end_the_daemon(tmp_path):
+    """Attack 4: 1,110 idle connections ended a daemon whose hard descriptor limit was 1,024 (libzmq aborts
+    when its ipc listener cannot accept). A configured tenant now keeps a quarter of the connection budget;
+    the rest of its connections are shut as they arrive, and the victim's calls go on meanwhile."""
+    from tiers.node.connections import connection_budget
+    gen = tenant_node(dram_tier("16MiB"), '\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n'
+                      % NOBODY, limit_fds=(1024, 1024))
+    runner = next(gen)
+    endpoint = runner.config.tier("dram").endpoint
+    victim = TierClient("dram", endpoint, "victim", "victim", Deadlines(base=2.0))
+    stop, calls, failed, most = threading.Event(), [0], [0], [0]
+
+    def victim_calls() -> None:
+        while not stop.is_set():
+            found, frames = victim.get_frames(["v"], PAGE)
+            calls[0] += 1
+            failed[0] += not (found == [True] and frames[0].bytes == b"v" * PAGE)
+            if calls[0] % 20 == 0:
+                most[0] = max(most[0], _admin_stats(endpoint)["connections"])
+            time.sleep(0.005)
+
+    def flood(out: dict, ctx: zmq.Context) -> None:
+        ctx.set(zmq.MAX_SOCKETS, 2048)  # libzmq's default is 1,023 sockets a context
+        socks = []
+        for _ in range(1110):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            socks.append(sock)
+        time.sleep(3.0)  # idle, reconnecting whatever the daemon shuts
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        out["opened"] = len(socks)
+
+    try:
+        assert victim.put_frames(["v"], [[b"v" * PAGE]], PAGE) == [True]
+        caller = threading.Thread(target=victim_calls)
+        caller.start()
+        try:
+            got = run_as(NOBODY, NOBODY, flood)
+            stats = _admin_stats(endpoint)
+        finally:
+            stop.set()
+            caller.join()
+        budget = connection_budget(1024)
+        print(f"\n1,110 connections of one tenant at a hard limit of 1,024: the daemon kept {most[0]} at most "
+              f"(budget {budget}, a tenant {budget // 4}), shut {stats['connections_refused']}; victim calls "
+              f"{calls[0]}, failed {failed[0]}")
+        assert got == {"opened": 1110}, got
+        assert runner.procs["dram"].poll() is None, open(runner.log_path).read()[-2000:]
+        assert stats["connections_refused"] >= 1110 - budget // 4
+        assert calls[0] > 50 and failed[0] == 0
+        assert budget // 4 <= most[0] <= budget // 4 + 8  # the tenant's share, the victim's and the stats calls
+    finally:
+        victim.close()
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+
+
+def _admin_stats(endpoint: str) -> dict:
+    admin = TierClient("tier", endpoint, "_admin", "test")
+    try:
+        return admin.stats()
+    finally:
+        admin.close()

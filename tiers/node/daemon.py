@@ -30,6 +30,7 @@ from tiers.node.demotion import Demoter
 from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.faults import CorruptReads
+from tiers.node.connections import ConnectionGuard
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.ops.logs import RateLimitedLog
 from tiers.ops.metrics import DaemonMetrics
@@ -71,6 +72,7 @@ class TierDaemon:
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
         self._zap: Optional[security.Admission] = None  # CurveZMQ admission on tcp:// endpoints
+        self._guard: Optional[ConnectionGuard] = None  # connections a tenant keeps, on ipc:// endpoints
         self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/node/fds.py)
         # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
         # NVMe or remote page passes through it.
@@ -118,6 +120,9 @@ class TierDaemon:
         router, self._zap = bind_router(self._ctx, self.endpoint, self.name, self.curve,
                                         self.max_page_bytes + P.MAX_HEADER_BYTES, HWM, self.socket_gid)
         self._router = router
+        if self.endpoint.startswith("ipc://"):  # each tenant's share of the descriptors (tiers/node/connections.py)
+            self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
+                                          self.name)
         if self._regions is not None:
             self._regions.bind()
         self.ready.set()
@@ -141,12 +146,17 @@ class TierDaemon:
         zap_monitor = self._zap.monitor if self._zap is not None else None
         if zap_monitor is not None:
             poller.register(zap_monitor, zmq.POLLIN)
+        guard_monitor = self._guard.monitor if self._guard is not None else None
+        if guard_monitor is not None:
+            poller.register(guard_monitor, zmq.POLLIN)
         next_tick = 0.0
         try:
             while not self._stopping.is_set() or self._in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
                 if zap_monitor is not None and zap_monitor in events:
                     self._zap.handle_monitor()
+                if guard_monitor is not None and guard_monitor in events:
+                    self._guard.handle_monitor()
                 if self._wake_r in events:
                     self._drain_wake()
                 self._send_done()
@@ -178,6 +188,8 @@ class TierDaemon:
             self.demoter.close(self.store)
         if self._regions is not None:
             self._regions.close()
+        if self._guard is not None:
+            self._guard.close()
         if self._router is not None:
             self._router.close(linger=1000)  # let the last replies of a graceful stop out
         if self._zap is not None:
@@ -497,4 +509,7 @@ class TierDaemon:
         stats["sum_refused"] = self.transfers.sum_refused
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
+        guard = self._guard
+        stats["connections"] = guard.connections if guard is not None else 0
+        stats["connections_refused"] = guard.refused if guard is not None else 0
         return stats
