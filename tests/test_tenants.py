@@ -530,3 +530,54 @@ def _admin_stats(endpoint: str) -> dict:
         return admin.stats()
     finally:
         admin.close()
+
+
+def test_an_attachment_lives_only_as_long_as_its_session(node):
+    """Attack 4: attached connections never timed out. A tenant's attachment now closes with its session
+    (forgotten when idle for TENANT_SESSION_IDLE or pushed out by the tenant's own newer sessions), and its
+    client attaches again at its next call."""
+    endpoint = node.config.tier("dram").endpoint
+
+    def tenant(out: dict, ctx: zmq.Context) -> None:
+        fd = os.memfd_create("guest-pool")
+        os.ftruncate(fd, 1 << 20)
+        os.pwrite(fd, b"g" * PAGE, 0)
+        client = TierClient("dram", endpoint, "guest-1", "guest", Deadlines(base=2.0), context=ctx, attach=True)
+        client.attach_region(fd, 1 << 20)
+        desc, counts = P.encode_descriptors([[(0, PAGE)]])
+        client.connect()
+        out["first_put"] = client.put_region(["g0"], desc, counts, PAGE)
+        out["first_region"] = client.region_id
+        sock = ctx.socket(zmq.DEALER)  # 1,100 hellos of its own push the client's session out
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        for i in range(1100):
+            sock.send(P.request("hello", i, ns="guest-2", client="more"))
+            P.unpack(sock.recv())
+        sock.close(linger=0)
+        time.sleep(1.5)  # a housekeeping tick closes the attachment of the forgotten session
+        out["expired"] = TierClient("dram", endpoint, "guest-3", "guest", context=ctx).stats()["attach_expired"]
+        client.connect()
+        out["second_put"] = client.put_region(["g1"], desc, counts, PAGE)
+        out["second_region"] = client.region_id
+        client.close()
+        os.close(fd)
+
+    got = run_as(NOBODY, NOBODY, tenant)
+    assert "error" not in got, got
+    assert got["first_put"] == [True] and got["second_put"] == [True], got
+    assert got["expired"] == 1 and got["second_region"] != got["first_region"], got
+
+
+def test_a_tenants_idle_sessions_are_forgotten_and_the_operators_kept():
+    from tiers.node.sessions import TENANT_SESSION_IDLE, Sessions
+    from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+    guest = Tenant("guest", uids=frozenset({NOBODY}), namespaces=("guest*",))
+    sessions = Sessions(TenantTable([guest]), ipc=True, authenticated=False)
+    idle = sessions.open("guest-1", "guest", guest)
+    busy = sessions.open("guest-2", "guest", guest)
+    engine = sessions.open("model", "engine", OPERATOR)
+    later = time.monotonic() + TENANT_SESSION_IDLE + 1
+    sessions._sessions[busy].seen = later - 1  # used a second before
+    assert sessions.expire(later) == 1
+    assert sessions.tenant(idle) is None and sessions.tenant(busy) is guest and sessions.tenant(engine) is OPERATOR

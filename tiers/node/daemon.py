@@ -330,6 +330,7 @@ class TierDaemon:
         self.arena.expire()
         self._peer_replies.prune()
         self.store.prune()
+        self.sessions.expire(time.monotonic())
         if self._regions is not None:
             self._regions.tick(poller)
         if self.demoter is not None:
@@ -500,6 +501,7 @@ class TierDaemon:
         stats.update(self.demoter.stats() if self.demoter is not None else Demoter.idle_stats())
         stats["regions"] = len(self._regions) if self._regions is not None else 0
         stats["attach_refused"] = self._regions.refused if self._regions is not None else 0
+        stats["attach_expired"] = self._regions.expired if self._regions is not None else 0
         stats["leases"] = self.arena.lease_count()
         # 1 once the daemon's arena and the store's own (a pool's) are faulted in: copies run at full speed
         stats["arena_prefaulted"] = float(self.arena.prefaulted.is_set() and stats.get("store_prefaulted", 1.0) == 1.0)

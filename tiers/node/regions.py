@@ -127,6 +127,7 @@ class _Conn:
     tenant: Tenant
     region: Optional[Region] = None
     attached: bool = False
+    session: Optional[int] = None  # the session it attached for: it lives as long as that session
 
 
 class RegionRegistry:
@@ -148,6 +149,7 @@ class RegionRegistry:
         self._conns: Dict[int, _Conn] = {}
         self._per_tenant: Dict[str, int] = {}  # open connections of each configured tenant
         self.refused = 0
+        self.expired = 0  # attached connections closed because their session was forgotten
         # Store hooks: called with a region's view after mapping (an exception refuses
         # the region) and before unmapping; the remote tier registers it with its engine.
         self.on_map: Optional[Callable[[memoryview], None]] = None
@@ -188,11 +190,16 @@ class RegionRegistry:
             self._serve_conn(fd, poller)
 
     def tick(self, poller) -> None:
-        """Housekeeping: close connections that never attached; resume accepting after a pause."""
+        """Housekeeping: close connections that never attached, and those whose session the daemon forgot (a
+        tenant's idle or surplus sessions, tiers/node/sessions.py: the client attaches again after its next
+        hello); resume accepting after a pause."""
         now = time.monotonic()
         for fd, conn in list(self._conns.items()):
             if not conn.attached and now - conn.opened > ATTACH_TIMEOUT:
                 self.refused += 1
+                self._drop(fd, poller)
+            elif conn.attached and self._session_tenant(conn.session) is None:
+                self.expired += 1
                 self._drop(fd, poller)
         if not self._listening and now >= self._resume_at:
             self.register(poller)
@@ -254,7 +261,7 @@ class RegionRegistry:
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
             return
         try:
-            region, tenant = self._map(raw, memfd, conn.sock, conn.tenant)
+            region, tenant, conn.session = self._map(raw, memfd, conn.sock, conn.tenant)
         except P.ProtocolError as exc:
             self.refused += 1
             self._reply_and_drop(fd, poller, {"ok": False, "code": exc.code, "msg": exc.msg})
@@ -290,8 +297,9 @@ class RegionRegistry:
         if region is not None:
             log.info("mapped a host pool region of %d bytes", region.size)
 
-    def _map(self, raw: bytes, memfd: Optional[int], conn, peer: Tenant) -> Tuple[Optional[Region], Tenant]:
-        """The region a connection of tenant peer attaches (None: the arena only), and the session's tenant."""
+    def _map(self, raw: bytes, memfd: Optional[int], conn, peer: Tenant) -> Tuple[Optional[Region], Tenant, int]:
+        """The region a connection of tenant peer attaches (None: the arena only), the session's tenant and
+        the session."""
         try:
             attach = M.decode_attach(raw)
             version, session, size = attach.v, attach.s, attach.size
@@ -303,7 +311,7 @@ class RegionRegistry:
             if peer is not tenant:
                 raise P.ProtocolError("forbidden", "a session attaches only from an account of its own tenant")
             if memfd is None:
-                return None, tenant  # the arena only: pages travel as frames on the way in
+                return None, tenant, session  # the arena only: pages travel as frames on the way in
             if size is None or size <= 0:
                 raise P.ProtocolError("bad_request", "attach with a memfd needs a positive integer size")
             if size > self.max_region_bytes:
@@ -325,7 +333,7 @@ class RegionRegistry:
         finally:
             if memfd is not None:
                 os.close(memfd)  # the mapping keeps the memory alive
-        return Region(secrets.randbits(62), session, size, shared, conn), tenant
+        return Region(secrets.randbits(62), session, size, shared, conn), tenant, session
 
     def _reply_and_drop(self, fd: int, poller, reply: dict) -> None:
         try:

@@ -22,6 +22,7 @@ from tiers.wire import protocol as P
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
 SESSION_LIMIT = 4096  # oldest idle sessions are forgotten beyond this
 TENANT_SESSION_LIMIT = 1024  # a configured tenant's: past it its own oldest go, never another's
+TENANT_SESSION_IDLE = 900.0  # seconds a configured tenant's session lives unused (then it says hello again)
 TENANT_LEASE_SHARE = 0.25  # of the arena, pinned by read leases of one configured tenant at most
 PEER_CACHE = 65536  # connections whose tenant is remembered by routing id (then the cache starts over)
 _UNKNOWN = object()
@@ -101,6 +102,14 @@ class Sessions:
             self._per_tenant[session.tenant.name] = left
         else:
             self._per_tenant.pop(session.tenant.name, None)
+
+    def expire(self, now: float, idle: float = TENANT_SESSION_IDLE) -> int:
+        """Forget configured tenants' sessions unused for idle seconds (their attachments close with them, and
+        their clients open new ones at their next call); the operator's engines keep theirs. How many went."""
+        stale = [sid for sid, s in self._sessions.items() if s.tenant is not OPERATOR and now - s.seen > idle]
+        for sid in stale:
+            self._forget(sid)
+        return len(stale)
 
     def get(self, sid: Optional[int], peer_tenant: Optional[Tenant], write: bool = False) -> Session:
         """The session a request names, checked against the tenant of the peer that sent it."""
