@@ -36,6 +36,10 @@ def test_environment_overrides_file(tmp_path, monkeypatch):
     ("[node]\n", "at least one [[tiers]] table is required"),
     ("[[tiers]\n", "not valid TOML"),
     ("[[tiers]]\nname='a'\nkind='dram'\nendpoint='http://x'", "must start with ipc:// or tcp://"),
+    ("[[tiers]]\nname='a'\nkind='dram'\n[[tenants]]\nname='t'\nuids=[65534]\nquota={b='1GiB'}",
+     "tenant t's quota names no tier b (tiers: a)"),
+    ("[[tiers]]\nname='a'\nkind='dram'\n[[tenants]]\nname='t'\nuids=[65534]\nquota={a='lots'}",
+     "tenants[0].quota.a: 'lots' is not a size"),
 ])
 def test_each_mistake_has_its_message(text, message):
     with pytest.raises(ConfigError) as err:

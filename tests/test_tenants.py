@@ -359,11 +359,15 @@ def test_peers_that_never_read_their_replies_do_not_grow_the_daemon(tmp_path):
         assert runner.stop() == {"dram": 0}
 
 
-@pytest.fixture
-def quota_node():
-    """A 40-page DRAM tier; tenant capped (uid STRANGER) may hold 8 pages over all its namespaces."""
-    yield from tenant_node(dram_tier(f"{40 * PAGE}"), '\n[[tenants]]\nname = "capped"\nuids = [%d]\n'
-                           'namespaces = ["capped*"]\nquota = "%dKiB"\n' % (STRANGER, 8 * PAGE // 1024))
+@pytest.fixture(params=["dram", "nvme"])
+def quota_node(request):
+    """A 40-page tier, DRAM or NVMe; tenant capped (uid STRANGER) may hold 8 pages over all its namespaces
+    there (a quota by tier name; on NVMe a page takes 8 KiB of disk with its chunk header)."""
+    disk_page = PAGE if request.param == "dram" else 2 * PAGE
+    tier = dram_tier(f"{40 * disk_page}") if request.param == "dram" else nvme_tier(f"{40 * disk_page}")
+    yield from tenant_node(tier, '\n[[tenants]]\nname = "capped"\nuids = [%d]\nnamespaces = ["capped*"]\n'
+                                 'quota = {%s = "%dKiB"}\n'
+                           % (STRANGER, request.param, 8 * disk_page // 1024))
 
 
 def test_a_tenants_quota_caps_all_its_namespaces_together(quota_node):

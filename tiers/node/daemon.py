@@ -349,7 +349,7 @@ class TierDaemon:
         client = msg.client[:200]
         session = self.sessions.open(ns, client, tenant)
         if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
-            self.store.assign_tenant(ns, tenant.name, tenant.quota or None)
+            self.store.assign_tenant(ns, tenant.name, tenant.quota_in(self.name) or None)
         # The operator's CLI says hello on every status poll: that is not news.
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,

@@ -291,6 +291,11 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
     names = [t.name for t in config.tiers]
     if len(set(names)) != len(names):
         problems.append(f"{source}: tier names must be unique, got {', '.join(names)}")
+    for tenant in config.tenants:
+        unknown = sorted({tier for tier, _ in tenant.tier_quotas} - set(names))
+        if unknown:
+            problems.append(f"{source}: tenant {tenant.name}'s quota names no tier {', '.join(unknown)} "
+                            f"(tiers: {', '.join(names)})")
     problems.raise_any()
     _resolve_metrics_ports(config)
     _attach_curve(config)

@@ -44,8 +44,9 @@ TENANT_KEY_HELP = {  # the README's reference is written from this (scripts/read
     "admin": "may open an _admin session: stats of every namespace, clear and evict across them (default false)",
     "map_arena": "may map the daemon's arena for zero-copy leased reads; the arena holds every namespace's "
                  "pages, so only a tenant trusted with them (default false: its reads come as frames)",
-    "quota": "bytes all its namespaces may hold together in a DRAM tier (e.g. \"4GiB\"; default: none, its "
-             "fair share only)",
+    "quota": "bytes all its namespaces may hold together in each tier (e.g. \"4GiB\"), or a table by tier name "
+             "({dram = \"4GiB\", nvme = \"1TiB\"}; tiers it does not name: none); default: none, its fair "
+             "share only",
 }
 TENANT_KEYS = tuple(TENANT_KEY_HELP)
 
@@ -63,7 +64,14 @@ class Tenant:
     read_namespaces: Tuple[str, ...] = ()
     admin: bool = False
     map_arena: bool = False
-    quota: int = 0  # bytes its namespaces may hold together in a DRAM tier (0: none)
+    quota: int = 0  # bytes its namespaces may hold together in each tier (0: none)
+    tier_quotas: Tuple[Tuple[str, int], ...] = ()  # (tier name, bytes): a quota by tier, instead of quota
+
+    def quota_in(self, tier: str) -> int:
+        """Bytes its namespaces may hold together in the tier of this name (0: no quota)."""
+        if not self.tier_quotas:
+            return self.quota
+        return dict(self.tier_quotas).get(tier, 0)
 
     def may_write(self, namespace: str) -> bool:
         return any(fnmatch.fnmatchcase(namespace, pattern) for pattern in self.namespaces)
@@ -146,8 +154,16 @@ def parse_tenants(tables: Any, source: str) -> List[Tenant]:
             name, uids, keys,
             _strings(table, "namespaces", where), _strings(table, "read_namespaces", where),
             _bool(table.get("admin", False), f"{where}.admin"), _bool(table.get("map_arena", False), f"{where}.map_arena"),
-            parse_size(table.get("quota", 0), f"{where}.quota")))
+            *_quotas(table.get("quota", 0), f"{where}.quota")))
     return tenants
+
+
+def _quotas(value: Any, where: str) -> Tuple[int, Tuple[Tuple[str, int], ...]]:
+    """(quota in every tier, quotas by tier name) of a tenant's quota: one size, or a table of them."""
+    if isinstance(value, dict):
+        by_tier = tuple((str(tier), parse_size(size, f"{where}.{tier}")) for tier, size in value.items())
+        return 0, by_tier
+    return parse_size(value, where), ()
 
 
 def socket_gid(group: Any, where: str) -> Optional[int]:

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
-from tiers.node.fairness import FairShare, bounded_top
+from tiers.node.fairness import FairShare, bounded_top, largest
 from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import StoreFull, StoreStats
@@ -107,10 +107,11 @@ class Ledger:
     def order_code(self) -> int:
         return self._order
 
-    def assign_tenant(self, ns_hash: int, tenant: str) -> None:
-        """The namespace of ns_hash counts toward tenant's fair share (tiers/node/fairness.py)."""
+    def assign_tenant(self, ns_hash: int, tenant: str, quota: Optional[int] = None) -> None:
+        """The namespace of ns_hash counts toward tenant's fair share (tiers/node/fairness.py), and toward its
+        quota (bytes on disk all its namespaces hold together) when one is given."""
         with self.lock:
-            self._fair.assign(ns_hash, ("tenant", tenant))
+            self._fair.assign(ns_hash, ("tenant", tenant), quota)
 
     def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
         """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
@@ -332,6 +333,7 @@ class Ledger:
                     if victim is None:
                         break
                     victims.append(victim)
+                self._within_group_quota_locked(ns_hash, nbytes, victims)
             while self.used + self.reserved + nbytes > self.capacity:
                 victim = self._pop_victim_locked(ns_hash, nbytes)
                 if victim is None:  # cannot happen while used counts only indexed chunks
@@ -341,6 +343,20 @@ class Ledger:
             if ns_hash is not None:
                 self._tenants[ns_hash].reserved += nbytes
             return victims
+
+    def _within_group_quota_locked(self, ns_hash: int, nbytes: int, victims: List[Victim]) -> None:
+        """Evict from the largest namespace of ns_hash's tenant until its quota takes nbytes more (a chunk
+        larger than the quota still fits once the tenant holds nothing else)."""
+        limit, members = self._fair.group_quota(ns_hash)
+        while limit is not None:
+            mine = [self._tenants[h] for h in members if h in self._tenants]
+            if sum(t.bytes + t.reserved for t in mine) + nbytes <= limit:
+                return
+            held = {t.ns_hash: t.bytes for t in mine if t.bytes > 0}
+            victim = self._pop_victim_locked(ns_hash, only=largest(held, held)) if held else None
+            if victim is None:
+                return
+            victims.append(victim)
 
     def release(self, nbytes: int, ns_hash: Optional[int] = None) -> None:
         """Give back a reservation whose write failed."""

@@ -389,7 +389,7 @@ class NvmeStore(PageStore):
         return self._remove(self._ledger.digests(ns_hash))
 
     def assign_tenant(self, namespace: str, tenant: str, quota: Optional[int] = None) -> None:
-        self._ledger.assign_tenant(namespace_hash(namespace), tenant)  # a share; its quota: DRAM only so far
+        self._ledger.assign_tenant(namespace_hash(namespace), tenant, quota)
 
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
