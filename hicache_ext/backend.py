@@ -27,6 +27,7 @@ from hicache_ext.head_shards import HeadShards
 from hicache_ext.host_pool import HostPoolView
 from hicache_ext.hybrid import empty_result, pool_hit_result
 from hicache_ext.router import TierRouter
+from hicache_ext.sealing import PageSealer, key_fingerprint, read_key_file
 from hicache_ext.settings import BackendSettings, derive_namespace
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
@@ -80,8 +81,12 @@ class TieredHiCacheStorage(HiCacheStorage):
                                     min_bandwidth=self.settings.deadline_min_gbps * 1e9,
                                     lookup=self.settings.lookup_timeout_s,
                                     reply_spin=self.settings.reply_spin_us * 1e-6)
-        log.info("hicache-tiers backend: tiers %s, write policy %s, runtime dir %s",
-                 ", ".join(t.name for t in node.tiers), self.write_policy, node.runtime_dir)
+        # Pages sealed in this process (hicache_ext/sealing.py); the key is read once, here: a bad file stops
+        # the server at start, not at its first write.
+        self._page_key = read_key_file(self.settings.page_key_file) if self.settings.page_key_file else None
+        log.info("hicache-tiers backend: tiers %s, write policy %s, runtime dir %s%s",
+                 ", ".join(t.name for t in node.tiers), self.write_policy, node.runtime_dir,
+                 ", pages sealed (AES-256-GCM)" if self._page_key else "")
 
     # ------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -111,13 +116,18 @@ class TieredHiCacheStorage(HiCacheStorage):
                                                                 head_shards_of=shards.lcm if shards else 0)
         if name != PoolName.KV:
             namespace = f"{namespace}.{_clean_pool_name(name)}"
+        sealer = None
+        if self._page_key is not None:  # engines with another key (or none) never share these pages
+            namespace = f"{namespace}.sealed-{key_fingerprint(self._page_key)}"
+            sealer = PageSealer(self._page_key, namespace)
         view = HostPoolView(pool, head_split=shards.count if shards else 0) if pool is not None else None
         if name == PoolName.KV and view is not None:
             self._warn_if_shm_lost(view)
         client_name = f"sglang-pid{os.getpid()}-tp{self.storage_config.tp_rank}"
         clients = [TierClient(t.name, t.endpoint, namespace, client_name, self._deadlines, attach=True, curve=t.curve)
                    for t in self.node.tiers]
-        if view is not None and view.memfd is not None:
+        # A sealed route never shares its host pool (plaintext): the router offers its sealed staging instead.
+        if view is not None and view.memfd is not None and sealer is None:
             for client in clients:
                 client.attach_region(view.memfd, view.memfd_size)
         break_even = BreakEven(ReadSpeeds(len(clients), stale_s=self.settings.read_speed_stale_s),
@@ -126,7 +136,8 @@ class TieredHiCacheStorage(HiCacheStorage):
         router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
                             selective_min_reads=self.settings.selective_min_reads,
                             promote_max_bytes=self.settings.promote_max_mib << 20, break_even=break_even,
-                            checksums=self.settings.page_checksums)
+                            checksums=self.settings.page_checksums, sealer=sealer,
+                            sealed_staging_bytes=self.settings.sealed_staging_mib << 20)
         return _Route(namespace, view, router, writes=(not shared) or self.is_writer, shards=shards)
 
     def _head_shards(self, pool) -> Optional[HeadShards]:

@@ -24,6 +24,8 @@ from hicache_ext.break_even import BreakEven
 from hicache_ext.host_pool import PageBatch
 from hicache_ext.page_sums import ReadChecks
 from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
+from hicache_ext.sealed_transfers import SealedTransfers, put_sealed
+from hicache_ext.sealing import PageSealer
 from tiers.wire import protocol as P
 from tiers.node.buffers import scatter_copy
 from tiers.node.checksums import page_sums, page_sums_at
@@ -38,7 +40,8 @@ _warn = RateLimitedLog(log)
 class TierRouter:
     def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True,
                  selective_min_reads: int = 2, promote_max_bytes: int = 256 << 20,
-                 break_even: Optional[BreakEven] = None, checksums: bool = True):
+                 break_even: Optional[BreakEven] = None, checksums: bool = True,
+                 sealer: Optional[PageSealer] = None, sealed_staging_bytes: int = 128 << 20):
         if not clients:
             raise ValueError("the tier chain is empty")
         self.clients = clients
@@ -50,6 +53,12 @@ class TierRouter:
         self.hints = LookupHints(len(clients))
         self.promoter = Promoter(promote_max_bytes)
         self.checks = ReadChecks(checksums)  # each page read is checked against its checksum (hicache_ext/page_sums.py)
+        # Pages sealed here before any tier sees them (hicache_ext/sealing.py), through shared memory that
+        # holds only ciphertext (hicache_ext/sealed_transfers.py).
+        self.sealed: Optional[SealedTransfers] = None
+        if sealer is not None:
+            self.sealed = SealedTransfers(sealer, self.checks, sealed_staging_bytes)
+            self.sealed.attach(clients)
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
         # write_through's puts to the tiers below the first, beside the caller's own put to the first.
@@ -125,6 +134,8 @@ class TierRouter:
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
+        if self.sealed is not None:
+            return self.write_buffers(batch.keys, batch.views(), parents)
         if self.checks.enabled and len(self._write_targets()) == 1:
             # The one tier hashes each page in its copy's pass, while the page is in the cache: one pass over
             # the batch instead of two (tiers/wire/protocol.py hash_pages).
@@ -157,6 +168,12 @@ class TierRouter:
     def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]],
                       parents: Optional[List[Optional[str]]] = None) -> List[bool]:
         """Legacy path: pages given as buffers of this process (same policy fields and parents as write)."""
+        if self.sealed is not None:
+            fields = self._put_fields(self._mode)
+            return self.sealed.write(keys, pages, parents, self._acknowledged,
+                                     lambda client, part, part_parents, extents, views, nbytes, sums: put_sealed(
+                                         client, part, part_parents, extents, views, nbytes,
+                                         {**fields, "sums": sums} if sums else fields))
         nbytes = sum(v.nbytes for page in pages for v in page)
         extra = {**self._put_fields(self._mode), "sums": self.checks.sums_of(pages)}
         return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
@@ -223,6 +240,15 @@ class TierRouter:
         copied here before the read returns and sent as frames."""
         top = self.clients[0]
         extra = self._put_fields("through", promote=True)
+        if self.sealed is not None:  # sealed afresh (a new nonce): the lower tier's sums name other bytes
+            sealer, checks = self.sealed.sealer, self.checks
+
+            def put_sealed(keys: List[str], copies: List[List[bytes]]) -> List[bool]:
+                sealed = sealer.seal_all(keys, [[memoryview(b) for b in page] for page in copies])
+                return top.put_frames(keys, sealed, sum(len(p[0]) for p in sealed), None,
+                                      sums=checks.sums_of(sealed), **extra)
+            self.promoter.submit(pages.keys, pages.views(), put_sealed)
+            return
         if any(sums):
             extra["sums"] = P.encode_sums(sums)
         if pages.offsets is not None and top.region_id is not None and all(sums):
@@ -238,23 +264,27 @@ class TierRouter:
 
     def counters(self) -> dict:
         """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
-        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages}
+        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages,
+                "sealed_refused": self.sealed.sealer.refused if self.sealed is not None else 0}
 
     def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int]) -> List[bool]:
         """Pages of batch from one tier, each checked after our own copy; sums[positions[i]] gets page i's sum."""
         got: List[int] = []
-        if client.can_lease():
-            # The daemon leases the pages in its arena and this process copies them in: a frozen
-            # daemon can never write into host memory the engine has reused.  Each page is hashed
-            # as it is copied, so the check reads nothing again.
-            copied: Optional[List[int]] = [] if self.checks.enabled else None
-            found = client.get_leased(batch.keys, batch.page_runs(), got, copied)
-            sums_of = (lambda idx: [copied[i] for i in idx])
+        if self.sealed is not None:
+            found = self.sealed.read(client, batch.keys, batch.views(), got)  # checked before it is opened
         else:
-            found, frames = client.get_frames(batch.keys, batch.nbytes, got)
-            found = _fill(found, frames, batch.views) if any(found) else found
-            sums_of = (lambda idx: page_sums_at(batch.pointers[idx], batch.lengths[idx]))
-        found = self.checks.verify(client.name, batch.keys, found, got, sums_of)
+            if client.can_lease():
+                # The daemon leases the pages in its arena and this process copies them in: a frozen
+                # daemon can never write into host memory the engine has reused.  Each page is hashed
+                # as it is copied, so the check reads nothing again.
+                copied: Optional[List[int]] = [] if self.checks.enabled else None
+                found = client.get_leased(batch.keys, batch.page_runs(), got, copied)
+                sums_of = (lambda idx: [copied[i] for i in idx])
+            else:
+                found, frames = client.get_frames(batch.keys, batch.nbytes, got)
+                found = _fill(found, frames, batch.views) if any(found) else found
+                sums_of = (lambda idx: page_sums_at(batch.pointers[idx], batch.lengths[idx]))
+            found = self.checks.verify(client.name, batch.keys, found, got, sums_of)
         for position, ok, checksum in zip(positions, found, got):
             if ok:
                 sums[position] = checksum
@@ -265,6 +295,8 @@ class TierRouter:
         def fetch(client: TierClient, idx: List[int]) -> List[bool]:
             nbytes = sum(v.nbytes for i in idx for v in pages[i])
             asked, got = [keys[i] for i in idx], []
+            if self.sealed is not None:
+                return self.sealed.read(client, asked, [pages[i] for i in idx], got)
             found, frames = client.get_frames(asked, nbytes, got)
             found = _fill(found, frames, lambda: [pages[i] for i in idx])
             return self.checks.verify(client.name, asked, found, got,
@@ -282,6 +314,8 @@ class TierRouter:
                 pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
+        if self.sealed is not None:
+            self.sealed.close()
 
 
 def _fill(found: List[bool], frames, views: Callable[[], List[Sequence[memoryview]]]) -> List[bool]:

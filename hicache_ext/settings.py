@@ -45,6 +45,12 @@ SETTINGS_HELP = {
     "page_checksums": "hash each page written (xxh3_64, kept by every tier) and check every page read against it: a "
                       "wrong byte is a miss, never a page served; costs ~15-28% of DRAM-tier throughput on a 2-core "
                       "machine (docs/PERFORMANCE.md)",
+    "page_key_file": "seal every page with AES-256-GCM in the engine's process under the 32-byte key in this file "
+                     "(mode 0600, the engine's own; hicache-tiers keys page-key FILE writes one): no tier sees "
+                     "plaintext, a tampered page is a miss; the host pool is then not shared with the daemons "
+                     "(docs/RELIABILITY.md)",
+    "sealed_staging_mib": "with page_key_file: MiB of shared memory pages are sealed into for the tiers to copy "
+                          "(ciphertext only; a larger batch goes in parts)",
     "read_speed_stale_s": "seconds a tier's measured read speed is trusted by the break-even rule; after that "
                           "its pages count as hits until a read measures it again",
 }
@@ -67,6 +73,8 @@ class BackendSettings:
     recompute_growth_us_per_ki_token: float = 0.0
     read_speed_stale_s: float = 30.0
     page_checksums: bool = True  # end-to-end page checksums (hicache_ext/page_sums.py)
+    page_key_file: Optional[str] = None  # AES-256-GCM sealing of every page (hicache_ext/sealing.py); None: off
+    sealed_staging_mib: int = 128  # the ciphertext staging the tiers map (hicache_ext/sealed_transfers.py)
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "BackendSettings":
@@ -92,7 +100,7 @@ class BackendSettings:
         return settings
 
     def _check(self) -> None:
-        for name in ("tiers_config", "runtime_dir", "write_policy", "namespace"):
+        for name in ("tiers_config", "runtime_dir", "write_policy", "namespace", "page_key_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"extra-config {name} must be a non-empty string, got {value!r}")
@@ -109,6 +117,9 @@ class BackendSettings:
         if isinstance(self.promote_max_mib, bool) or not isinstance(self.promote_max_mib, int) \
                 or self.promote_max_mib < 0:
             raise ValueError(f"extra-config promote_max_mib must be an integer >= 0, got {self.promote_max_mib!r}")
+        if isinstance(self.sealed_staging_mib, bool) or not isinstance(self.sealed_staging_mib, int) \
+                or self.sealed_staging_mib < 1:
+            raise ValueError(f"extra-config sealed_staging_mib must be an integer >= 1, got {self.sealed_staging_mib!r}")
         if isinstance(self.reply_spin_us, bool) or not isinstance(self.reply_spin_us, (int, float)) \
                 or not 0 <= self.reply_spin_us <= 5000:
             raise ValueError(f"extra-config reply_spin_us must be a number from 0 to 5000, got {self.reply_spin_us!r}")

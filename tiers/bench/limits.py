@@ -65,6 +65,37 @@ class Memcpy:
         return gbps(pages * size, time.perf_counter() - start)
 
 
+class AesGcm:
+    """Single-thread AES-256-GCM of page-size pieces (cryptography's encrypt_into / decrypt_into): what sealing
+    pages alone costs, the bound of a sealed tier's throughput (hicache_ext/sealing.py)."""
+
+    def __init__(self, page_bytes: int):
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        self.page_bytes = page_bytes
+        self.slots = max(2, _COPY_BUFFER // page_bytes)
+        self.plain = np.empty(self.slots * page_bytes, dtype=np.uint8)
+        self.plain.reshape(-1, 4096)[:] = np.arange(4096, dtype=np.uint8)
+        self.sealed = [bytearray(page_bytes + 16) for _ in range(self.slots)]
+        self.aead = AESGCM(bytes(range(32)))
+        self._next = 0
+
+    def sample(self, pages: int) -> Tuple[float, float]:
+        """(seal GB/s, open GB/s) over pages pages."""
+        size, slots, aead, nonce = self.page_bytes, self.slots, self.aead, bytes(12)
+        order = [(self._next + i) % slots for i in range(pages)]
+        self._next = (self._next + pages) % slots
+        plain = memoryview(self.plain)
+        start = time.perf_counter()
+        for i in order:
+            aead.encrypt_into(nonce, plain[i * size:(i + 1) * size], b"key", self.sealed[i])
+        sealed = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in order:
+            aead.decrypt_into(nonce, self.sealed[i], b"key", plain[i * size:(i + 1) * size])
+        opened = time.perf_counter() - start
+        return gbps(pages * size, sealed), gbps(pages * size, opened)
+
+
 class RawDisk:
     """One new file a page with fdatasync (what the NVMe tier acknowledges), then O_DIRECT reads."""
 

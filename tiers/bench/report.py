@@ -20,6 +20,8 @@ TIER_ROWS = [
     ("remote read", "remote.{m}.read", "limit.te_read.{m}", "mooncake.{m}.read"),
 ]
 LIMIT_ROWS = [
+    ("AES-256-GCM seal, 1 thread", "limit.aes_seal.{m}"),
+    ("AES-256-GCM open, 1 thread", "limit.aes_open.{m}"),
     ("memcpy, 1 thread", "limit.memcpy.{m}"),
     ("memcpy, 1 thread, between two memfd mappings (4 KiB pages)", "limit.memcpy_shm.{m}"),
     ("disk write + fdatasync, file a page, 4 threads", "limit.disk_write.{m}"),
@@ -145,6 +147,7 @@ def markdown(figs: Figures, sizes: List[str], meta: dict) -> str:
         if body:
             out += [f"## Tiers, {_human(m)} pages (GB/s)", "",
                     "| tier | this project | its limit | x limit | x peer |", "|---|---|---|---|---|", *body, ""]
+    out += _sealed_section(figs, sizes)
     pol = []
     for m in sizes:
         for p in POLICIES:
@@ -264,3 +267,22 @@ def plot(figs: Figures, sizes: List[str], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _sealed_section(figs: Figures, sizes: List[str]) -> List[str]:
+    """The DRAM tier with pages sealed in the engine (page_key_file), against itself unsealed and AES alone."""
+    rows = []
+    for m in sizes:
+        w, r = f"sealed.{m}.write", f"sealed.{m}.read"
+        if figs.median(w) is not None:
+            rows.append(f"| {_human(m)} | {_cell(figs, w)} | {_cell(figs, r)} | "
+                        f"{_num(figs.ratio(w, f'dram.{m}.write'))} | {_num(figs.ratio(r, f'dram.{m}.read'))} | "
+                        f"{_num(figs.ratio(w, f'limit.aes_seal.{m}'))} | {_num(figs.ratio(r, f'limit.aes_open.{m}'))} |")
+    if not rows:
+        return []
+    return ["## Sealed pages (page_key_file: AES-256-GCM in the engine), DRAM tier (GB/s)", "",
+            "Each page is sealed from the host pool into a staging memfd the daemon copies from (the host pool is "
+            "not shared with it), or copied out of a read lease and opened into the host pool, by one engine "
+            "thread.", "",
+            "| pages | write | read | write x unsealed | read x unsealed | write x AES alone | read x AES alone |",
+            "|---|---|---|---|---|---|---|", *rows, ""]

@@ -55,11 +55,12 @@ def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progres
 
 
 def _through_node(figs: Figures, args, progress: Progress, root: str, config: str, page: int, prefix: str,
-                  salt: int, write_policy: Optional[str] = None, cold_tier: Optional[str] = None, **kw) -> None:
+                  salt: int, write_policy: Optional[str] = None, cold_tier: Optional[str] = None,
+                  settings: Optional[dict] = None, **kw) -> None:
     """Start the node's daemons, build a rank on them, warm up (untimed), measure, stop everything."""
     node = Node(os.path.join(args.work_dir, root), config)
     try:
-        rank = Rank.tiered(node, page, args.pages, write_policy=write_policy)
+        rank = Rank.tiered(node, page, args.pages, write_policy=write_policy, settings=settings)
         rank.write(rank.keys(99))  # connections, region registration, first touches: not timed
         rank.clear()
         cold = node.data_path(cold_tier) if cold_tier else None
@@ -78,6 +79,27 @@ def run_dram(figs: Figures, args, progress: Progress, size: int) -> None:
         figs.add(f"limit.memcpy_shm.{label}", shared.sample(args.pages))
     _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), size,
                   f"dram.{label}", 1000, before={"write": sample, "read": sample})
+
+
+def run_sealed(figs: Figures, args, progress: Progress, size: int) -> None:
+    """The DRAM tier with every page sealed (AES-256-GCM) in the engine's process, beside AES alone."""
+    label = size_label(size)
+    aes = limits.AesGcm(size)
+
+    def sample():
+        seal, open_ = aes.sample(args.pages)
+        figs.add(f"limit.aes_seal.{label}", seal)
+        figs.add(f"limit.aes_open.{label}", open_)
+    key_file = os.path.join(args.work_dir, "page.key")
+    if not os.path.exists(key_file):
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
+    # A sealed page is 28 bytes longer: the tier's max_page_bytes leaves room for it.
+    tier = tier_toml("dram", args.pages * (size + 4096), size + 4096)
+    _through_node(figs, args, progress, "sealed", node_toml([tier]),
+                  size, f"sealed.{label}", 1500, settings={"page_key_file": key_file},
+                  before={"write": sample})
 
 
 def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:

@@ -114,12 +114,14 @@ class Rank:
         self.expected = page_checksums(self.pool, self.indices)
 
     @classmethod
-    def tiered(cls, node: Node, page_bytes: int, pages: int, write_policy: Optional[str] = None, **kw) -> "Rank":
+    def tiered(cls, node: Node, page_bytes: int, pages: int, write_policy: Optional[str] = None,
+               settings: Optional[dict] = None, **kw) -> "Rank":
         extra = {"backend_name": "hicache_tiers", "module_path": "hicache_ext", "class_name": "TieredHiCacheStorage",
                  "interface_v1": 1, "runtime_dir": node.runner.runtime_dir, "tiers_config": node.runner.config_path,
                  "deadline_base_s": 30.0, "lookup_timeout_s": 5.0}
         if write_policy:
             extra["write_policy"] = write_policy
+        extra.update(settings or {})  # more of the backend's settings (hicache_ext/settings.py)
         return cls("dynamic", page_bytes, pages, extra, **kw)
 
     @property

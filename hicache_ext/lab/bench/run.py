@@ -14,7 +14,7 @@ from hicache_ext.lab.bench.rig import size_label
 from tiers.bench import machine, report
 from tiers.bench.stats import Figures, Progress
 
-PER_SIZE = ("dram", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
+PER_SIZE = ("dram", "sealed", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
 ONCE = ("zmq", "lookup", "ranks", "restart")
 LAST = ("ttft",)  # a real SGLang server: after everything else, at the model's own page size
 PARTS = ONCE[:2] + PER_SIZE + ONCE[2:] + LAST
@@ -24,7 +24,7 @@ def _runner(part: str):
     from hicache_ext.lab.bench import lookup, peers, project, ranks, restart, ttft
     return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
             "restart": restart.run_restart, "ttft": ttft.run_ttft,
-            "dram": project.run_dram, "nvme": project.run_nvme, "remote": project.run_remote,
+            "dram": project.run_dram, "sealed": project.run_sealed, "nvme": project.run_nvme, "remote": project.run_remote,
             "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
 
 
