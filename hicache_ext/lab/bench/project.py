@@ -105,7 +105,10 @@ def run_sealed(figs: Figures, args, progress: Progress, size: int) -> None:
 def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:
     label = size_label(size)
     disk = limits.RawDisk(os.path.join(args.work_dir, "raw-disk"), size)
-    before = {"write": lambda: figs.add(f"limit.disk_write.{label}", disk.write(args.pages)),
+    def sample_writes():
+        figs.add(f"limit.disk_write.{label}", disk.write(args.pages))
+        figs.add(f"limit.disk_write_batch.{label}", disk.write_batch(args.pages))
+    before = {"write": sample_writes,
               "read": lambda: figs.add(f"limit.disk_read_direct.{label}", disk.read(args.pages))}
     try:
         _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size)]),
