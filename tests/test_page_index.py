@@ -18,12 +18,12 @@ from tiers.node.page_index import (MAX_TENANTS, ORDER_FIFO, ORDER_LRU, ORDER_NON
 class Model:
     def __init__(self, order):
         self.order = order
-        self.rows = {}  # digest -> [gen, tenant, size, raw, reads, stamp]
+        self.rows = {}  # digest -> [gen, tenant, size, raw, reads, stamp, file, block]
         self.lists = {}  # tenant -> OrderedDict digest -> None, first = next victim
         self.scanned = set()
 
-    def insert(self, digest, tenant, size, gen, raw=0, stamp=0, scanned=False):
-        self.rows[digest] = [gen, tenant, size, raw, 0, stamp]
+    def insert(self, digest, tenant, size, gen, raw=0, stamp=0, scanned=False, file=0, block=0):
+        self.rows[digest] = [gen, tenant, size, raw, 0, stamp, file, block]
         q = self.lists.setdefault(tenant, OrderedDict())
         q[digest] = None
         if scanned:
@@ -86,8 +86,10 @@ def test_the_index_does_what_the_model_says(order):
             tenant, size = rng.randrange(4), rng.randrange(1, 2**32)
             scanned = rng.random() < 0.2
             stamp = next(stamps) if scanned else 0  # distinct: ties go in the order of the rows
-            gen = ix.insert(digest, tenant, size, stamp=stamp, scanned=scanned)
-            model.insert(digest, tenant, size, gen, stamp=stamp, scanned=scanned)
+            # A page in a batch chunk (file, block) or in a file of its own (0, 0).
+            file, block = rng.choice([(0, 0), (rng.randrange(1, 2**32), rng.randrange(2**32))])
+            gen = ix.insert(digest, tenant, size, stamp=stamp, scanned=scanned, file=file, block=block)
+            model.insert(digest, tenant, size, gen, stamp=stamp, scanned=scanned, file=file, block=block)
         elif op < 0.6:
             got = ix.remove(digest)
             assert got == (model.remove(digest) if digest in model.rows else None)
@@ -132,9 +134,9 @@ def test_growth_and_bytes_per_row():
     for i, d in enumerate(digests):
         ix.insert(d, i % 7, 4096)
     assert len(ix) == len(digests) and all(d in ix for d in digests[::997])
-    assert ROW_BYTES == 48
+    assert ROW_BYTES == 56
     per_row = ix.nbytes() / len(ix)
-    assert 48 < per_row <= 48 + 4 * 2.67 + 1, per_row  # a 4-byte slot at a load of 0.375-0.75
+    assert 56 < per_row <= 56 + 4 * 2.67 + 1, per_row  # a 4-byte slot at a load of 0.375-0.75
     for d in digests[::2]:
         assert ix.remove(d) is not None
     assert len(ix) == 100_000 and not any(ix.contains_many(digests[::2]))
@@ -178,6 +180,8 @@ def test_rows_read_as_named_tuples_and_policies_map_to_orders():
     ix = PageIndex(ORDER_LRU)
     gen = ix.insert(5, 2, 10, raw=8, stamp=3)
     assert row(ix.get(5)) == Row(gen, 2, 10, 8, 0, 3) and row(ix.get(6)) is None
+    gen = ix.insert(7, 1, 4096, file=9, block=33)
+    assert row(ix.get(7)) == Row(gen, 1, 4096, 0, 0, 0, file=9, block=33)
     assert (order_for("lru"), order_for("fifo"), order_for("lfu")) == (ORDER_LRU, ORDER_FIFO, ORDER_NONE)
 
 

@@ -21,7 +21,7 @@
 #include <unistd.h>
 #include <malloc.h>
 
-typedef struct { uint64_t lo, hi, ns; uint32_t size, mtime; } scanned_t; /* 32 bytes */
+typedef struct { uint64_t lo, hi, ns; uint32_t size, mtime, file, block; } scanned_t; /* 40 bytes; file, block: 0 */
 
 typedef struct { char *data; size_t len, cap; } grow_t;
 
@@ -93,7 +93,7 @@ static PyObject *paths_list(const grow_t *g) {
 }
 
 /* scan_top(path, top, header_size) -> (records, leaves, temps, torn, foreign)
-   records: 32 bytes a chunk; leaves: the leaf numbers found (uint16 each, low byte = top);
+   records: 40 bytes a chunk; leaves: the leaf numbers found (uint16 each, low byte = top);
    temps and torn: paths for the caller to remove; foreign: files that are not ours (left alone). */
 static PyObject *scan_top(PyObject *self, PyObject *args) {
     (void)self;
@@ -136,7 +136,7 @@ static PyObject *scan_top(PyObject *self, PyObject *args) {
                 if (add_path(&torn, leaf, name)) failed = 1;
                 continue;
             }
-            scanned_t r = {lo, hi, ns, (uint32_t)st.st_size, (uint32_t)st.st_mtim.tv_sec};
+            scanned_t r = {lo, hi, ns, (uint32_t)st.st_size, (uint32_t)st.st_mtim.tv_sec, 0, 0};
             if (append(&records, &r, sizeof r)) { failed = 1; break; }
         }
         closedir(ld);

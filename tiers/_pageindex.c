@@ -1,4 +1,4 @@
-/* A page index for a whole node: 128-bit digest -> one fixed 48-byte row (tiers/node/page_index.py).
+/* A page index for a whole node: 128-bit digest -> one fixed 56-byte row (tiers/node/page_index.py).
  *
  * A tier of tens of millions of pages cannot afford a Python dict entry, an
  * entry object and a policy node a page (the NVMe tier spent ~470 bytes a
@@ -47,6 +47,7 @@ typedef struct {
     uint32_t prev, next;             /* order list of the tenant; next also chains free rows */
     uint32_t gen;                    /* which version of the digest this row holds (changes at each insert) */
     uint16_t tenant, flags;
+    uint32_t file, block;            /* where the page lies: a file of many pages and its 4 KiB block (0: its own) */
 } row_t;
 
 typedef struct { uint32_t head, tail, count, placed; } list_t; /* placed: the last row place_rows placed */
@@ -196,7 +197,8 @@ static void list_push_head(PageIndex *ix, uint32_t row) {
 }
 
 static PyObject *row_tuple(const row_t *r) {
-    return Py_BuildValue("(IIIIII)", r->gen, (unsigned)r->tenant, r->size, r->raw, r->reads, r->stamp);
+    return Py_BuildValue("(IIIIIIII)", r->gen, (unsigned)r->tenant, r->size, r->raw, r->reads, r->stamp, r->file,
+                         r->block);
 }
 
 static void drop_row(PageIndex *ix, uint32_t row) {
@@ -212,7 +214,7 @@ static void drop_row(PageIndex *ix, uint32_t row) {
 /* A new row for a digest not in the index (the caller made room: grow_slots for used + 1, grow_rows when no
    row is free): filled, placed in the table, in its tenant's list (a scanned row at the cold end); its row. */
 static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t raw, uint32_t reads,
-                        uint32_t stamp, uint16_t tenant, int scanned) {
+                        uint32_t stamp, uint16_t tenant, int scanned, uint32_t file, uint32_t block) {
     uint32_t row;
     if (ix->free_head != NIL) {
         row = ix->free_head;
@@ -222,7 +224,7 @@ static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, 
     }
     uint32_t gen = ++ix->gen ? ix->gen : ++ix->gen; /* never 0: 0 means "any version" to remove and touch */
     ix->rows[row] = (row_t){lo, hi, size, raw, reads, stamp, NIL, NIL, gen, tenant,
-                            F_USED | (scanned ? F_SCANNED : 0)};
+                            F_USED | (scanned ? F_SCANNED : 0), file, block};
     place(ix, row);
     if (ix->order != ORDER_NONE) {
         if (scanned) list_push_head(ix, row); else list_push_tail(ix, row);
@@ -304,19 +306,22 @@ static int tenant_arg(long tenant) {
     return 0;
 }
 
-/* insert(digest, tenant, size, raw=0, stamp=0, scanned=False) -> gen; the digest must be absent. */
+/* insert(digest, tenant, size, raw=0, stamp=0, scanned=False, file=0, block=0) -> gen; the digest must be
+   absent. */
 static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
-    static char *names[] = {"digest", "tenant", "size", "raw", "stamp", "scanned", NULL};
+    static char *names[] = {"digest", "tenant", "size", "raw", "stamp", "scanned", "file", "block", NULL};
     PyObject *key;
     long tenant;
-    unsigned long long size, raw = 0, stamp = 0;
+    unsigned long long size, raw = 0, stamp = 0, file = 0, block = 0;
     int scanned = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OlK|KKp", names, &key, &tenant, &size, &raw, &stamp, &scanned))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OlK|KKpKK", names, &key, &tenant, &size, &raw, &stamp, &scanned,
+                                     &file, &block))
         return NULL;
     uint64_t lo, hi;
     if (digest_of(key, &lo, &hi) < 0 || tenant_arg(tenant) < 0) return NULL;
-    if (size > 0xFFFFFFFFull || raw > 0xFFFFFFFFull || stamp > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_OverflowError, "size, raw and stamp are 32-bit");
+    if (size > 0xFFFFFFFFull || raw > 0xFFFFFFFFull || stamp > 0xFFFFFFFFull || file > 0xFFFFFFFFull
+        || block > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_OverflowError, "size, raw, stamp, file and block are 32-bit");
         return NULL;
     }
     if (find(ix, lo, hi) != NIL) {
@@ -325,7 +330,8 @@ static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
     }
     if (grow_slots(ix, (size_t)ix->used + 1, 0) < 0) return NULL;
     if (ix->free_head == NIL && grow_rows(ix, ix->rows_top + 1) < 0) return NULL;
-    uint32_t row = add_row(ix, lo, hi, (uint32_t)size, (uint32_t)raw, 0, (uint32_t)stamp, (uint16_t)tenant, scanned);
+    uint32_t row = add_row(ix, lo, hi, (uint32_t)size, (uint32_t)raw, 0, (uint32_t)stamp, (uint16_t)tenant, scanned,
+                           (uint32_t)file, (uint32_t)block);
     return PyLong_FromUnsignedLong(ix->rows[row].gen);
 }
 
@@ -661,7 +667,8 @@ typedef struct {
     uint64_t lo, hi;
     uint32_t size, raw, reads;
     uint16_t tenant, pad;
-} saved_t; /* 32 bytes */
+    uint32_t file, block;
+} saved_t; /* 40 bytes */
 
 static inline uint64_t mix_in(uint64_t h, const void *data, size_t n) {
     const unsigned char *p = data;
@@ -704,7 +711,7 @@ static PyObject *PageIndex_save(PageIndex *ix, PyObject *arg) {
     for (size_t t = 0; t < MAX_TENANTS && !failed; t++) {
         for (uint32_t row = ix->lists[t].head; row != NIL && !failed; row = ix->rows[row].next) {
             const row_t *r = &ix->rows[row];
-            buf[k++] = (saved_t){r->lo, r->hi, r->size, r->raw, r->reads, r->tenant, 0};
+            buf[k++] = (saved_t){r->lo, r->hi, r->size, r->raw, r->reads, r->tenant, 0, r->file, r->block};
             if (k == SNAP_BATCH) {
                 h = mix_in(h, buf, k * sizeof(saved_t));
                 failed = write_all(fd, buf, k * sizeof(saved_t));
@@ -756,7 +763,7 @@ static PyObject *PageIndex_load(PageIndex *ix, PyObject *args) {
         for (size_t i = 0; i < n; i++) {
             const saved_t *s = &buf[i];
             if (find(ix, s->lo, s->hi) != NIL) { why = "the snapshot holds a digest twice"; break; }
-            add_row(ix, s->lo, s->hi, s->size, s->raw, s->reads, 0, s->tenant, 0);
+            add_row(ix, s->lo, s->hi, s->size, s->raw, s->reads, 0, s->tenant, 0, s->file, s->block);
         }
         done += n;
     }
@@ -802,8 +809,9 @@ static int add_total(PyObject *totals, long tenant, unsigned long long bytes) {
     return rc;
 }
 
-/* A restart scan's record (tiers/_chunkscan.c): digest, namespace hash, on-disk bytes, mtime in seconds. */
-typedef struct { uint64_t lo, hi, ns; uint32_t size, mtime; } scanned_t;
+/* A restart scan's record (tiers/_chunkscan.c): digest, namespace hash, on-disk bytes, mtime in seconds, and
+   where the page lies (a file of many pages and its block; 0, 0: a file of its own). */
+typedef struct { uint64_t lo, hi, ns; uint32_t size, mtime, file, block; } scanned_t;
 
 /* insert_scanned(records, tenants) -> {tenant: bytes added}: every record whose digest is not indexed yet, as
    insert(..., stamp=mtime, scanned=True) would; tenants maps each namespace hash of the records to its tenant. */
@@ -821,7 +829,7 @@ static PyObject *PageIndex_insert_scanned(PageIndex *ix, PyObject *args) {
     int ncached = 0;
     PyObject *totals = PyDict_New();
     if (!totals) goto done;
-    if ((size_t)buf.len % sizeof(scanned_t)) { PyErr_SetString(PyExc_ValueError, "records of 32 bytes"); goto done; }
+    if ((size_t)buf.len % sizeof(scanned_t)) { PyErr_SetString(PyExc_ValueError, "records of 40 bytes"); goto done; }
     if (grow_slots(ix, (size_t)ix->used + n, 0) < 0 || grow_rows(ix, ix->rows_top + n) < 0) goto done;
     for (size_t i = 0; i < n; i++) {
         const scanned_t *s = &recs[i];
@@ -843,7 +851,8 @@ static PyObject *PageIndex_insert_scanned(PageIndex *ix, PyObject *args) {
             cached_ns[c] = s->ns; cached_tenant[c] = tenant; added[c] = 0;
             ncached++;
         }
-        add_row(ix, s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, (uint16_t)cached_tenant[c], 1);
+        add_row(ix, s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, (uint16_t)cached_tenant[c], 1, s->file,
+                s->block);
         added[c] += s->size;
     }
     for (int k = 0; k < ncached; k++)
@@ -857,7 +866,7 @@ done:
 }
 
 static PyMethodDef PageIndex_methods[] = {
-    {"get", (PyCFunction)PageIndex_get, METH_O, "get(digest) -> (gen, tenant, size, raw, reads, stamp) or None"},
+    {"get", (PyCFunction)PageIndex_get, METH_O, "get(digest) -> (gen, tenant, size, raw, reads, stamp, file, block) or None"},
     {"insert", (PyCFunction)(void (*)(void))PageIndex_insert, METH_VARARGS | METH_KEYWORDS,
      "insert(digest, tenant, size, raw=0, stamp=0, scanned=False) -> gen (KeyError when present)"},
     {"remove", (PyCFunction)PageIndex_remove, METH_VARARGS, "remove(digest, gen=0) -> the row's tuple or None"},

@@ -35,7 +35,9 @@ _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 SCAN_THREADS = 8
 # One chunk the scan found (tiers/_chunkscan.c): its digest's low and high 64 bits, namespace hash, on-disk
 # bytes, mtime in seconds.
-RECORD = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("ns", "<u8"), ("size", "<u4"), ("mtime", "<u4")])
+# file, block: where a page of a batch chunk lies (0, 0: a chunk of its own, named by its digest)
+RECORD = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("ns", "<u8"), ("size", "<u4"), ("mtime", "<u4"),
+                   ("file", "<u4"), ("block", "<u4")])
 assert RECORD.itemsize == RECORD_BYTES
 
 
