@@ -30,7 +30,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -217,38 +217,41 @@ def unlink_quietly(path: str) -> bool:
 
 
 def read_chunk(path: str, namespace: str, key: str, dst: Sequence[memoryview], size: int,
-               decode, direct: bool) -> ChunkHeader:
-    """Read and verify the chunk at path into dst (size bytes in all).
+               decode, direct: bool, block: Optional[int] = None) -> ChunkHeader:
+    """Read and verify the chunk at path (a file of its own), or its record at 4 KiB block ``block`` of a
+    batch chunk (tiers/stores/nvme/batch.py), into dst (size bytes in all).
 
-    Raises FileNotFoundError, SizeMismatch (sound file, other page size) or
+    Raises FileNotFoundError, SizeMismatch (sound record, other page size) or
     CorruptChunk; dst may hold garbage after an exception.  ``decode`` is
     ``Codec.decode`` for compressed payloads.
     """
+    in_batch = block is not None
+    offset = block * ALIGN if in_batch else 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
     try:
         st = os.fstat(fd)
-        block = header_block()
-        if st.st_size == HEADER_SIZE + size:
+        hdr_block = header_block()
+        if st.st_size == HEADER_SIZE + size or (in_batch and st.st_size >= offset + HEADER_SIZE + size):
             # The common case, an uncompressed page: header and payload in one call.
-            got = preadv_all(fd, [block, *dst], 0)
-            hdr = parse_header(block, st.st_ino)
+            got = preadv_all(fd, [hdr_block, *dst], offset)
+            hdr = parse_header(hdr_block, st.st_ino)
             if hdr.codec == 0:
-                _check_identity(hdr, namespace, key, size, st)
-                if got != st.st_size or payload_hash(dst) != hdr.payload_hash:
+                _check_identity(hdr, namespace, key, size, st, offset, in_batch)
+                if got != HEADER_SIZE + size or payload_hash(dst) != hdr.payload_hash:
                     raise CorruptChunk("payload checksum mismatch", st.st_ino)
                 return hdr
         else:
-            if preadv_all(fd, [block], 0) != HEADER_SIZE:
+            if preadv_all(fd, [hdr_block], offset) != HEADER_SIZE:
                 raise CorruptChunk("truncated header", st.st_ino)
-            hdr = parse_header(block, st.st_ino)
-        _check_identity(hdr, namespace, key, size, st)
+            hdr = parse_header(hdr_block, st.st_ino)
+        _check_identity(hdr, namespace, key, size, st, offset, in_batch)
         if hdr.codec == 0:
             raise CorruptChunk("file size does not match header", st.st_ino)
         if direct:  # our payload buffer is not aligned: read it through the page cache
             os.close(fd)
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         payload = bytearray(hdr.payload_len)
-        if preadv_all(fd, [memoryview(payload)], HEADER_SIZE) != hdr.payload_len:
+        if preadv_all(fd, [memoryview(payload)], offset + HEADER_SIZE) != hdr.payload_len:
             raise CorruptChunk("truncated payload", st.st_ino)
         if xxhash.xxh3_64_intdigest(payload) != hdr.payload_hash:
             raise CorruptChunk("payload checksum mismatch", st.st_ino)
@@ -263,21 +266,24 @@ def read_chunk(path: str, namespace: str, key: str, dst: Sequence[memoryview], s
         os.close(fd)
 
 
-def _check_identity(hdr: ChunkHeader, namespace: str, key: str, size: int, st: os.stat_result) -> None:
+def _check_identity(hdr: ChunkHeader, namespace: str, key: str, size: int, st: os.stat_result,
+                    offset: int = 0, in_batch: bool = False) -> None:
     if hdr.namespace != namespace or hdr.key != key:
         raise CorruptChunk("file holds another key", st.st_ino)
-    if st.st_size != HEADER_SIZE + hdr.payload_len:
+    if (st.st_size < offset + HEADER_SIZE + hdr.payload_len if in_batch
+            else st.st_size != HEADER_SIZE + hdr.payload_len):
         raise CorruptChunk("file size does not match header", st.st_ino)
     if hdr.raw_len != size:
         raise SizeMismatch(f"page is {hdr.raw_len} bytes, buffers hold {size}")
 
 
-def read_header(path: str) -> ChunkHeader:
-    """The verified header of the chunk at path (FileNotFoundError, CorruptChunk)."""
+def read_header(path: str, block: Optional[int] = None) -> ChunkHeader:
+    """The verified header of the chunk at path, or of its record at 4 KiB block ``block`` of a batch chunk
+    (FileNotFoundError, CorruptChunk)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         ino = os.fstat(fd).st_ino
-        data = os.pread(fd, HEADER_SIZE, 0)
+        data = os.pread(fd, HEADER_SIZE, (block or 0) * ALIGN)
     finally:
         os.close(fd)
     return parse_header(data, ino)

@@ -27,6 +27,7 @@ from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.index import digests_of
+from tiers.stores.nvme.batch import batch_path
 from tiers.stores.nvme.layout import chunk_path
 
 
@@ -44,6 +45,8 @@ class Entry:
     reads: int = 0
     gen: int = 0
     stamp: int = 0  # monotonic seconds of the last mtime refresh (0: never; a scan's mtime until placed)
+    file: int = 0  # the batch chunk holding the page (tiers/stores/nvme/batch.py); 0: a file of its own
+    block: int = 0  # its record's first 4 KiB block there
 
 
 Victim = Tuple[int, Entry]
@@ -154,12 +157,16 @@ class Ledger:
         with self.lock:
             self._build = _Build()
 
-    def add_scanned(self, records: np.ndarray) -> List[Tuple[int, str]]:
+    def path_of(self, ns_hash: int, digest: int, file: int) -> str:
+        """The file a page lies in: its own, or a batch chunk."""
+        return batch_path(self.root, file) if file else chunk_path(self.root, ns_hash, digest)
+
+    def add_scanned(self, records: np.ndarray) -> List[Victim]:
         """Index chunks the scan found (tiers/stores/nvme/index.py RECORD), unless the serving store decided
         about them meanwhile: a digest written since wins; one deleted, evicted or of a cleared namespace is
         stale ((digest, path) returned, for the caller to unlink).  They go to the cold end of their
         namespace's order, placed by mtime at the end of the scan (place_scanned)."""
-        stale: List[Tuple[int, str]] = []
+        stale: List[Victim] = []
         with self.lock:
             build = self._build
             if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
@@ -168,7 +175,9 @@ class Ledger:
                     if digest not in self._index and (digest in build.gone or ns_hash in build.cleared
                                                       or None in build.cleared):
                         keep[i] = False
-                        stale.append((digest, chunk_path(self.root, ns_hash, digest)))
+                        file, block = int(records["file"][i]), int(records["block"][i])
+                        stale.append((digest, Entry(self.path_of(ns_hash, digest, file), ns_hash,
+                                                    int(records["size"][i]), file=file, block=block)))
                 records = records[keep]
             tenants = {ns: self._tenant_locked(ns).number for ns in np.unique(records["ns"]).tolist()}
             for number, nbytes in self._index.insert_scanned(records.tobytes(), tenants).items():
@@ -272,8 +281,8 @@ class Ledger:
 
     def _entry(self, digest: int, row: Row) -> Entry:
         ns_hash = self._numbered[row.tenant].ns_hash
-        return Entry(chunk_path(self.root, ns_hash, digest), ns_hash, row.size, row.raw or None, row.reads,
-                     row.gen, row.stamp)
+        return Entry(self.path_of(ns_hash, digest, row.file), ns_hash, row.size, row.raw or None, row.reads,
+                     row.gen, row.stamp, row.file, row.block)
 
     def get(self, digest: int) -> Optional[Entry]:
         values = self._index.get(digest)  # one call under the GIL: a whole row or none, no lock needed
@@ -381,16 +390,21 @@ class Ledger:
             return victims
 
     def commit(self, digest: int, ns_hash: int, namespace: str, disk_size: int, raw_size: int, stamp: int,
-               parent: Optional[int]) -> None:
-        """A reserved write is on disk under its final name: index it, replacing any older version."""
+               parent: Optional[int], file: int = 0, block: int = 0) -> Optional[Entry]:
+        """A reserved write is on disk under its final name (its own file, or a record of batch chunk file):
+        index it, replacing any older version; the version replaced (the caller gives back its record when
+        it lies in a batch chunk, or its file when the new one does), or None."""
         with self.lock:
             self.reserved -= disk_size
             tenant = self._tenant_locked(ns_hash, namespace)
             tenant.reserved -= disk_size
             old = self._index.remove(digest)
+            replaced = None
             if old is not None:
-                self._forget_locked(digest, Row(*old))
-            self._index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp)
+                row = Row(*old)
+                replaced = self._entry(digest, row)
+                self._forget_locked(digest, row)
+            self._index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp, file=file, block=block)
             if self._build is not None:
                 self._build.fresh.append(digest)
                 self._journal_locked("fresh", digest, ns_hash)
@@ -398,6 +412,7 @@ class Ledger:
             tenant.bytes += disk_size
             if tenant.policy is not None:
                 tenant.policy.insert(digest, parent)
+            return replaced
 
     def _forget_locked(self, digest: int, row: Row) -> None:
         """Bytes and order of a row already out of the index."""

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from tiers.stores.nvme import index
+from tiers.stores.nvme import batch, index
 from tiers.stores.nvme.index import ScanResult
 from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.layout import LeafDirs
@@ -39,7 +39,7 @@ class IndexBuild:
     """Scan root into ledger on a thread of its own."""
 
     def __init__(self, root: str, ledger: Ledger, name: str, dirs: LeafDirs,
-                 discard: Callable[[int, object], None], unlink_stale: Callable[[int, str], None]):
+                 discard: Callable[[int, object], None], unlink_stale: Callable[[int, object], None]):
         self.root, self.name = root, name
         self._ledger = ledger
         self._dirs = dirs  # the store's set of leaf directories known to exist: filled as they are found
@@ -77,8 +77,8 @@ class IndexBuild:
                     sized = True
                     self._ledger.reserve_rows(int((files + len(records)) * part.parts / done_parts * 1.05))
                 for start in range(0, len(records), ADD_SLICE):
-                    for digest, path in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
-                        self._unlink_stale(digest, path)
+                    for digest, entry in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
+                        self._unlink_stale(digest, entry)
                         stale += 1
                     time.sleep(0)  # let the serving loop have the GIL and the ledger between slices
                 files += len(records)
@@ -86,6 +86,18 @@ class IndexBuild:
                     order.append(records)
                 part.records, part.leaves = b"", []
                 totals.merge(part)
+            # Batch chunks (tiers/stores/nvme/batch.py): a file of many pages each, walked record by record.
+            for records, temps in batch.scan_files(self.root, index.RECORD):
+                if self._stop.is_set():
+                    return
+                totals.temps_removed += temps
+                for start in range(0, len(records), ADD_SLICE):
+                    for digest, entry in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
+                        self._unlink_stale(digest, entry)
+                        stale += 1
+                files += len(records)
+                if keep and len(records):
+                    order.append(records)
             if self._stop.is_set():
                 return
             victims: List[Victim] = self._finish(order)

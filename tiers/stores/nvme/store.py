@@ -17,23 +17,27 @@ import math
 import os
 import threading
 import time
-from typing import Iterable, List, Optional, Tuple
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import as_bytes_view
 from tiers.ops.logs import RateLimitedLog
-from tiers.stores.nvme import chunkfile as cf, snapshot
+from tiers.stores.nvme import batch, chunkfile as cf, snapshot
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.rebuild import IndexBuild
 from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, namespace_hash, temp_path
 from tiers.wire.protocol import pack_key_digests
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
-from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreIOError,
-                               StoreStats, total_size)
+from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreError, StoreFull,
+                               StoreIOError, StoreStats, total_size)
 from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
+BATCH_FILE_BYTES = 256 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
 TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -42,6 +46,7 @@ class NvmeStore(PageStore):
     """Chunk files under a directory; capacity counts on-disk bytes (header + payload)."""
 
     parallel_io = True
+    batched = True  # a put's pages go to disk as one batch chunk file with one flush (tiers/stores/nvme/batch.py)
     persistent = True  # the index is rebuilt from the chunk files at start
     keeps_checksums = True  # in the chunk header (tiers/stores/nvme/chunkfile.py FLAG_PAGE_SUM)
     answers_digests = True  # the ledger is keyed by key_digest
@@ -76,6 +81,10 @@ class NvmeStore(PageStore):
         self._direct_writes = bool(direct_writes)
         if self._direct and compression != "none":
             log.info("%s: direct_io applies to uncompressed chunks only", name)
+        # Batch chunks give evicted pages' blocks back by punching holes; a file system that cannot keeps
+        # them until the whole file goes, which the byte count would not see: a file a page there instead.
+        self.batched = self._probe_punch()
+        self._readers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-read")
         self._rebuild()
 
     @classmethod
@@ -115,6 +124,18 @@ class NvmeStore(PageStore):
         cf.unlink_quietly(probe)
         return True
 
+    def _probe_punch(self) -> bool:
+        probe = os.path.join(self.root, ".punch-probe.tmp")
+        try:
+            cf.write_file(probe, [memoryview(bytes(2 * cf.ALIGN))], fsync=False, direct=False)
+            ok = batch.punch(probe, 0, 1)
+        except OSError:
+            ok = False
+        cf.unlink_quietly(probe)
+        if not ok:
+            log.warning("%s: %s cannot punch holes; a file a page (slower writes)", self.name, self.root)
+        return ok
+
     def _rebuild(self) -> None:
         """Index the chunk files: from the snapshot of a clean shutdown, else by a scan (at once for a small
         directory, else in the background while serving)."""
@@ -147,25 +168,37 @@ class NvmeStore(PageStore):
         return self._stripes[digest % N_STRIPES]
 
     def _discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
-        """Delete the file of a chunk already out of the index, unless the key was re-added."""
+        """Delete the file (or batch record) of a chunk already out of the index, unless the key was re-added
+        into the same file."""
         if evicted and self._evictions is not None:
             self._notify_evict(entry)
+        if entry.file:  # its own record, whatever came since: a newer version lies elsewhere
+            self._give_back(entry)
+            return
         with self._stripe(digest):
             if digest not in self._ledger:  # else a newer version was renamed over the file already
                 cf.unlink_quietly(entry.path)
 
-    def _unlink_stale(self, digest: int, path: str) -> None:
-        """A file the rebuild found after its page was deleted, evicted or cleared: gone, unless re-added."""
-        with self._stripe(digest):
-            if digest not in self._ledger:
-                cf.unlink_quietly(path)
+    def _give_back(self, entry: Entry) -> None:
+        """A batch record's blocks back to the file system; the file goes with its last record."""
+        try:
+            batch.punch(entry.path, entry.block, -(-entry.disk_size // cf.ALIGN))
+            if not batch.holds_data(entry.path):
+                cf.unlink_quietly(entry.path)
+        except OSError as exc:
+            self._rlog.warning("punch", "%s: giving back a page of %s: %s", self.name, entry.path, exc.strerror)
+
+    def _unlink_stale(self, digest: int, entry: Entry) -> None:
+        """A chunk the rebuild found after its page was deleted, evicted or cleared: gone, unless re-added."""
+        self._discard(digest, entry)
 
     def _notify_evict(self, entry: Entry) -> None:
         try:
-            hdr = cf.read_header(entry.path)  # the index keeps no key text: the header names the page
+            hdr = cf.read_header(entry.path, _block(entry))  # the index keeps no key text: the header names the page
             key = (hdr.namespace, hdr.key)
             buf = bytearray(hdr.raw_len)
-            hdr = cf.read_chunk(entry.path, *key, [memoryview(buf)], hdr.raw_len, self._codec.decode, False)
+            hdr = cf.read_chunk(entry.path, *key, [memoryview(buf)], hdr.raw_len, self._codec.decode, False,
+                                _block(entry))
         except (OSError, cf.CorruptChunk, cf.SizeMismatch):
             return  # nothing sound to hand on
         self._evictions.page_evicted(key, [memoryview(buf)], entry.reads, hdr.page_sum)
@@ -173,6 +206,13 @@ class NvmeStore(PageStore):
     def _forget(self, digest: int, entry: Entry, ino: Optional[int], why: str) -> None:
         """Drop a chunk that cannot be served; unlink its file if it is still the one that was read."""
         removed = False
+        if entry.file:  # a record of a batch chunk: its blocks go back, the other records stay
+            dropped = self._ledger.drop(digest, entry, corrupt=ino is not None)
+            if dropped:
+                self._give_back(entry)
+                self._rlog.warning("corrupt" if ino is not None else "lost", "%s: dropped a page of %s: %s",
+                                   self.name, entry.path, why)
+            return
         with self._stripe(digest):
             if ino is not None:
                 try:
@@ -296,7 +336,9 @@ class NvmeStore(PageStore):
                 cf.unlink_quietly(tmp)
                 cls = StoreFull if exc.errno in _FULL_ERRNOS else StoreIOError
                 raise cls(f"{self.name}: rename to {path}: {exc.strerror}") from None
-            self._ledger.commit(digest, *chunk, parent)
+            replaced = self._ledger.commit(digest, *chunk, parent)
+        if replaced is not None and replaced.file:  # the older version lay in a batch chunk
+            self._give_back(replaced)
 
     # ------------------------------------------------------------ reading
     def get_into(self, key: PageKey, buffers: Buffers) -> bool:
@@ -324,7 +366,7 @@ class NvmeStore(PageStore):
         size = entry.raw_size
         if size is None:  # rebuilt entry of unknown page size: its header says
             try:
-                size = cf.read_header(entry.path).raw_len
+                size = cf.read_header(entry.path, _block(entry)).raw_len
             except (OSError, cf.CorruptChunk):
                 size = 0  # _read finds the same fault, reports it and cleans up
         buf = bytearray(size)
@@ -335,7 +377,7 @@ class NvmeStore(PageStore):
         """Read and verify the chunk into dst: the page's checksum (0: unknown), None on a miss."""
         direct = self._direct and cf.is_aligned(dst)
         try:
-            hdr = cf.read_chunk(entry.path, key[0], key[1], dst, size, self._codec.decode, direct)
+            hdr = cf.read_chunk(entry.path, key[0], key[1], dst, size, self._codec.decode, direct, _block(entry))
         except FileNotFoundError:
             self._forget(digest, entry, None, "file vanished")
             self._ledger.miss()
@@ -398,6 +440,140 @@ class NvmeStore(PageStore):
             self._discard(*victim, evicted=True)
         return len(victims), sum(entry.disk_size for _d, entry in victims)
 
+    # ---------------------------------------------------- batch chunks
+    def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                           parents: Sequence[Optional[str]], deadline: Optional[float],
+                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
+        """A put's pages into batch chunk files (one a namespace and BATCH_FILE_BYTES), each written
+        sequentially with one flush; None or the refusal of each page."""
+        if deadline is not None and time.time() > deadline:  # the engine stopped waiting: store nothing
+            return [StoreIOError(f"{self.name}: the put's deadline passed before it was written")] * len(keys)
+        if not self.batched:
+            return [self._put_one(k, p, parent, c) for k, p, parent, c in zip(keys, pages, parents, checksums)]
+        out: List[Optional[StoreError]] = [None] * len(keys)
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key[0], []).append(i)
+        for namespace, idx in groups.items():
+            records: List[_Pending] = []
+            at = 0
+            for i in idx:
+                try:
+                    record = self._batch_record(i, keys[i], pages[i], parents[i], checksums[i])
+                except StoreError as exc:
+                    out[i] = exc
+                    continue
+                if records and at + record.disk > BATCH_FILE_BYTES:
+                    self._write_batch(namespace, records, out)
+                    records, at = [], 0
+                records.append(record)
+                at += record.disk
+            if records:
+                self._write_batch(namespace, records, out)
+        return out
+
+    def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
+                 deadline: Optional[float]) -> List[Optional[StoreError]]:
+        return self.put_many_with_sums(keys, pages, parents, deadline, [0] * len(keys))
+
+    def get_many_into(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                      deadline: Optional[float]) -> List[bool]:
+        return [s is not None for s in self.get_many_into_with_sums(keys, pages, deadline)]
+
+    def _put_one(self, key, page, parent, checksum) -> Optional[StoreError]:
+        try:
+            self.put_with_sum(key, page, parent if isinstance(parent, str) else None, checksum)
+            return None
+        except StoreError as exc:
+            return exc
+
+    def _batch_record(self, position: int, key: PageKey, page: Buffers, parent, checksum: int) -> "_Pending":
+        """One page checked and encoded for a batch chunk: PageTooLarge, StoreIOError (bytes that do not
+        match the writer's checksum)."""
+        src = [v for v in (as_bytes_view(b) for b in page) if v.nbytes]
+        size = total_size(src)
+        if size == 0 or size > self.max_page_bytes:
+            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
+        namespace, name = key
+        encoded = self._codec.encode(src, size)
+        payload = src if encoded is None else [memoryview(encoded)]
+        stored = total_size(payload)
+        payload_sum = cf.payload_hash(payload)
+        if checksum and checksum != (payload_sum if encoded is None else cf.payload_hash(src)):
+            self._ledger.count("checksum_refused")
+            raise StoreIOError(f"{self.name}: the page's bytes do not match the writer's checksum")
+        header = batch.aligned_block()
+        cf.pack_header(header, namespace, name, 0 if encoded is None else self._codec.codec_id, size, stored,
+                       payload_sum, checksum)
+        disk = batch.record_blocks(stored) * cf.ALIGN
+        if disk > self.capacity:
+            raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {self.capacity}")
+        parent_digest = key_digest(namespace, parent) if isinstance(parent, str) and parent else None
+        return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest)
+
+    def _write_batch(self, namespace: str, records: List["_Pending"], out: list) -> None:
+        """Reserve, write one batch file, index its pages; each refusal goes to its page's slot in out."""
+        ns_hash = namespace_hash(namespace)
+        reserved: List[_Pending] = []
+        for record in records:
+            try:
+                for victim in self._ledger.reserve(record.disk, ns_hash, namespace):
+                    self._discard(*victim, evicted=True)
+                reserved.append(record)
+            except StoreFull as exc:
+                out[record.position] = StoreFull(f"{self.name}: {exc}")
+        if not reserved:
+            return
+        file_id, path = self._new_batch_path()
+        try:
+            blocks, _direct = batch.write_batch(path, [batch.Record(r.header, r.payload, r.stored) for r in reserved],
+                                                self.fsync, self._direct and self._direct_writes)
+            if self.fsync:
+                self._dirsync.sync(os.path.dirname(path))
+        except OSError as exc:
+            for r in reserved:
+                self._ledger.release(r.disk, ns_hash)
+            err = (StoreFull(f"{self.name}: {exc.strerror}") if exc.errno in _FULL_ERRNOS
+                   else StoreIOError(f"{self.name}: writing {path}: {exc.strerror}"))
+            for r in reserved:
+                out[r.position] = err
+            return
+        stamp = max(1, int(time.monotonic()))
+        for r, block in zip(reserved, blocks):
+            replaced = self._ledger.commit(r.digest, ns_hash, namespace, r.disk, r.size, stamp, r.parent,
+                                           file=file_id, block=block)
+            if replaced is not None:
+                if replaced.file:
+                    self._give_back(replaced)
+                else:
+                    self._drop_own_file(r.digest, replaced)
+            self._ledger.wrote(r.size, r.stored)
+
+    def _drop_own_file(self, digest: int, replaced: Entry) -> None:
+        """The older version of a page now in a batch chunk had a file of its own: it goes."""
+        with self._stripe(digest):
+            entry = self._ledger.get(digest)
+            if entry is None or entry.file:  # not written back into its own file meanwhile
+                cf.unlink_quietly(replaced.path)
+
+    def _new_batch_path(self) -> Tuple[int, str]:
+        while True:
+            file_id = secrets.randbits(32) or 1
+            path = batch.batch_path(self.root, file_id)
+            if not os.path.exists(path) and not os.path.exists(path + ".tmp"):
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                return file_id, path
+
+    def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                                deadline: Optional[float] = None, hold=None) -> List[Optional[int]]:
+        """Each page read as get_into_with_sum reads it, several at once (the disk takes many reads in
+        flight); nothing moves into the buffers once this returns."""
+        work = lambda i: (None if deadline is not None and time.time() > deadline
+                          else self.get_into_with_sum(keys[i], pages[i]))
+        if len(keys) > 1:
+            return list(self._readers.map(work, range(len(keys))))
+        return [work(i) for i in range(len(keys))]
+
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
         snap.extra.update(direct_io=float(self._direct), direct_writes=float(self._direct and self._direct_writes),
@@ -408,6 +584,7 @@ class NvmeStore(PageStore):
         """Save the index for the next start (when it is whole) and release the directory lock; every
         acknowledged chunk is already in its file."""
         self._build.stop()
+        self._readers.shutdown(wait=True)
         if self._snapshots and self._build.done.is_set() and self._lock_fd is not None:
             try:
                 rows = snapshot.save(self.root, self._ledger, self._dirs)
@@ -418,6 +595,25 @@ class NvmeStore(PageStore):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _block(entry: Entry) -> Optional[int]:
+    """Where a chunk's record starts in its batch chunk; None for a file of its own."""
+    return entry.block if entry.file else None
+
+
+@dataclass
+class _Pending:
+    """A page of a put on its way into a batch chunk."""
+
+    position: int  # in the put's keys
+    disk: int  # bytes its record takes on disk (header and payload, padded to 4 KiB)
+    digest: int
+    header: memoryview
+    payload: List[memoryview]
+    size: int  # the page's own bytes
+    stored: int  # its payload's (compressed or not)
+    parent: Optional[int]
 
 
 # The nvme kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["nvme"]).

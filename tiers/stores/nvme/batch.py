@@ -1,0 +1,198 @@
+"""Batch chunks: the pages of one put in one file, written sequentially with one flush.
+
+A file per page costs an fsync and a rename per page: at 64 KiB pages that
+ran at 0.06x of writing the same batch as one file with one fdatasync
+(hicache-tiers bench, ``limit.disk_write_batch``).  A batch chunk is one file
+holding a put's pages, each as the chunk record a file of its own holds
+(tiers/stores/nvme/chunkfile.py: a 4 KiB header naming namespace, key, sizes
+and checksums, then the payload), each record starting at a 4 KiB boundary.
+So a page is read, verified and identified exactly as before, at its record's
+offset; the index row says which file and block (tiers/node/page_index.py).
+
+The file is written under a temporary name and renamed into place after its
+one fdatasync: a crash leaves either the whole batch or a temporary file the
+restart removes, never a file with torn records.  Evicting a page punches a
+hole over its record (its blocks go back to the file system at once, so disk
+use stays what the index counts) and the file goes when its last page does.
+A restart walks each file's records, skipping holes (SEEK_DATA).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tiers.stores.nvme import chunkfile as cf
+from tiers.stores.nvme.layout import key_digest, namespace_hash
+
+SUFFIX = ".hcb"
+_LOW64 = (1 << 64) - 1
+TOP = "batches"  # beside the per-page fan-out directories
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_PAD = memoryview(mmap.mmap(-1, cf.ALIGN))  # zeros, page aligned: a record's tail up to the next boundary
+
+
+def batch_path(root: str, file_id: int) -> str:
+    """Where batch chunk file_id lives: 4,096 directories of up to 4,096 files each, then they wrap."""
+    return os.path.join(root, TOP, f"{(file_id >> 12) & 0xFFF:03x}", f"{file_id:08x}{SUFFIX}")
+
+
+def parse_name(name: str) -> Optional[int]:
+    """The file id a batch chunk's name says, None for any other name (temporary files included)."""
+    if not name.endswith(SUFFIX) or len(name) != 8 + len(SUFFIX):
+        return None
+    try:
+        return int(name[:8], 16)
+    except ValueError:
+        return None
+
+
+def aligned_block() -> memoryview:
+    """A zeroed 4 KiB buffer at a 4 KiB address (a record header O_DIRECT may write)."""
+    raw = np.zeros(2 * cf.ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % cf.ALIGN
+    return memoryview(raw[start:start + cf.ALIGN])
+
+
+def holds_data(path: str) -> bool:
+    """False once every record of the file was punched out (or the file is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.lseek(fd, 0, os.SEEK_DATA)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
+def record_blocks(payload_len: int) -> int:
+    """4 KiB blocks a record takes: its header and its payload, padded."""
+    return 1 + -(-payload_len // cf.ALIGN)
+
+
+@dataclass
+class Record:
+    header: memoryview  # the page's chunk header (chunkfile.pack_header), one 4 KiB block
+    payload: Sequence[memoryview]
+    payload_len: int
+
+
+def write_batch(path: str, records: Sequence[Record], fsync: bool, direct: bool) -> Tuple[List[int], bool]:
+    """Write records into a new file at path (a temporary name first, renamed after the flush): the first
+    block of each record, and whether O_DIRECT was used (only when every buffer is aligned)."""
+    views: List[memoryview] = []
+    blocks: List[int] = []
+    at = 0
+    for rec in records:
+        blocks.append(at)
+        views.append(rec.header)
+        views.extend(rec.payload)
+        pad = -rec.payload_len % cf.ALIGN
+        if pad:
+            views.append(_PAD[:pad])
+        at += record_blocks(rec.payload_len)
+    direct = direct and cf.is_aligned(views)
+    tmp = f"{path}.tmp"
+    cf.write_file(tmp, views, fsync, direct)  # removes tmp when it fails
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        cf.unlink_quietly(tmp)
+        raise
+    return blocks, direct
+
+
+def punch(path: str, block: int, blocks: int) -> bool:
+    """Give a record's blocks back to the file system (the file keeps its size); False where it cannot
+    (a file system without hole punching: the bytes stay until the file goes)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
+                           blocks * cf.ALIGN) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def records_of(path: str) -> Iterator[Tuple[int, cf.ChunkHeader]]:
+    """(first block, verified header) of each record a batch file still holds, in file order; a header that
+    fails verification ends the walk (nothing after it can be located)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        at = 0
+        while at < st.st_size:
+            try:
+                at = os.lseek(fd, at, os.SEEK_DATA)  # past punched records
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only holes from here
+                    return
+                raise
+            at -= at % cf.ALIGN
+            data = os.pread(fd, cf.HEADER_SIZE, at)
+            if len(data) < cf.HEADER_SIZE:
+                return
+            try:
+                hdr = cf.parse_header(data, st.st_ino)
+            except cf.CorruptChunk:
+                return
+            if at + cf.HEADER_SIZE + hdr.payload_len > st.st_size:
+                return
+            yield at // cf.ALIGN, hdr
+            at += record_blocks(hdr.payload_len) * cf.ALIGN
+    finally:
+        os.close(fd)
+
+
+def scan_files(root: str, record_dtype) -> Iterator[Tuple[np.ndarray, int]]:
+    """(records, temporary files removed) of each batch chunk under root, one file at a time: each record
+    as a restart scan indexes it (tiers/stores/nvme/index.py RECORD, with its file and block)."""
+    top = os.path.join(root, TOP)
+    try:
+        subdirs = sorted(e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return
+    for sub in subdirs:
+        with os.scandir(sub) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name.endswith(".tmp"):  # a batch a crash cut short: never acknowledged
+                yield np.empty(0, dtype=record_dtype), int(cf.unlink_quietly(entry.path))
+                continue
+            file_id = parse_name(entry.name)
+            if file_id is None:
+                continue
+            try:
+                mtime = int(entry.stat(follow_symlinks=False).st_mtime)
+                found = list(records_of(entry.path))
+            except OSError:
+                continue
+            out = np.zeros(len(found), dtype=record_dtype)
+            for i, (block, hdr) in enumerate(found):
+                digest = key_digest(hdr.namespace, hdr.key)
+                out[i] = (digest & _LOW64, digest >> 64, namespace_hash(hdr.namespace),
+                          record_blocks(hdr.payload_len) * cf.ALIGN, mtime, file_id, block)
+            if not len(found):  # every record was punched out, the file's removal cut short
+                cf.unlink_quietly(entry.path)
+            yield out, 0
