@@ -62,23 +62,6 @@ def aligned_block() -> memoryview:
     return memoryview(raw[start:start + cf.ALIGN])
 
 
-def holds_data(path: str) -> bool:
-    """False once every record of the file was punched out (or the file is gone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        os.lseek(fd, 0, os.SEEK_DATA)
-        return True
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:
-            return False
-        raise
-    finally:
-        os.close(fd)
-
-
 def record_blocks(payload_len: int) -> int:
     """4 KiB blocks a record takes: its header and its payload, padded."""
     return 1 + -(-payload_len // cf.ALIGN)
@@ -94,43 +77,129 @@ class Record:
 def write_batch(path: str, records: Sequence[Record], fsync: bool, direct: bool) -> Tuple[List[int], bool]:
     """Write records into a new file at path (a temporary name first, renamed after the flush): the first
     block of each record, and whether O_DIRECT was used (only when every buffer is aligned)."""
+    writer = BatchWriter(path, direct)
+    try:
+        blocks = writer.add(records)
+        writer.finish(fsync)
+    except BaseException:
+        writer.abort()
+        raise
+    return blocks, writer.direct_parts > 0
+
+
+def _views(records: Sequence[Record]) -> List[memoryview]:
     views: List[memoryview] = []
-    blocks: List[int] = []
-    at = 0
     for rec in records:
-        blocks.append(at)
         views.append(rec.header)
         views.extend(rec.payload)
         pad = -rec.payload_len % cf.ALIGN
         if pad:
             views.append(_PAD[:pad])
-        at += record_blocks(rec.payload_len)
-    direct = direct and cf.is_aligned(views)
-    tmp = f"{path}.tmp"
-    cf.write_file(tmp, views, fsync, direct)  # removes tmp when it fails
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        cf.unlink_quietly(tmp)
-        raise
-    return blocks, direct
+    return views
+
+
+class BatchWriter:
+    """One batch chunk written in parts as its records are ready: each part goes to the device from a thread
+    of pool (pwritev lets go of the GIL) while the caller prepares the next, and the file gets one flush at
+    the end (finish).  Parts whose buffers allow it are written with O_DIRECT."""
+
+    def __init__(self, path: str, direct: bool, pool=None):
+        self.path = path
+        self.tmp = f"{path}.tmp"
+        self._pool = pool
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self._fd = os.open(self.tmp, flags | (cf.O_DIRECT if direct else 0), 0o600)
+        self._direct = direct
+        self._buffered_fd: Optional[int] = None if direct else self._fd
+        self._pending: list = []
+        self.blocks = 0  # blocks written or being written
+        self.direct_parts = 0
+
+    def add(self, records: Sequence[Record]) -> List[int]:
+        """Write records after those added before; the first block of each."""
+        firsts, at = [], self.blocks
+        for rec in records:
+            firsts.append(at)
+            at += record_blocks(rec.payload_len)
+        views = _views(records)
+        if self._direct and cf.is_aligned(views):
+            fd = self._fd
+            self.direct_parts += 1
+        else:
+            if self._buffered_fd is None:
+                self._buffered_fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
+            fd = self._buffered_fd
+        offset = self.blocks * cf.ALIGN
+        self.blocks = at
+        if self._pool is None:
+            cf.pwritev_all(fd, views, offset)
+        else:
+            self._pending.append(self._pool.submit(cf.pwritev_all, fd, views, offset))
+        return firsts
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()  # the first error raises
+
+    def finish(self, fsync: bool) -> None:
+        """Every part on the device (one fdatasync when fsync), then the file under its name."""
+        self._wait()
+        if fsync:
+            os.fdatasync(self._fd)  # the file's data, by whichever descriptor it was written
+            if self._buffered_fd is not None:
+                os.posix_fadvise(self._buffered_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._close()
+        os.rename(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self._wait()
+        except OSError:
+            pass
+        self._close()
+        cf.unlink_quietly(self.tmp)
+
+    def _close(self) -> None:
+        for fd in {self._fd, self._buffered_fd} - {None}:
+            os.close(fd)
+        self._fd = self._buffered_fd = None
 
 
 def punch(path: str, block: int, blocks: int) -> bool:
     """Give a record's blocks back to the file system (the file keeps its size); False where it cannot
     (a file system without hole punching: the bytes stay until the file goes)."""
+    return punch_ranges(path, [(block, blocks)]) is not None
+
+
+def punch_ranges(path: str, ranges: Sequence[Tuple[int, int]]) -> Optional[bool]:
+    """Punch (first block, blocks) ranges of one batch file, adjacent ones merged, through one descriptor;
+    whether the file still holds data afterwards (False: remove it), None where holes cannot be punched."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        return False
     try:
-        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
-                           blocks * cf.ALIGN) == 0:
+        merged: List[List[int]] = []
+        for block, blocks in sorted(ranges):
+            if merged and merged[-1][0] + merged[-1][1] >= block:
+                merged[-1][1] = max(merged[-1][1], block + blocks - merged[-1][0])
+            else:
+                merged.append([block, blocks])
+        for block, blocks in merged:
+            if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
+                               blocks * cf.ALIGN) != 0:
+                err = ctypes.get_errno()
+                if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    return None
+                raise OSError(err, os.strerror(err), path)
+        try:
+            os.lseek(fd, 0, os.SEEK_DATA)
             return True
-        err = ctypes.get_errno()
-        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
-            return False
-        raise OSError(err, os.strerror(err), path)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return False
+            raise
     finally:
         os.close(fd)
 

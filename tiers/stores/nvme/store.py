@@ -17,14 +17,13 @@ import math
 import os
 import threading
 import time
-import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import as_bytes_view
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.nvme import batch, chunkfile as cf, snapshot
+from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.rebuild import IndexBuild
@@ -37,7 +36,6 @@ from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
-BATCH_FILE_BYTES = 256 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
 TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -85,6 +83,10 @@ class NvmeStore(PageStore):
         # them until the whole file goes, which the byte count would not see: a file a page there instead.
         self.batched = self._probe_punch()
         self._readers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-read")
+        self._writers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-write")
+        self._batches = BatchWrites(BatchTarget(
+            name, self.root, capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers, self._dirsync,
+            direct=lambda: self._direct, discard=self._discard_many, replaced=self._replaced))
         self._rebuild()
 
     @classmethod
@@ -181,12 +183,33 @@ class NvmeStore(PageStore):
 
     def _give_back(self, entry: Entry) -> None:
         """A batch record's blocks back to the file system; the file goes with its last record."""
-        try:
-            batch.punch(entry.path, entry.block, -(-entry.disk_size // cf.ALIGN))
-            if not batch.holds_data(entry.path):
-                cf.unlink_quietly(entry.path)
-        except OSError as exc:
-            self._rlog.warning("punch", "%s: giving back a page of %s: %s", self.name, entry.path, exc.strerror)
+        self._give_back_many([entry])
+
+    def _give_back_many(self, entries: List[Entry]) -> None:
+        """Batch records' blocks back, each file opened once and adjacent records punched as one range (the
+        victims of a batch are mostly the oldest records of one file); a file goes with its last record."""
+        by_file: dict = {}
+        for entry in entries:
+            by_file.setdefault(entry.path, []).append((entry.block, -(-entry.disk_size // cf.ALIGN)))
+        for path, ranges in by_file.items():
+            try:
+                if batch.punch_ranges(path, ranges) is False:
+                    cf.unlink_quietly(path)
+            except OSError as exc:
+                self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)
+
+    def _discard_many(self, victims: List[Victim], evicted: bool = False) -> None:
+        """_discard for many chunks: the batch records among them given back together."""
+        records = []
+        for digest, entry in victims:
+            if not entry.file:
+                self._discard(digest, entry, evicted)
+                continue
+            if evicted and self._evictions is not None:
+                self._notify_evict(entry)
+            records.append(entry)
+        if records:
+            self._give_back_many(records)
 
     def _unlink_stale(self, digest: int, entry: Entry) -> None:
         """A chunk the rebuild found after its page was deleted, evicted or cleared: gone, unless re-added."""
@@ -444,33 +467,13 @@ class NvmeStore(PageStore):
     def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                            parents: Sequence[Optional[str]], deadline: Optional[float],
                            checksums: Sequence[int]) -> List[Optional[StoreError]]:
-        """A put's pages into batch chunk files (one a namespace and BATCH_FILE_BYTES), each written
-        sequentially with one flush; None or the refusal of each page."""
+        """A put's pages into batch chunk files, each written sequentially with one flush
+        (tiers/stores/nvme/batch_writes.py); None or the refusal of each page."""
         if deadline is not None and time.time() > deadline:  # the engine stopped waiting: store nothing
             return [StoreIOError(f"{self.name}: the put's deadline passed before it was written")] * len(keys)
         if not self.batched:
             return [self._put_one(k, p, parent, c) for k, p, parent, c in zip(keys, pages, parents, checksums)]
-        out: List[Optional[StoreError]] = [None] * len(keys)
-        groups: dict = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key[0], []).append(i)
-        for namespace, idx in groups.items():
-            records: List[_Pending] = []
-            at = 0
-            for i in idx:
-                try:
-                    record = self._batch_record(i, keys[i], pages[i], parents[i], checksums[i])
-                except StoreError as exc:
-                    out[i] = exc
-                    continue
-                if records and at + record.disk > BATCH_FILE_BYTES:
-                    self._write_batch(namespace, records, out)
-                    records, at = [], 0
-                records.append(record)
-                at += record.disk
-            if records:
-                self._write_batch(namespace, records, out)
-        return out
+        return self._batches.put_many(keys, pages, parents, checksums)
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  deadline: Optional[float]) -> List[Optional[StoreError]]:
@@ -487,82 +490,16 @@ class NvmeStore(PageStore):
         except StoreError as exc:
             return exc
 
-    def _batch_record(self, position: int, key: PageKey, page: Buffers, parent, checksum: int) -> "_Pending":
-        """One page checked and encoded for a batch chunk: PageTooLarge, StoreIOError (bytes that do not
-        match the writer's checksum)."""
-        src = [v for v in (as_bytes_view(b) for b in page) if v.nbytes]
-        size = total_size(src)
-        if size == 0 or size > self.max_page_bytes:
-            raise PageTooLarge(f"page of {size} bytes not accepted (max {self.max_page_bytes})")
-        namespace, name = key
-        encoded = self._codec.encode(src, size)
-        payload = src if encoded is None else [memoryview(encoded)]
-        stored = total_size(payload)
-        payload_sum = cf.payload_hash(payload)
-        if checksum and checksum != (payload_sum if encoded is None else cf.payload_hash(src)):
-            self._ledger.count("checksum_refused")
-            raise StoreIOError(f"{self.name}: the page's bytes do not match the writer's checksum")
-        header = batch.aligned_block()
-        cf.pack_header(header, namespace, name, 0 if encoded is None else self._codec.codec_id, size, stored,
-                       payload_sum, checksum)
-        disk = batch.record_blocks(stored) * cf.ALIGN
-        if disk > self.capacity:
-            raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {self.capacity}")
-        parent_digest = key_digest(namespace, parent) if isinstance(parent, str) and parent else None
-        return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest)
-
-    def _write_batch(self, namespace: str, records: List["_Pending"], out: list) -> None:
-        """Reserve, write one batch file, index its pages; each refusal goes to its page's slot in out."""
-        ns_hash = namespace_hash(namespace)
-        reserved: List[_Pending] = []
-        for record in records:
-            try:
-                for victim in self._ledger.reserve(record.disk, ns_hash, namespace):
-                    self._discard(*victim, evicted=True)
-                reserved.append(record)
-            except StoreFull as exc:
-                out[record.position] = StoreFull(f"{self.name}: {exc}")
-        if not reserved:
+    def _replaced(self, digest: int, replaced: Entry) -> None:
+        """The older version of a page now in a batch chunk goes: its record, or its own file (unless the page
+        was written back into that file meanwhile)."""
+        if replaced.file:
+            self._give_back(replaced)
             return
-        file_id, path = self._new_batch_path()
-        try:
-            blocks, _direct = batch.write_batch(path, [batch.Record(r.header, r.payload, r.stored) for r in reserved],
-                                                self.fsync, self._direct and self._direct_writes)
-            if self.fsync:
-                self._dirsync.sync(os.path.dirname(path))
-        except OSError as exc:
-            for r in reserved:
-                self._ledger.release(r.disk, ns_hash)
-            err = (StoreFull(f"{self.name}: {exc.strerror}") if exc.errno in _FULL_ERRNOS
-                   else StoreIOError(f"{self.name}: writing {path}: {exc.strerror}"))
-            for r in reserved:
-                out[r.position] = err
-            return
-        stamp = max(1, int(time.monotonic()))
-        for r, block in zip(reserved, blocks):
-            replaced = self._ledger.commit(r.digest, ns_hash, namespace, r.disk, r.size, stamp, r.parent,
-                                           file=file_id, block=block)
-            if replaced is not None:
-                if replaced.file:
-                    self._give_back(replaced)
-                else:
-                    self._drop_own_file(r.digest, replaced)
-            self._ledger.wrote(r.size, r.stored)
-
-    def _drop_own_file(self, digest: int, replaced: Entry) -> None:
-        """The older version of a page now in a batch chunk had a file of its own: it goes."""
         with self._stripe(digest):
             entry = self._ledger.get(digest)
-            if entry is None or entry.file:  # not written back into its own file meanwhile
+            if entry is None or entry.file:
                 cf.unlink_quietly(replaced.path)
-
-    def _new_batch_path(self) -> Tuple[int, str]:
-        while True:
-            file_id = secrets.randbits(32) or 1
-            path = batch.batch_path(self.root, file_id)
-            if not os.path.exists(path) and not os.path.exists(path + ".tmp"):
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                return file_id, path
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                                 deadline: Optional[float] = None, hold=None) -> List[Optional[int]]:
@@ -585,6 +522,7 @@ class NvmeStore(PageStore):
         acknowledged chunk is already in its file."""
         self._build.stop()
         self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
         if self._snapshots and self._build.done.is_set() and self._lock_fd is not None:
             try:
                 rows = snapshot.save(self.root, self._ledger, self._dirs)
@@ -600,20 +538,6 @@ class NvmeStore(PageStore):
 def _block(entry: Entry) -> Optional[int]:
     """Where a chunk's record starts in its batch chunk; None for a file of its own."""
     return entry.block if entry.file else None
-
-
-@dataclass
-class _Pending:
-    """A page of a put on its way into a batch chunk."""
-
-    position: int  # in the put's keys
-    disk: int  # bytes its record takes on disk (header and payload, padded to 4 KiB)
-    digest: int
-    header: memoryview
-    payload: List[memoryview]
-    size: int  # the page's own bytes
-    stored: int  # its payload's (compressed or not)
-    parent: Optional[int]
 
 
 # The nvme kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["nvme"]).

@@ -1,0 +1,174 @@
+"""The NVMe tier's batched puts: a put's pages of one namespace into one batch chunk file (tiers/stores/nvme/batch.py).
+
+Per file: the pages are checked and encoded a part (PART_PAGES) at a time;
+each part's bytes are reserved (evicting as needed, and the victims' blocks
+given back before a byte of ours is written: the disk never holds more than
+capacity) and handed to a writer thread while the next part is prepared; one
+fdatasync at the end, the rename, the directory sync, then every page of the
+file is indexed.  A refusal is per page (too large, bytes that do not match the
+writer's checksum, no room); a failed write refuses every page of its file.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from tiers.node.buffers import as_bytes_view
+from tiers.stores.base import Buffers, PageKey, PageTooLarge, StoreError, StoreFull, StoreIOError, total_size
+from tiers.stores.nvme import batch, chunkfile as cf
+from tiers.stores.nvme.codec import Codec
+from tiers.stores.nvme.dirsync import DirSyncer
+from tiers.stores.nvme.layout import key_digest, namespace_hash
+from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+
+BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
+PART_PAGES = 16  # pages prepared, reserved and handed to the device at a time within one file
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass
+class BatchTarget:
+    """What batched puts need of the store they write for."""
+
+    name: str
+    root: str
+    capacity: int
+    max_page_bytes: int
+    fsync: bool
+    ledger: Ledger
+    codec: Codec
+    writers: Executor  # threads that move each part to the device
+    dirsync: DirSyncer
+    direct: Callable[[], bool]  # O_DIRECT now (a device that refused it turns it off)
+    discard: Callable[[List[Victim], bool], None]  # evicted chunks' files or records given back
+    replaced: Callable[[int, Entry], None]  # an older version of a page just indexed goes
+
+
+@dataclass
+class _Pending:
+    """A page of a put on its way into a batch chunk."""
+
+    position: int  # in the put's keys
+    disk: int  # bytes its record takes on disk (header and payload, padded to 4 KiB)
+    digest: int
+    header: memoryview
+    payload: List[memoryview]
+    size: int  # the page's own bytes
+    stored: int  # its payload's (compressed or not)
+    parent: Optional[int]
+
+
+class BatchWrites:
+    def __init__(self, target: BatchTarget):
+        self.t = target
+
+    def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
+                 checksums: Sequence[int]) -> List[Optional[StoreError]]:
+        """None or the refusal of each page."""
+        out: List[Optional[StoreError]] = [None] * len(keys)
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key[0], []).append(i)
+        for namespace, idx in groups.items():
+            first = 0
+            while first < len(idx):  # files of at most BATCH_FILE_BYTES (or one page)
+                last, at = first, 0
+                while last < len(idx) and (last == first or at + total_size(pages[idx[last]]) <= BATCH_FILE_BYTES):
+                    at += total_size(pages[idx[last]])
+                    last += 1
+                self._write_file(namespace, idx[first:last], keys, pages, parents, checksums, out)
+                first = last
+        return out
+
+    def _record(self, position: int, key: PageKey, page: Buffers, parent, checksum: int) -> _Pending:
+        """One page checked and encoded: PageTooLarge, StoreIOError (bytes that do not match the writer's
+        checksum)."""
+        t = self.t
+        src = [v for v in (as_bytes_view(b) for b in page) if v.nbytes]
+        size = total_size(src)
+        if size == 0 or size > t.max_page_bytes:
+            raise PageTooLarge(f"page of {size} bytes not accepted (max {t.max_page_bytes})")
+        namespace, name = key
+        encoded = t.codec.encode(src, size)
+        payload = src if encoded is None else [memoryview(encoded)]
+        stored = total_size(payload)
+        payload_sum = cf.payload_hash(payload)
+        # A raw payload's checksum is the page's: bytes changed on their way here are refused, not stored.
+        if checksum and checksum != (payload_sum if encoded is None else cf.payload_hash(src)):
+            t.ledger.count("checksum_refused")
+            raise StoreIOError(f"{t.name}: the page's bytes do not match the writer's checksum")
+        header = batch.aligned_block()
+        cf.pack_header(header, namespace, name, 0 if encoded is None else t.codec.codec_id, size, stored,
+                       payload_sum, checksum)
+        disk = batch.record_blocks(stored) * cf.ALIGN
+        if disk > t.capacity:
+            raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {t.capacity}")
+        parent_digest = key_digest(namespace, parent) if isinstance(parent, str) and parent else None
+        return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest)
+
+    def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, out: list) -> None:
+        """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
+        t = self.t
+        ns_hash = namespace_hash(namespace)
+        file_id, path = self._new_path()
+        try:
+            writer = batch.BatchWriter(path, t.direct(), t.writers)
+        except OSError as exc:
+            for i in idx:
+                out[i] = StoreIOError(f"{t.name}: creating {path}: {exc.strerror}")
+            return
+        written: List[Tuple[_Pending, int]] = []
+        try:
+            for start in range(0, len(idx), PART_PAGES):
+                records: List[_Pending] = []
+                victims: List[Victim] = []
+                for i in idx[start:start + PART_PAGES]:
+                    try:
+                        record = self._record(i, keys[i], pages[i], parents[i], checksums[i])
+                        victims += t.ledger.reserve(record.disk, ns_hash, namespace)
+                        records.append(record)
+                    except StoreFull as exc:
+                        out[i] = StoreFull(f"{t.name}: {exc}")
+                    except StoreError as exc:
+                        out[i] = exc
+                t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
+                if records:
+                    firsts = writer.add([batch.Record(r.header, r.payload, r.stored) for r in records])
+                    written += zip(records, firsts)
+                    time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
+            if not written:
+                writer.abort()
+                return
+            writer.finish(t.fsync)
+            if t.fsync:
+                t.dirsync.sync(os.path.dirname(path))
+        except OSError as exc:
+            writer.abort()
+            for r, _block in written:
+                t.ledger.release(r.disk, ns_hash)
+            err = (StoreFull(f"{t.name}: {exc.strerror}") if exc.errno in _FULL_ERRNOS
+                   else StoreIOError(f"{t.name}: writing {path}: {exc.strerror}"))
+            for r, _block in written:
+                out[r.position] = err
+            return
+        stamp = max(1, int(time.monotonic()))
+        for r, block in written:
+            replaced = t.ledger.commit(r.digest, ns_hash, namespace, r.disk, r.size, stamp, r.parent,
+                                       file=file_id, block=block)
+            if replaced is not None:
+                t.replaced(r.digest, replaced)
+            t.ledger.wrote(r.size, r.stored)
+
+    def _new_path(self) -> Tuple[int, str]:
+        """A file id no batch chunk holds (random: nothing to recover at start), and its path."""
+        while True:
+            file_id = secrets.randbits(32) or 1
+            path = batch.batch_path(self.t.root, file_id)
+            if not os.path.exists(path) and not os.path.exists(path + ".tmp"):
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                return file_id, path
