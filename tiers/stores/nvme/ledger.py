@@ -7,7 +7,7 @@ as needed) and then commits or releases; the victims it gets back are already
 out of the index and their bytes already freed, so the caller deletes their
 files before writing its own and the disk never holds more than capacity.
 
-The index is native (tiers/node/page_index.py): a 48-byte row and a 4-byte
+The index is native (tiers/node/page_index.py): a 56-byte row and a 4-byte
 slot a chunk, the LRU or FIFO order in the rows; a chunk's path is worked
 out from its digest and namespace hash, never stored.  Any other policy
 orders the digests itself (a Python EvictionPolicy a namespace).

@@ -1,4 +1,4 @@
-"""The NVMe tier: one verified file per chunk, bounded in on-disk bytes, evicting by policy.
+"""The NVMe tier: verified chunk records (a put's in one batch file), bounded in on-disk bytes, evicting by policy.
 
 Concurrency: the daemon calls put/get_into from its I/O pool.  The ledger's
 lock guards only the index, the policy and the counters; file I/O runs
@@ -541,4 +541,4 @@ def _block(entry: Entry) -> Optional[int]:
 
 
 # The nvme kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["nvme"]).
-KIND = StoreKind("nvme", NvmeStore.from_config, description="one file per page, checksummed, fsync'd")
+KIND = StoreKind("nvme", NvmeStore.from_config, description="a put's pages in one checksummed file, fsync'd")
