@@ -204,6 +204,46 @@ def punch_ranges(path: str, ranges: Sequence[Tuple[int, int]]) -> Optional[bool]
         os.close(fd)
 
 
+def read_run(path: str, first_block: int, pages: Sequence[Tuple[str, str, Sequence[memoryview], int]],
+             direct: bool) -> List[Optional[cf.ChunkHeader]]:
+    """Read adjacent uncompressed records of one batch file (pages: namespace, key, the buffers of each and its
+    size, in block order from first_block) with one open and one preadv straight into the buffers; each
+    record's verified header, or None for one that does not verify (the caller reads it alone to learn why:
+    compressed, corrupt, another key)."""
+    views: List[memoryview] = []
+    blocks = 0
+    headers = []
+    for _ns, _key, dst, size in pages:
+        hdr = aligned_block() if direct else memoryview(bytearray(cf.HEADER_SIZE))
+        headers.append(hdr)
+        views.append(hdr)
+        views.extend(dst)
+        pad = -size % cf.ALIGN
+        if pad:
+            views.append(memoryview(bytearray(pad)))
+        blocks += record_blocks(size)
+    direct = direct and cf.is_aligned(views)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (cf.O_DIRECT if direct else 0))
+    try:
+        ino = os.fstat(fd).st_ino
+        got = cf.preadv_all(fd, views, first_block * cf.ALIGN)
+    finally:
+        os.close(fd)
+    out: List[Optional[cf.ChunkHeader]] = []
+    at = 0
+    for hdr_block, (namespace, key, dst, size) in zip(headers, pages):
+        at += record_blocks(size) * cf.ALIGN
+        try:
+            hdr = cf.parse_header(hdr_block, ino)
+        except cf.CorruptChunk:
+            out.append(None)
+            continue
+        ok = (at <= got and hdr.codec == 0 and hdr.namespace == namespace and hdr.key == key
+              and hdr.raw_len == size and hdr.payload_len == size and cf.payload_hash(dst) == hdr.payload_hash)
+        out.append(hdr if ok else None)
+    return out
+
+
 def records_of(path: str) -> Iterator[Tuple[int, cf.ChunkHeader]]:
     """(first block, verified header) of each record a batch file still holds, in file order; a header that
     fails verification ends the walk (nothing after it can be located)."""

@@ -503,13 +503,69 @@ class NvmeStore(PageStore):
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                                 deadline: Optional[float] = None, hold=None) -> List[Optional[int]]:
-        """Each page read as get_into_with_sum reads it, several at once (the disk takes many reads in
-        flight); nothing moves into the buffers once this returns."""
-        work = lambda i: (None if deadline is not None and time.time() > deadline
-                          else self.get_into_with_sum(keys[i], pages[i]))
-        if len(keys) > 1:
-            return list(self._readers.map(work, range(len(keys))))
-        return [work(i) for i in range(len(keys))]
+        """Each page's checksum (0: unknown), None for a miss; nothing moves into the buffers once this
+        returns.  Adjacent records of one batch file (a prefix read back in the order it was written) are
+        read with one preadv each run; the rest page by page; runs and pages several at once (the disk takes
+        many reads in flight)."""
+        out: List[Optional[int]] = [None] * len(keys)
+        dsts = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
+        alone: List[int] = []
+        runs: dict = {}  # path -> [(block, position, entry)]
+        for i, key in enumerate(keys):
+            entry = self._ledger.get(key_digest(*key))
+            size = total_size(dsts[i])
+            if entry is not None and entry.file and entry.disk_size == batch.record_blocks(size) * cf.ALIGN:
+                runs.setdefault(entry.path, []).append((entry.block, i, entry))
+            else:
+                alone.append(i)
+        work: list = [("page", i) for i in alone]
+        for path, items in runs.items():
+            items.sort()
+            run = [items[0]]
+            for item in items[1:]:
+                prev_block, prev_i, _e = run[-1]
+                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])):
+                    run.append(item)
+                else:
+                    work.append(("run", path, run))
+                    run = [item]
+            work.append(("run", path, run))
+
+        def do(job) -> None:
+            if deadline is not None and time.time() > deadline:
+                return
+            if job[0] == "page":
+                out[job[1]] = self.get_into_with_sum(keys[job[1]], dsts[job[1]])
+                return
+            _kind, path, run = job
+            if len(run) == 1:
+                out[run[0][1]] = self.get_into_with_sum(keys[run[0][1]], dsts[run[0][1]])
+                return
+            try:
+                headers = batch.read_run(path, run[0][0], [(*keys[i], dsts[i], total_size(dsts[i]))
+                                                          for _b, i, _e in run], self._direct)
+            except OSError:
+                headers = [None] * len(run)
+            now = time.monotonic()
+            refresh = False
+            for (_block, i, entry), hdr in zip(run, headers):
+                if hdr is None:  # compressed, corrupt, gone: the one-page path says which and cleans up
+                    out[i] = self.get_into_with_sum(keys[i], dsts[i])
+                    continue
+                refresh |= self._ledger.hit(key_digest(*keys[i]), entry, keys[i][0], hdr.raw_len, now,
+                                            TOUCH_INTERVAL)
+                out[i] = hdr.page_sum
+            if refresh:  # the file's mtime is the recency of all its pages at a restart: once a run
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
+
+        if len(work) > 1:
+            list(self._readers.map(do, work))
+        elif work:
+            do(work[0])
+        return out
 
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
