@@ -23,7 +23,7 @@ class Model:
         self.scanned = set()
 
     def insert(self, digest, tenant, size, gen, raw=0, stamp=0, scanned=False, file=0, block=0):
-        self.rows[digest] = [gen, tenant, size, raw, 0, stamp, file, block]
+        self.rows[digest] = [gen, tenant, size, 0, 0, stamp, file, block]  # raw is not kept
         q = self.lists.setdefault(tenant, OrderedDict())
         q[digest] = None
         if scanned:
@@ -38,9 +38,7 @@ class Model:
 
     def touch(self, digest, raw=0, stamp=0):
         values = self.rows[digest]
-        values[4] += 1
-        if raw:
-            values[3] = raw
+        values[4] = min(values[4] + 1, 255)  # reads saturate; raw is not kept
         if self.order == ORDER_LRU:
             self.lists[values[1]].move_to_end(digest)
             self.scanned.discard(digest)
@@ -134,9 +132,9 @@ def test_growth_and_bytes_per_row():
     for i, d in enumerate(digests):
         ix.insert(d, i % 7, 4096)
     assert len(ix) == len(digests) and all(d in ix for d in digests[::997])
-    assert ROW_BYTES == 56
+    assert ROW_BYTES == 48
     per_row = ix.nbytes() / len(ix)
-    assert 56 < per_row <= 56 + 4 * 2.67 + 1, per_row  # a 4-byte slot at a load of 0.375-0.75
+    assert 48 < per_row <= 48 + 4 * 2.67 + 1, per_row  # a 4-byte slot at a load of 0.375-0.75
     for d in digests[::2]:
         assert ix.remove(d) is not None
     assert len(ix) == 100_000 and not any(ix.contains_many(digests[::2]))
@@ -179,7 +177,7 @@ def test_bad_arguments_are_refused():
 def test_rows_read_as_named_tuples_and_policies_map_to_orders():
     ix = PageIndex(ORDER_LRU)
     gen = ix.insert(5, 2, 10, raw=8, stamp=3)
-    assert row(ix.get(5)) == Row(gen, 2, 10, 8, 0, 3) and row(ix.get(6)) is None
+    assert row(ix.get(5)) == Row(gen, 2, 10, 0, 0, 3) and row(ix.get(6)) is None  # raw is not kept
     gen = ix.insert(7, 1, 4096, file=9, block=33)
     assert row(ix.get(7)) == Row(gen, 1, 4096, 0, 0, 0, file=9, block=33)
     assert (order_for("lru"), order_for("fifo"), order_for("lfu")) == (ORDER_LRU, ORDER_FIFO, ORDER_NONE)

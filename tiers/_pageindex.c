@@ -1,4 +1,4 @@
-/* A page index for a whole node: 128-bit digest -> one fixed 56-byte row (tiers/node/page_index.py).
+/* A page index for a whole node: 128-bit digest -> one fixed 48-byte row (tiers/node/page_index.py).
  *
  * A tier of tens of millions of pages cannot afford a Python dict entry, an
  * entry object and a policy node a page (the NVMe tier spent ~470 bytes a
@@ -43,12 +43,16 @@ enum { ORDER_NONE = 0, ORDER_LRU = 1, ORDER_FIFO = 2 };
 
 typedef struct {
     uint64_t lo, hi;                 /* the digest */
-    uint32_t size, raw, reads, stamp; /* caller's figures: bytes held, page bytes, reads, a time in seconds */
+    uint32_t size, stamp;            /* caller's figures: bytes held, a time in seconds */
     uint32_t prev, next;             /* order list of the tenant; next also chains free rows */
     uint32_t gen;                    /* which version of the digest this row holds (changes at each insert) */
-    uint16_t tenant, flags;
     uint32_t file, block;            /* where the page lies: a file of many pages and its 4 KiB block (0: its own) */
+    uint16_t tenant;
+    uint8_t flags, reads;            /* reads saturate at MAX_READS: 48 bytes a row (the page's own size is in
+                                        its header, read with it) */
 } row_t;
+
+#define MAX_READS 255u
 
 typedef struct { uint32_t head, tail, count, placed; } list_t; /* placed: the last row place_rows placed */
 
@@ -197,8 +201,8 @@ static void list_push_head(PageIndex *ix, uint32_t row) {
 }
 
 static PyObject *row_tuple(const row_t *r) {
-    return Py_BuildValue("(IIIIIIII)", r->gen, (unsigned)r->tenant, r->size, r->raw, r->reads, r->stamp, r->file,
-                         r->block);
+    return Py_BuildValue("(IIIIIIII)", r->gen, (unsigned)r->tenant, r->size, 0u, (unsigned)r->reads, r->stamp,
+                         r->file, r->block);
 }
 
 static void drop_row(PageIndex *ix, uint32_t row) {
@@ -213,7 +217,7 @@ static void drop_row(PageIndex *ix, uint32_t row) {
 
 /* A new row for a digest not in the index (the caller made room: grow_slots for used + 1, grow_rows when no
    row is free): filled, placed in the table, in its tenant's list (a scanned row at the cold end); its row. */
-static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t raw, uint32_t reads,
+static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t reads,
                         uint32_t stamp, uint16_t tenant, int scanned, uint32_t file, uint32_t block) {
     uint32_t row;
     if (ix->free_head != NIL) {
@@ -223,8 +227,8 @@ static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, 
         row = (uint32_t)ix->rows_top++;
     }
     uint32_t gen = ++ix->gen ? ix->gen : ++ix->gen; /* never 0: 0 means "any version" to remove and touch */
-    ix->rows[row] = (row_t){lo, hi, size, raw, reads, stamp, NIL, NIL, gen, tenant,
-                            F_USED | (scanned ? F_SCANNED : 0), file, block};
+    ix->rows[row] = (row_t){lo, hi, size, stamp, NIL, NIL, gen, file, block, tenant,
+                            (uint8_t)(F_USED | (scanned ? F_SCANNED : 0)), (uint8_t)(reads < MAX_READS ? reads : MAX_READS)};
     place(ix, row);
     if (ix->order != ORDER_NONE) {
         if (scanned) list_push_head(ix, row); else list_push_tail(ix, row);
@@ -307,7 +311,7 @@ static int tenant_arg(long tenant) {
 }
 
 /* insert(digest, tenant, size, raw=0, stamp=0, scanned=False, file=0, block=0) -> gen; the digest must be
-   absent. */
+   absent.  raw is taken and not kept (rows read it as 0). */
 static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
     static char *names[] = {"digest", "tenant", "size", "raw", "stamp", "scanned", "file", "block", NULL};
     PyObject *key;
@@ -330,7 +334,7 @@ static PyObject *PageIndex_insert(PageIndex *ix, PyObject *args, PyObject *kw) {
     }
     if (grow_slots(ix, (size_t)ix->used + 1, 0) < 0) return NULL;
     if (ix->free_head == NIL && grow_rows(ix, ix->rows_top + 1) < 0) return NULL;
-    uint32_t row = add_row(ix, lo, hi, (uint32_t)size, (uint32_t)raw, 0, (uint32_t)stamp, (uint16_t)tenant, scanned,
+    uint32_t row = add_row(ix, lo, hi, (uint32_t)size, 0, (uint32_t)stamp, (uint16_t)tenant, scanned,
                            (uint32_t)file, (uint32_t)block);
     return PyLong_FromUnsignedLong(ix->rows[row].gen);
 }
@@ -349,8 +353,8 @@ static PyObject *PageIndex_remove(PageIndex *ix, PyObject *args) {
     return out;
 }
 
-/* touch(digest, gen=0, raw=0, stamp=0) -> reads after this one, or -1 when absent; a hit: counts the read,
-   moves the row to the tail under LRU, sets raw and stamp when given (non-zero). */
+/* touch(digest, gen=0, raw=0, stamp=0) -> reads after this one (saturating at 255), or -1 when absent; a hit:
+   counts the read, moves the row to the tail under LRU, sets stamp when given (non-zero; raw is not kept). */
 static PyObject *PageIndex_touch(PageIndex *ix, PyObject *args) {
     PyObject *key;
     unsigned int gen = 0, raw = 0, stamp = 0;
@@ -360,8 +364,8 @@ static PyObject *PageIndex_touch(PageIndex *ix, PyObject *args) {
     uint32_t row = find(ix, lo, hi);
     if (row == NIL || (gen && ix->rows[row].gen != gen)) return PyLong_FromLong(-1);
     row_t *r = &ix->rows[row];
-    r->reads++;
-    if (raw) r->raw = raw;
+    if (r->reads < MAX_READS) r->reads++;
+    (void)raw;
     if (ix->order == ORDER_LRU) {
         r->flags &= ~F_SCANNED;
         list_unlink(ix, row);
@@ -665,9 +669,8 @@ static PyObject *PageIndex_reserve(PageIndex *ix, PyObject *arg) {
 /* What a snapshot keeps of a row: the digest and the caller's figures (the order is the file's order). */
 typedef struct {
     uint64_t lo, hi;
-    uint32_t size, raw, reads;
-    uint16_t tenant, pad;
-    uint32_t file, block;
+    uint32_t size, reads, file, block;
+    uint16_t tenant, pad[3];
 } saved_t; /* 40 bytes */
 
 static inline uint64_t mix_in(uint64_t h, const void *data, size_t n) {
@@ -711,7 +714,7 @@ static PyObject *PageIndex_save(PageIndex *ix, PyObject *arg) {
     for (size_t t = 0; t < MAX_TENANTS && !failed; t++) {
         for (uint32_t row = ix->lists[t].head; row != NIL && !failed; row = ix->rows[row].next) {
             const row_t *r = &ix->rows[row];
-            buf[k++] = (saved_t){r->lo, r->hi, r->size, r->raw, r->reads, r->tenant, 0, r->file, r->block};
+            buf[k++] = (saved_t){r->lo, r->hi, r->size, r->reads, r->file, r->block, r->tenant, {0, 0, 0}};
             if (k == SNAP_BATCH) {
                 h = mix_in(h, buf, k * sizeof(saved_t));
                 failed = write_all(fd, buf, k * sizeof(saved_t));
@@ -763,7 +766,7 @@ static PyObject *PageIndex_load(PageIndex *ix, PyObject *args) {
         for (size_t i = 0; i < n; i++) {
             const saved_t *s = &buf[i];
             if (find(ix, s->lo, s->hi) != NIL) { why = "the snapshot holds a digest twice"; break; }
-            add_row(ix, s->lo, s->hi, s->size, s->raw, s->reads, 0, s->tenant, 0, s->file, s->block);
+            add_row(ix, s->lo, s->hi, s->size, s->reads, 0, s->tenant, 0, s->file, s->block);
         }
         done += n;
     }
@@ -851,7 +854,7 @@ static PyObject *PageIndex_insert_scanned(PageIndex *ix, PyObject *args) {
             cached_ns[c] = s->ns; cached_tenant[c] = tenant; added[c] = 0;
             ncached++;
         }
-        add_row(ix, s->lo, s->hi, s->size, 0, 0, s->mtime ? s->mtime : 1, (uint16_t)cached_tenant[c], 1, s->file,
+        add_row(ix, s->lo, s->hi, s->size, 0, s->mtime ? s->mtime : 1, (uint16_t)cached_tenant[c], 1, s->file,
                 s->block);
         added[c] += s->size;
     }

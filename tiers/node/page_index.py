@@ -1,4 +1,4 @@
-"""The page index of a tier: a fixed 56-byte row a page and a 4-byte slot, in C (tiers/_pageindex.c).
+"""The page index of a tier: a fixed 48-byte row a page and a 4-byte slot, in C (tiers/_pageindex.c).
 
 A tier of tens of millions of pages cannot keep a Python dict entry, an
 entry object and a policy node a page.  ``PageIndex`` maps a page's 128-bit
@@ -10,7 +10,9 @@ through the EvictionPolicy interface and the index keeps no list
 (``ORDER_NONE``).  Every call runs under the GIL, which is the index's lock.
 
 Rows: ``(gen, tenant, size, raw, reads, stamp, file, block)``; file and block say where a page of a
-batch chunk lies (tiers/stores/nvme/batch.py), 0 and 0 for a page in a file of its own.  ``gen`` tells versions of
+batch chunk lies (tiers/stores/nvme/batch.py), 0 and 0 for a page in a file of its own.  To keep a row
+at 48 bytes with its location, ``raw`` is not kept (always 0: the page's size is in its header, read with
+it) and ``reads`` saturates at 255.  ``gen`` tells versions of
 one digest apart: a caller that read a row can later remove or touch exactly
 that version (a newer write of the same page is left alone).
 """
@@ -35,8 +37,8 @@ class Row(NamedTuple):
     gen: int
     tenant: int
     size: int  # bytes the page takes in the tier (on disk: header and stored payload)
-    raw: int  # the page's own bytes (0: not known yet)
-    reads: int
+    raw: int  # 0: the page's own size is not kept in the row (its header has it)
+    reads: int  # saturating at 255
     stamp: int  # seconds: a restart scan's mtime until placed, then the caller's last refresh (0: never)
     file: int = 0  # the batch chunk holding the page (0: a chunk file of its own)
     block: int = 0  # its record's first 4 KiB block in that file

@@ -7,7 +7,7 @@ as needed) and then commits or releases; the victims it gets back are already
 out of the index and their bytes already freed, so the caller deletes their
 files before writing its own and the disk never holds more than capacity.
 
-The index is native (tiers/node/page_index.py): a 56-byte row and a 4-byte
+The index is native (tiers/node/page_index.py): a 48-byte row and a 4-byte
 slot a chunk, the LRU or FIFO order in the rows; a chunk's path is worked
 out from its digest and namespace hash, never stored.  Any other policy
 orders the digests itself (a Python EvictionPolicy a namespace).
@@ -41,7 +41,7 @@ class Entry:
     path: str
     ns_hash: int
     disk_size: int
-    raw_size: Optional[int] = None  # None until read (an index rebuilt from names)
+    raw_size: Optional[int] = None  # None: the row keeps no page size (the chunk's header has it)
     reads: int = 0
     gen: int = 0
     stamp: int = 0  # monotonic seconds of the last mtime refresh (0: never; a scan's mtime until placed)

@@ -34,7 +34,7 @@ NAME = "index.snapshot"
 MAGIC = b"HCNVIDX1"
 _HEAD = struct.Struct("<8sIIQQII")  # magic, version, order, rows, checksum, tenants, leaf bitmap bytes
 _TENANT = struct.Struct("<QH")  # namespace hash, name length (0: not known), then the name's bytes
-VERSION = 2  # 2: rows say where a page of a batch chunk lies (file, block)
+VERSION = 3  # 3: rows say where a page of a batch chunk lies (file, block), and keep no page size
 
 
 def path_of(root: str) -> str:
