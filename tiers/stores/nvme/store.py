@@ -36,6 +36,7 @@ from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
+RUN_BYTES = 4 << 20  # adjacent records read with one preadv at most (several runs in flight)
 TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -521,14 +522,18 @@ class NvmeStore(PageStore):
         work: list = [("page", i) for i in alone]
         for path, items in runs.items():
             items.sort()
-            run = [items[0]]
+            run, run_bytes = [items[0]], total_size(dsts[items[0][1]])
             for item in items[1:]:
                 prev_block, prev_i, _e = run[-1]
-                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])):
+                size = total_size(dsts[item[1]])
+                # Adjacent and the run still small: one preadv.  Runs stop at RUN_BYTES so that several are in
+                # flight (one preadv of 128 MiB on one thread read 1 MiB pages at 0.93 GB/s, four threads 1.35).
+                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])) and run_bytes + size <= RUN_BYTES:
                     run.append(item)
+                    run_bytes += size
                 else:
                     work.append(("run", path, run))
-                    run = [item]
+                    run, run_bytes = [item], size
             work.append(("run", path, run))
 
         def do(job) -> None:
