@@ -2,10 +2,13 @@
 
 A real ``sglang.launch_server`` on this CPU serves a random Llama from a node
 whose only tier is NVMe, with the break-even rule on (recompute_us_per_token).
-A thread freezes the NVMe daemon most of the time (SIGSTOP 40 ms, SIGCONT
-0.5 ms: a disk at an eightieth of its speed whose control calls still answer
-well within their deadlines, so the tier is slow, not down; 2 ms windows let a
-batch chunk's read of the whole prefix, one preadv, finish in one window): a slow disk, with no hook in the product.  The first read from it
+A thread freezes the NVMe daemon most of the time (SIGSTOP 100 ms, SIGCONT
+0.5 ms: a disk at a two-hundredth of its speed whose control calls still
+answer well within their deadlines, so the tier is slow, not down).  A batch
+chunk's read of the whole prefix is one preadv: any read that meets one stop
+takes 1.6 ms a page, twice the recompute; with 40 ms stops and 2 ms windows it
+finished inside one window, and on a loaded machine it still could with 0.5 ms
+windows (the throttling thread wakes late): a slow disk, with no hook in the product.  The first read from it
 costs what users of other backends see every time (TTFT above recompute);
 it measured the tier, so from then on the backend reports none of its pages
 and SGLang recomputes: TTFT back at the recompute time, the same tokens.
@@ -32,7 +35,7 @@ PAGE = 16
 class DutyCycle:
     """Freeze a process most of the time: stopped `stop_s`, running `run_s`, until close()."""
 
-    def __init__(self, pid: int, stop_s: float = 0.04, run_s: float = 0.0005):
+    def __init__(self, pid: int, stop_s: float = 0.1, run_s: float = 0.0005):
         self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
