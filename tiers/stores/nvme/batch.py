@@ -74,19 +74,6 @@ class Record:
     payload_len: int
 
 
-def write_batch(path: str, records: Sequence[Record], fsync: bool, direct: bool) -> Tuple[List[int], bool]:
-    """Write records into a new file at path (a temporary name first, renamed after the flush): the first
-    block of each record, and whether O_DIRECT was used (only when every buffer is aligned)."""
-    writer = BatchWriter(path, direct)
-    try:
-        blocks = writer.add(records)
-        writer.finish(fsync)
-    except BaseException:
-        writer.abort()
-        raise
-    return blocks, writer.direct_parts > 0
-
-
 def _views(records: Sequence[Record]) -> List[memoryview]:
     views: List[memoryview] = []
     for rec in records:
