@@ -94,8 +94,10 @@ class BenchFigures:
 
     def lookup_s(self, keys: int) -> float:
         """Seconds of one lookup of keys pages (p50, interpolated between measured key counts)."""
-        points = sorted((int(name.split(".")[1]), value) for name, value in self.medians.items()
-                        if name.startswith("lookup.") and name.endswith(".p50") and name.split(".")[1].isdigit())
+        # exactly lookup.<keys>.p50: lookup.<keys>.busy.p50 (a lookup beside a flood) is another figure
+        points = sorted((int(parts[1]), value) for parts, value in
+                        ((name.split("."), value) for name, value in self.medians.items())
+                        if len(parts) == 3 and parts[0] == "lookup" and parts[1].isdigit() and parts[2] == "p50")
         if not points:
             raise BenchError(f"{self.path}: no lookup.<keys>.p50 figure: run hicache-tiers bench with the lookup part")
         if keys <= points[0][0]:
