@@ -192,3 +192,54 @@ def test_a_damaged_record_in_a_run_of_reads_is_a_miss_and_the_rest_are_served(ma
     assert found == [i != 5 for i in range(8)]
     assert [d for d, ok in zip(data, found) if ok] == [page(i) for i in range(8) if i != 5]
     assert store.stats().extra["corrupt_removed"] == 1 and not store.contains([keys[5]])[0]
+
+
+def test_parts_filled_as_they_are_written_and_a_failed_fill_keeps_nothing_of_its_file(make_store, tmp_path):
+    """put_many_filled (the daemon's copy out of the engine's memory overlaps the device): each part's bytes
+    arrive when the store asks for them and their sums are kept without hashing again; a fill that fails
+    (the engine truncated its pool, the deadline passed) refuses the file's pages, keeps none of its bytes
+    or reservations, and leaves no file behind."""
+    import xxhash
+    from tiers.stores.base import FillFailed
+    from tiers.stores.nvme import batch_writes
+    n = 3 * (batch_writes.PART_BYTES // PAGE)  # three parts
+    store = make_store(capacity=2 * n * RECORD)
+    wanted = [page(500 + i) for i in range(n)]
+    buffers = [bytearray(PAGE) for _ in range(n)]
+    asked = []
+
+    def fill(positions):
+        asked.append(list(positions))
+        for p in positions:
+            buffers[p][:] = wanted[p]
+        return [xxhash.xxh3_64_intdigest(wanted[p]) for p in positions]
+    keys = [("ns", f"f{i}") for i in range(n)]
+    sums = [xxhash.xxh3_64_intdigest(w) for w in wanted]
+    sums[5] ^= 1  # a writer's sum that its bytes do not match: that page alone is refused
+    out = store.put_many_filled(keys, [[memoryview(b)] for b in buffers], [None] * n, time.time() + 30, sums, fill)
+    assert len(asked) == 3 and sorted(p for part in asked for p in part) == list(range(n))
+    assert [i for i, e in enumerate(out) if e is not None] == [5] and out[5].code == "io_error"
+    found, got = read_all(store, keys)
+    assert found == [i != 5 for i in range(n)]
+    assert all(got[i] == wanted[i] for i in range(n) if i != 5)
+    assert store.stats().extra["checksum_refused"] == 1
+
+    used = store.stats().used_bytes
+    files = batch_files(store.root)
+
+    def failing(positions):
+        if asked and positions[0] != 0:
+            raise FillFailed("bad_request", "the host pool went away under the copy")
+        asked.append(positions)
+        return [xxhash.xxh3_64_intdigest(bytes(PAGE)) for _ in positions]
+    asked.clear()
+    lost = [("ns", f"g{i}") for i in range(n)]
+    out = store.put_many_filled(lost, [[memoryview(bytearray(PAGE))] for _ in range(n)], [None] * n,
+                                time.time() + 30, [0] * n, failing)
+    assert [e.code for e in out] == ["bad_request"] * n
+    assert store.get_many_into(lost, [[memoryview(bytearray(PAGE))] for _ in lost], time.time() + 30) == [False] * n
+    assert store.stats().used_bytes == used and batch_files(store.root) == files
+    assert not [f for d, _s, fs in os.walk(store.root) for f in fs if f.endswith(".tmp")]
+    # and its reservations went back: a batch as large as the room left is stored without evicting a page
+    assert store.put_many(lost, [[memoryview(page(9))]] * n, [None] * n, time.time() + 30) == [None] * n
+    assert store.stats().pages == 2 * n - 1

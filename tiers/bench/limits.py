@@ -108,6 +108,7 @@ class RawDisk:
         np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, self.size, dtype=np.uint8)
         self.src = [memoryview(buf)]
         self._local = threading.local()
+        self._batch: List[memoryview] = []  # write_batch's distinct pages
 
     def _path(self, i: int) -> str:
         return os.path.join(self.dir, f"raw{i}")
@@ -146,9 +147,24 @@ class RawDisk:
         os.sync()
         return self._run(self._write, pages)
 
+    def _batch_views(self, pages: int) -> List[memoryview]:
+        """pages distinct pages of random bytes, kept for the next call: a batch written from one page
+        repeated ran 1.2-1.35x faster than the same bytes from distinct memory here (the source stays in
+        the cache), a limit no tier writing a real batch could reach."""
+        if len(self._batch) != pages:
+            buf = mmap.mmap(-1, pages * self.size)
+            rng = np.random.default_rng(2)
+            for i in range(pages):
+                np.frombuffer(buf, dtype=np.uint8, count=self.size, offset=i * self.size)[:] = \
+                    rng.integers(0, 255, self.size, dtype=np.uint8)
+            whole = memoryview(buf)
+            self._batch = [whole[i * self.size:(i + 1) * self.size] for i in range(pages)]
+        return self._batch
+
     def write_batch(self, pages: int) -> float:
-        """The same pages written sequentially into one new file (vectored, O_DIRECT where the device takes
+        """A batch of pages written sequentially into one new file (vectored, O_DIRECT where the device takes
         it) with one fdatasync for the batch: what a tier writing a batch as one chunk could reach (issue 30)."""
+        views = self._batch_views(pages)
         path = os.path.join(self.dir, "batch")
         try:
             os.unlink(path)
@@ -163,7 +179,7 @@ class RawDisk:
         try:
             per_call = max(1, min(IOV_MAX, pages))
             for first in range(0, pages, per_call):
-                pwritev_all(fd, self.src * min(per_call, pages - first), first * self.size)
+                pwritev_all(fd, views[first:first + per_call], first * self.size)
             os.fdatasync(fd)
         finally:
             os.close(fd)

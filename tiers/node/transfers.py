@@ -27,7 +27,7 @@ from tiers.node.page_runs import PageRuns, copy_pages
 from tiers.node.checksums import page_sums
 from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
-from tiers.stores.base import PageStore, StoreError
+from tiers.stores.base import FillFailed, PageStore, StoreError
 
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
@@ -101,10 +101,12 @@ class PageTransfers:
         return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i],
                                                                          sums[i])))
 
-    def _check_sums(self, idx: List[int], pages: List[List[memoryview]], sums: List[int]) -> List[bool]:
-        """Per position of idx: does pages[j] (page idx[j]'s bytes in our memory) match sums[idx[j]]
-        (0, unknown, matches nothing: a checked put must carry every sum)."""
-        good = [s == sums[i] and s != 0 for i, s in zip(idx, page_sums(pages))]
+    def _check_sums(self, idx: List[int], pages: List[List[memoryview]], sums: List[int],
+                    got: Optional[List[int]] = None) -> List[bool]:
+        """Per position of idx: does pages[j] (page idx[j]'s bytes in our memory, or got[j], their sum as
+        taken while copying them) match sums[idx[j]] (0, unknown, matches nothing: a checked put must carry
+        every sum)."""
+        good = [s == sums[i] and s != 0 for i, s in zip(idx, page_sums(pages) if got is None else got)]
         bad = len(good) - sum(good)
         if bad:
             self.sum_refused += bad
@@ -223,7 +225,12 @@ class PageTransfers:
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
                 group.append((i, alloc))
-        failed = self._copy_group(sources, group, deadline, sums if hashed else None) if group else None
+        if group and self.store.batched and self.store.keeps_checksums and check is None and not hashed:
+            return self._put_staged_filled(ns, keys, sources, parents, deadline, sums, group, refusal)
+        # Each page hashed as it is copied (in C, while in the cache): a checked put is checked, and a store
+        # that keeps checksums keeps these, without another pass over the bytes.
+        copied: Optional[List[int]] = [0] * len(keys) if hashed or check or self.store.keeps_checksums else None
+        failed = self._copy_group(sources, group, deadline, copied) if group else None
         if failed is not None:
             for _i, alloc in group:
                 self.arena.give(alloc)
@@ -231,9 +238,11 @@ class PageTransfers:
         views: List[Optional[List[memoryview]]] = [None] * len(keys)
         for i, alloc in group:
             views[i] = self.arena.views(alloc)
+            if hashed:
+                sums[i] = copied[i]
         if check is not None:
             idx = [i for i, _alloc in group]
-            for i, ok in zip(idx, check(idx, [views[i] for i in idx], sums)):
+            for i, ok in zip(idx, check(idx, [views[i] for i in idx], sums, [copied[i] for i in idx])):
                 if not ok:
                     views[i] = None
                     refusal = refusal or _SUM_REFUSAL
@@ -241,7 +250,8 @@ class PageTransfers:
             if self.store.batched:
                 idx = [i for i, _alloc in group if views[i] is not None]
                 out = self.store.put_many_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx],
-                                                    [parents[i] for i in idx], deadline, [sums[i] for i in idx])
+                                                    [parents[i] for i in idx], deadline, [sums[i] for i in idx],
+                                                    None if copied is None else [copied[i] for i in idx])
                 results = [(False, None)] * len(keys)
                 for i, exc in zip(idx, out):
                     results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
@@ -251,6 +261,31 @@ class PageTransfers:
         finally:
             for _i, alloc in group:
                 self.arena.give(alloc)
+        stored, first = _outcomes(results)
+        return stored, refusal or first
+
+    def _put_staged_filled(self, ns, keys, sources: "Sources", parents, deadline, sums: List[int],
+                           group: List[Tuple[int, Alloc]], refusal: Refusal) -> Tuple[List[bool], Refusal]:
+        """A batched store fills its parts from the host pool as it writes them (put_many_filled): each
+        part's guarded copy, hashed as it goes, overlaps the device writing the part before."""
+        def fill(positions: List[int]) -> List[int]:
+            part = [group[p] for p in positions]
+            copied = [0] * len(keys)
+            failed = self._copy_group(sources, part, deadline, copied)
+            if failed is not None:
+                raise FillFailed(*failed)
+            return [copied[i] for i, _alloc in part]
+        try:
+            out = self.store.put_many_filled([(ns, keys[i]) for i, _a in group],
+                                             [self.arena.views(alloc) for _i, alloc in group],
+                                             [parents[i] for i, _a in group], deadline,
+                                             [sums[i] for i, _a in group], fill)
+        finally:
+            for _i, alloc in group:
+                self.arena.give(alloc)
+        results: list = [(False, None)] * len(keys)
+        for (i, _alloc), exc in zip(group, out):
+            results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
         stored, first = _outcomes(results)
         return stored, refusal or first
 

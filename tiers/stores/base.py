@@ -31,6 +31,9 @@ PageKey = Tuple[str, str]  # (namespace, key)
 # get_many_into_with_sums' hold: keep the buffers of a page (its position in the batch) out of use until
 # the returned function is called.
 HoldPage = Callable[[int], Callable[[], None]]
+# put_many_filled's fill: bring the bytes of the pages at these positions of the batch into their buffers
+# and return each one's checksum as taken from those bytes (FillFailed when it cannot).
+FillPages = Callable[[List[int]], List[int]]
 Buffers = Sequence[memoryview]
 
 
@@ -50,6 +53,15 @@ class SourceGone(StoreError):
     """The page's source memory went away during the copy (the engine truncated its host pool)."""
 
     code = "bad_request"
+
+
+class FillFailed(StoreError):
+    """The bytes of a put's pages could not be brought into its buffers (FillPages): the source went away,
+    the deadline passed.  code says which (a protocol error code)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class PageTooLarge(StoreError):
@@ -267,9 +279,27 @@ class PageStore(ABC):
 
     def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                            parents: Sequence[Optional[str]], deadline: Optional[float],
-                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
-        """put_many, keeping each page's checksum."""
+                           checksums: Sequence[int],
+                           page_sums: Optional[Sequence[int]] = None) -> List[Optional[StoreError]]:
+        """put_many, keeping each page's checksum (the writer's; 0: unknown).
+
+        page_sums, when given, is each page's checksum as the caller computed it from exactly these
+        buffers, which nobody else can change (the daemon hashes a page as it copies it into its
+        staging): a store may check checksums against it and keep it instead of hashing the bytes again."""
         return self.put_many(keys, pages, parents, deadline)
+
+    def put_many_filled(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                        parents: Sequence[Optional[str]], deadline: Optional[float],
+                        checksums: Sequence[int], fill: FillPages) -> List[Optional[StoreError]]:
+        """put_many_with_sums of pages whose buffers are filled on request: fill(positions) brings those
+        pages' bytes in and returns their page_sums.  A store that writes a batch in parts fills each part
+        just before writing it, so the daemon's copy out of the engine's memory overlaps the device (NVMe);
+        this default fills every page first.  A FillFailed refuses the pages not yet written."""
+        try:
+            sums = fill(list(range(len(keys))))
+        except FillFailed as exc:
+            return [exc] * len(keys)
+        return self.put_many_with_sums(keys, pages, parents, deadline, checksums, sums)
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                                 deadline: Optional[float],

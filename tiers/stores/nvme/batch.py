@@ -62,6 +62,14 @@ def aligned_block() -> memoryview:
     return memoryview(raw[start:start + cf.ALIGN])
 
 
+def aligned_blocks(n: int) -> List[memoryview]:
+    """n zeroed 4 KiB buffers at 4 KiB addresses, from one allocation."""
+    raw = np.zeros((n + 1) * cf.ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % cf.ALIGN
+    whole = memoryview(raw[start:start + n * cf.ALIGN])
+    return [whole[k * cf.ALIGN:(k + 1) * cf.ALIGN] for k in range(n)]
+
+
 def record_blocks(payload_len: int) -> int:
     """4 KiB blocks a record takes: its header and its payload, padded."""
     return 1 + -(-payload_len // cf.ALIGN)

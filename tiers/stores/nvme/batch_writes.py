@@ -1,6 +1,6 @@
 """The NVMe tier's batched puts: a put's pages of one namespace into one batch chunk file (tiers/stores/nvme/batch.py).
 
-Per file: the pages are checked and encoded a part (PART_PAGES) at a time;
+Per file: the pages are checked and encoded a part (PART_BYTES) at a time;
 each part's bytes are reserved (evicting as needed, and the victims' blocks
 given back before a byte of ours is written: the disk never holds more than
 capacity) and handed to a writer thread while the next part is prepared; one
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers.node.buffers import as_bytes_view
-from tiers.stores.base import Buffers, PageKey, PageTooLarge, StoreError, StoreFull, StoreIOError, total_size
+from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
+                               StoreIOError, total_size)
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
@@ -27,7 +28,10 @@ from tiers.stores.nvme.layout import key_digest, namespace_hash
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 
 BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
-PART_PAGES = 16  # pages prepared, reserved and handed to the device at a time within one file
+# Bytes prepared, reserved and handed to the device at a time within one file: the first part's
+# preparation is the device's idle start, and smaller writes cost throughput (one 8.5 MiB O_DIRECT
+# pwritev of 64 KiB records ran 1.03 GB/s here, 1 MiB ones 0.88; from 4 MiB on they are equal).
+PART_BYTES = 4 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -68,9 +72,13 @@ class BatchWrites:
         self.t = target
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
-                 checksums: Sequence[int]) -> List[Optional[StoreError]]:
-        """None or the refusal of each page."""
+                 checksums: Sequence[int], page_sums: Optional[Sequence[int]] = None,
+                 fill: Optional[FillPages] = None) -> List[Optional[StoreError]]:
+        """None or the refusal of each page; page_sums and fill as PageStore.put_many_with_sums and
+        put_many_filled declare them (each part is filled just before it is prepared)."""
         out: List[Optional[StoreError]] = [None] * len(keys)
+        if fill is not None:
+            page_sums = [0] * len(keys)
         groups: dict = {}
         for i, key in enumerate(keys):
             groups.setdefault(key[0], []).append(i)
@@ -81,13 +89,15 @@ class BatchWrites:
                 while last < len(idx) and (last == first or at + total_size(pages[idx[last]]) <= BATCH_FILE_BYTES):
                     at += total_size(pages[idx[last]])
                     last += 1
-                self._write_file(namespace, idx[first:last], keys, pages, parents, checksums, out)
+                self._write_file(namespace, idx[first:last], keys, pages, parents, checksums, page_sums, fill, out)
                 first = last
         return out
 
-    def _record(self, position: int, key: PageKey, page: Buffers, parent, checksum: int) -> _Pending:
-        """One page checked and encoded: PageTooLarge, StoreIOError (bytes that do not match the writer's
-        checksum)."""
+    def _record(self, position: int, key: PageKey, page: Buffers, parent, checksum: int,
+                page_sum: Optional[int], header: memoryview) -> _Pending:
+        """One page checked and encoded, its header packed into header (a 4 KiB block at a 4 KiB address):
+        PageTooLarge, StoreIOError (bytes that do not match the writer's checksum).  page_sum: the bytes'
+        checksum as the caller computed it, or None (hashed here)."""
         t = self.t
         src = [v for v in (as_bytes_view(b) for b in page) if v.nbytes]
         size = total_size(src)
@@ -97,12 +107,15 @@ class BatchWrites:
         encoded = t.codec.encode(src, size)
         payload = src if encoded is None else [memoryview(encoded)]
         stored = total_size(payload)
-        payload_sum = cf.payload_hash(payload)
-        # A raw payload's checksum is the page's: bytes changed on their way here are refused, not stored.
-        if checksum and checksum != (payload_sum if encoded is None else cf.payload_hash(src)):
+        if page_sum is None or encoded is not None:
+            payload_sum = cf.payload_hash(payload)
+            page_sum = payload_sum if encoded is None else (page_sum or cf.payload_hash(src))
+        else:
+            payload_sum = page_sum  # a raw payload's checksum is the page's
+        # Bytes changed on their way here are refused, not stored.
+        if checksum and checksum != page_sum:
             t.ledger.count("checksum_refused")
             raise StoreIOError(f"{t.name}: the page's bytes do not match the writer's checksum")
-        header = batch.aligned_block()
         cf.pack_header(header, namespace, name, 0 if encoded is None else t.codec.codec_id, size, stored,
                        payload_sum, checksum)
         disk = batch.record_blocks(stored) * cf.ALIGN
@@ -111,7 +124,8 @@ class BatchWrites:
         parent_digest = key_digest(namespace, parent) if isinstance(parent, str) and parent else None
         return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest)
 
-    def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, out: list) -> None:
+    def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
+                    fill: Optional[FillPages], out: list) -> None:
         """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
         t = self.t
         ns_hash = namespace_hash(namespace)
@@ -124,12 +138,17 @@ class BatchWrites:
             return
         written: List[Tuple[_Pending, int]] = []
         try:
-            for start in range(0, len(idx), PART_PAGES):
+            for part in _parts(idx, pages):
+                if fill is not None:  # the part's bytes come in now, while the part before goes to the device
+                    for i, checksum in zip(part, fill(part)):
+                        page_sums[i] = checksum
                 records: List[_Pending] = []
                 victims: List[Victim] = []
-                for i in idx[start:start + PART_PAGES]:
+                headers = batch.aligned_blocks(len(part))  # one allocation a part, not one a page
+                for j, i in enumerate(part):
                     try:
-                        record = self._record(i, keys[i], pages[i], parents[i], checksums[i])
+                        record = self._record(i, keys[i], pages[i], parents[i], checksums[i],
+                                              None if page_sums is None else page_sums[i], headers[j])
                         victims += t.ledger.reserve(record.disk, ns_hash, namespace)
                         records.append(record)
                     except StoreFull as exc:
@@ -147,6 +166,13 @@ class BatchWrites:
             writer.finish(t.fsync)
             if t.fsync:
                 t.dirsync.sync(os.path.dirname(path))
+        except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
+            writer.abort()
+            for r, _block in written:
+                t.ledger.release(r.disk, ns_hash)
+            for i in idx:
+                out[i] = out[i] or exc
+            return
         except OSError as exc:
             writer.abort()
             for r, _block in written:
@@ -172,3 +198,16 @@ class BatchWrites:
             if not os.path.exists(path) and not os.path.exists(path + ".tmp"):
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 return file_id, path
+
+
+def _parts(idx: List[int], pages) -> List[List[int]]:
+    """idx cut into parts of about PART_BYTES (a page at least)."""
+    parts: List[List[int]] = [[]]
+    at = 0
+    for i in idx:
+        if at >= PART_BYTES:
+            parts.append([])
+            at = 0
+        parts[-1].append(i)
+        at += total_size(pages[i])
+    return parts

@@ -30,8 +30,8 @@ from tiers.stores.nvme.rebuild import IndexBuild
 from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, namespace_hash, temp_path
 from tiers.wire.protocol import pack_key_digests
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
-from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreError, StoreFull,
-                               StoreIOError, StoreStats, total_size)
+from tiers.stores.base import (Buffers, EvictionListener, FillPages, PageKey, PageStore, PageTooLarge, StoreError,
+                               StoreFull, StoreIOError, StoreStats, total_size)
 from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
@@ -467,14 +467,27 @@ class NvmeStore(PageStore):
     # ---------------------------------------------------- batch chunks
     def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                            parents: Sequence[Optional[str]], deadline: Optional[float],
-                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
+                           checksums: Sequence[int],
+                           page_sums: Optional[Sequence[int]] = None) -> List[Optional[StoreError]]:
         """A put's pages into batch chunk files, each written sequentially with one flush
-        (tiers/stores/nvme/batch_writes.py); None or the refusal of each page."""
+        (tiers/stores/nvme/batch_writes.py); None or the refusal of each page.  page_sums (the base's
+        declaration): the bytes are not hashed again."""
         if deadline is not None and time.time() > deadline:  # the engine stopped waiting: store nothing
             return [StoreIOError(f"{self.name}: the put's deadline passed before it was written")] * len(keys)
         if not self.batched:
             return [self._put_one(k, p, parent, c) for k, p, parent, c in zip(keys, pages, parents, checksums)]
-        return self._batches.put_many(keys, pages, parents, checksums)
+        return self._batches.put_many(keys, pages, parents, checksums, page_sums)
+
+    def put_many_filled(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
+                        parents: Sequence[Optional[str]], deadline: Optional[float],
+                        checksums: Sequence[int], fill: FillPages) -> List[Optional[StoreError]]:
+        """Each part of a batch chunk filled just before it is prepared: the daemon's copy of part k+1 out of
+        the engine's memory overlaps the device writing part k."""
+        if not self.batched:
+            return super().put_many_filled(keys, pages, parents, deadline, checksums, fill)
+        if deadline is not None and time.time() > deadline:  # each page refused, nothing filled
+            return self.put_many_with_sums(keys, pages, parents, deadline, checksums)
+        return self._batches.put_many(keys, pages, parents, checksums, fill=fill)
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  deadline: Optional[float]) -> List[Optional[StoreError]]:

@@ -229,7 +229,8 @@ class RemoteStore(PageStore):
 
     def put_many_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                            parents: Sequence[Optional[str]], deadline: Optional[float],
-                           checksums: Sequence[int]) -> List[Optional[StoreError]]:
+                           checksums: Sequence[int],
+                           page_sums: Optional[Sequence[int]] = None) -> List[Optional[StoreError]]:
         """Store a batch: one alloc and one commit a pool, every transfer in flight at once.
 
         Returns, per key, None when stored or the StoreError that refused it.
