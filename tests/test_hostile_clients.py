@@ -304,3 +304,43 @@ def _admin_stats_regions(endpoint: str) -> int:
         return admin.stats()["regions"]
     finally:
         admin.close()
+
+
+def test_a_tenant_clearing_thousands_of_chunks_stalls_no_one(tmp_path):
+    """A clear (or delete, or evict) of an NVMe namespace unlinks and punches a file a batch: thousands of
+    system calls.  It runs in the daemon's I/O pool, so another client's lookups are served meanwhile (on
+    the loop thread none was: the loop waited for the whole clear)."""
+    import threading
+    runner = start_node(tmp_path, node_toml(nvme_tier("256MiB", max_page_bytes="4KiB")))
+    endpoint = runner.config.tier("nvme").endpoint
+    bulk = TierClient("nvme", endpoint, "bulk", "test", Deadlines(base=30.0))
+    watcher = TierClient("nvme", endpoint, "watcher", "test", Deadlines(base=5.0))
+    try:
+        for n in range(3000):  # a file each
+            assert bulk.put_frames([f"k{n}"], [[b"x" * 4096]], 4096) == [True]
+        assert watcher.put_frames(["w"], [[b"w" * 4096]], 4096) == [True]
+        done, failed, stop = [], [], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                if watcher.lookup(["w"]) != b"\x01":
+                    failed.append(1)
+                done.append(time.perf_counter())
+        thread = threading.Thread(target=watch)
+        thread.start()
+        time.sleep(0.2)
+        began = time.perf_counter()
+        cleared = bulk.clear()
+        ended = time.perf_counter()
+        stop.set()
+        thread.join()
+        during = sum(1 for t in done if began < t < ended)
+        print(f"\nclear of {cleared} chunks took {(ended - began) * 1e3:.0f} ms; {during} lookups of another "
+              f"client answered meanwhile, {len(failed)} failed")
+        assert cleared == 3000 and not failed
+        assert during >= 3, "the clear held the daemon's loop"
+        assert watcher.lookup(["w"]) == b"\x01" and bulk.lookup(["k0", "k2999"]) == b"\x00\x00"
+    finally:
+        bulk.close()
+        watcher.close()
+        runner.stop()

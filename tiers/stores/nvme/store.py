@@ -442,8 +442,7 @@ class NvmeStore(PageStore):
 
     def _remove(self, digests: Iterable[int]) -> int:
         victims: List[Victim] = self._ledger.pop_many(digests)
-        for victim in victims:
-            self._discard(*victim)
+        self._discard_many(victims)  # a batch file's records punched together (one call a file, not a page)
         return len(victims)
 
     def delete(self, keys: Iterable[PageKey]) -> int:
@@ -460,8 +459,7 @@ class NvmeStore(PageStore):
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
                                            full_disk=False)
-        for victim in victims:
-            self._discard(*victim, evicted=True)
+        self._discard_many(victims, evicted=True)
         return len(victims), sum(entry.disk_size for _d, entry in victims)
 
     # ---------------------------------------------------- batch chunks
