@@ -202,7 +202,7 @@ def test_parts_filled_as_they_are_written_and_a_failed_fill_keeps_nothing_of_its
     import xxhash
     from tiers.stores.base import FillFailed
     from tiers.stores.nvme import batch_writes
-    n = 3 * (batch_writes.PART_BYTES // PAGE)  # three parts
+    n = 3 * (batch_writes.PART_BYTES // PAGE) + 1  # three parts: PART_BYTES, twice that, one page
     store = make_store(capacity=2 * n * RECORD)
     wanted = [page(500 + i) for i in range(n)]
     buffers = [bytearray(PAGE) for _ in range(n)]

@@ -32,6 +32,7 @@ BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at mos
 # preparation is the device's idle start, and smaller writes cost throughput (one 8.5 MiB O_DIRECT
 # pwritev of 64 KiB records ran 1.03 GB/s here, 1 MiB ones 0.88; from 4 MiB on they are equal).
 PART_BYTES = 4 << 20
+MAX_PART_BYTES = 64 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -201,13 +202,15 @@ class BatchWrites:
 
 
 def _parts(idx: List[int], pages) -> List[List[int]]:
-    """idx cut into parts of about PART_BYTES (a page at least)."""
+    """idx cut into parts of PART_BYTES, then twice the part before, up to MAX_PART_BYTES (a page at least):
+    the device starts early, and later writes are larger (ext4 serializes O_DIRECT writes that extend a
+    file, so a write's size is the device's queue depth)."""
     parts: List[List[int]] = [[]]
-    at = 0
+    at, limit = 0, PART_BYTES
     for i in idx:
-        if at >= PART_BYTES:
+        if at >= limit:
             parts.append([])
-            at = 0
+            at, limit = 0, min(2 * limit, MAX_PART_BYTES)
         parts[-1].append(i)
         at += total_size(pages[i])
     return parts
