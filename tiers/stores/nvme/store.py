@@ -23,6 +23,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 from tiers.node.buffers import as_bytes_view
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.nvme import batch, chunkfile as cf, snapshot
+from tiers.stores.nvme.batch_reads import TOUCH_INTERVAL, BatchReadSource, BatchReads
 from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
@@ -36,8 +37,6 @@ from tiers.plugins import StoreKind
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
-RUN_BYTES = 4 << 20  # adjacent records read with one preadv at most (several runs in flight)
-TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -88,6 +87,8 @@ class NvmeStore(PageStore):
         self._batches = BatchWrites(BatchTarget(
             name, self.root, capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers, self._dirsync,
             direct=lambda: self._direct, discard=self._discard_many, replaced=self._replaced))
+        self._reads = BatchReads(BatchReadSource(self._ledger, self._readers, lambda: self._direct,
+                                                 self.get_into_with_sum))
         self._rebuild()
 
     @classmethod
@@ -516,72 +517,9 @@ class NvmeStore(PageStore):
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                                 deadline: Optional[float] = None, hold=None) -> List[Optional[int]]:
         """Each page's checksum (0: unknown), None for a miss; nothing moves into the buffers once this
-        returns.  Adjacent records of one batch file (a prefix read back in the order it was written) are
-        read with one preadv each run; the rest page by page; runs and pages several at once (the disk takes
-        many reads in flight)."""
-        out: List[Optional[int]] = [None] * len(keys)
-        dsts = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
-        alone: List[int] = []
-        runs: dict = {}  # path -> [(block, position, entry)]
-        for i, key in enumerate(keys):
-            entry = self._ledger.get(key_digest(*key))
-            size = total_size(dsts[i])
-            if entry is not None and entry.file and entry.disk_size == batch.record_blocks(size) * cf.ALIGN:
-                runs.setdefault(entry.path, []).append((entry.block, i, entry))
-            else:
-                alone.append(i)
-        work: list = [("page", i) for i in alone]
-        for path, items in runs.items():
-            items.sort()
-            run, run_bytes = [items[0]], total_size(dsts[items[0][1]])
-            for item in items[1:]:
-                prev_block, prev_i, _e = run[-1]
-                size = total_size(dsts[item[1]])
-                # Adjacent and the run still small: one preadv.  Runs stop at RUN_BYTES so that several are in
-                # flight (one preadv of 128 MiB on one thread read 1 MiB pages at 0.93 GB/s, four threads 1.35).
-                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])) and run_bytes + size <= RUN_BYTES:
-                    run.append(item)
-                    run_bytes += size
-                else:
-                    work.append(("run", path, run))
-                    run, run_bytes = [item], size
-            work.append(("run", path, run))
-
-        def do(job) -> None:
-            if deadline is not None and time.time() > deadline:
-                return
-            if job[0] == "page":
-                out[job[1]] = self.get_into_with_sum(keys[job[1]], dsts[job[1]])
-                return
-            _kind, path, run = job
-            if len(run) == 1:
-                out[run[0][1]] = self.get_into_with_sum(keys[run[0][1]], dsts[run[0][1]])
-                return
-            try:
-                headers = batch.read_run(path, run[0][0], [(*keys[i], dsts[i], total_size(dsts[i]))
-                                                          for _b, i, _e in run], self._direct)
-            except OSError:
-                headers = [None] * len(run)
-            now = time.monotonic()
-            refresh = False
-            for (_block, i, entry), hdr in zip(run, headers):
-                if hdr is None:  # compressed, corrupt, gone: the one-page path says which and cleans up
-                    out[i] = self.get_into_with_sum(keys[i], dsts[i])
-                    continue
-                refresh |= self._ledger.hit(key_digest(*keys[i]), entry, keys[i][0], hdr.raw_len, now,
-                                            TOUCH_INTERVAL)
-                out[i] = hdr.page_sum
-            if refresh:  # the file's mtime is the recency of all its pages at a restart: once a run
-                try:
-                    os.utime(path)
-                except OSError:
-                    pass
-
-        if len(work) > 1:
-            list(self._readers.map(do, work))
-        elif work:
-            do(work[0])
-        return out
+        returns.  Adjacent records of one batch file are read with one preadv a run, several runs and pages
+        at once (tiers/stores/nvme/batch_reads.py)."""
+        return self._reads.get_many(keys, pages, deadline)
 
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
