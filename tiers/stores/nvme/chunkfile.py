@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import xxhash
 
+from tiers.node.buffers import address_of
+
 MAGIC = b"HCKVCHNK"
 VERSION = 1
 HEADER_SIZE = 4096
@@ -140,7 +142,7 @@ def payload_hash(views: Sequence) -> int:
 def is_aligned(views: Sequence[memoryview]) -> bool:
     """True when every view may be used for O_DIRECT (address and length aligned)."""
     for v in views:
-        if v.nbytes % ALIGN or np.frombuffer(v, dtype=np.uint8).ctypes.data % ALIGN:
+        if v.nbytes % ALIGN or address_of(v) % ALIGN:
             return False
     return True
 
