@@ -344,3 +344,34 @@ def test_a_tenant_clearing_thousands_of_chunks_stalls_no_one(tmp_path):
         bulk.close()
         watcher.close()
         runner.stop()
+
+
+def test_clears_sent_without_waiting_queue_a_bounded_few_and_the_rest_are_busy(tmp_path):
+    """Disk work of clear/delete/evict runs in the I/O pool: a peer sending clears without waiting for the
+    replies gets at most PEER_FRAME_READS of them queued there (tiers/node/peers.py); the rest are told busy
+    at once instead of piling up in the pool ahead of everyone's reads and writes."""
+    from tiers.node.peers import PEER_FRAME_READS
+    runner = start_node(tmp_path, node_toml(nvme_tier("256MiB", max_page_bytes="4KiB")))
+    endpoint = runner.config.tier("nvme").endpoint
+    bulk = TierClient("nvme", endpoint, "bulk", "test", Deadlines(base=30.0))
+    flooder = RawPeer(endpoint)
+    try:
+        for n in range(2000):  # a file each: the first clear takes a while
+            assert bulk.put_frames([f"k{n}"], [[b"x" * 4096]], 4096) == [True]
+        session = flooder.hello("bulk")
+        sent = 50
+        for i in range(sent):
+            flooder.sock.send_multipart([P.request("clear", 1000 + i, session=session)])
+        replies = []
+        while len(replies) < sent and flooder.sock.poll(10_000):
+            replies.append(P.unpack(flooder.sock.recv_multipart()[0]))
+        codes = [r.get("code") for r in replies if not r["ok"]]
+        cleared = sum(r.get("cleared", 0) for r in replies if r["ok"])
+        print(f"\n{sent} clears sent at once: {len(replies) - len(codes)} ran, {len(codes)} told busy")
+        assert len(replies) == sent and set(codes) <= {"busy"} and cleared == 2000
+        assert len(codes) >= sent - 4 * PEER_FRAME_READS, "the peer's clears were all queued in the pool"
+        assert bulk.lookup(["k0"]) == b"\x00" and flooder.call("clear", session=session)[0]["ok"]
+    finally:
+        bulk.close()
+        flooder.close()
+        runner.stop()

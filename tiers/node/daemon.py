@@ -41,6 +41,9 @@ from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
 
+# Requests whose store work runs in the I/O pool where the store touches a disk (TierDaemon._store_work).
+_STORE_WORK = (M.Clear, M.Delete, M.Evict)
+
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
@@ -233,8 +236,11 @@ class TierDaemon:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
             self._peer_tenant = self.sessions.tenant_of(peer)  # read by _namespace: a session is its own tenant's only
-            frames_read = type(msg) is M.Get and msg.lease is None  # pages come back as frames: bounded a peer
-            if frames_read:
+            # Pages that come back as frames, and disk work of clear/delete/evict in the I/O pool (_store_work):
+            # bounded a peer (tiers/node/peers.py), so a peer that sends without waiting queues nothing unbounded.
+            counted = ((type(msg) is M.Get and msg.lease is None)
+                       or (type(msg) in _STORE_WORK and self.store.parallel_io))
+            if counted:
                 self._peer_replies.admit(ident)
             if type(msg) is M.Hello:
                 result = self.handle_hello(msg, self._peer_tenant)
@@ -246,10 +252,10 @@ class TierDaemon:
             if isinstance(result, Future):
                 self._in_flight += 1
                 self._inflight_bytes += nbytes
-                if frames_read:
+                if counted:
                     self._peer_replies.started(ident)
                 result.add_done_callback(
-                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes, f=frames_read:
+                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes, f=counted:
                     self._finish(fut, i, r, o, t, n, f))
                 return
             reply = result
@@ -298,13 +304,13 @@ class TierDaemon:
             self.metrics.error("reply_unroutable")  # the peer left before its reply was ready
 
     def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int,
-                frames_read: bool = False) -> None:
+                counted: bool = False) -> None:
         try:
             reply = fut.result()
         except Exception as exc:
             reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
-        self._done.append((ident, reply, nbytes, frames_read))
+        self._done.append((ident, reply, nbytes, counted))
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -319,10 +325,10 @@ class TierDaemon:
 
     def _send_done(self) -> None:
         while self._done:
-            ident, reply, nbytes, frames_read = self._done.popleft()
+            ident, reply, nbytes, counted = self._done.popleft()
             self._in_flight -= 1
             self._inflight_bytes -= nbytes
-            if frames_read:
+            if counted:
                 self._peer_replies.finished(ident)
             self._send(ident, reply)
 

@@ -1,13 +1,16 @@
-"""What each peer of a daemon leaves waiting: page replies it has not read, frames reads in flight.
+"""What each peer of a daemon leaves waiting: page replies it has not read, work in flight.
 
 A reply of pages leaves the daemon without a copy (zero-copy frames), and
 libzmq holds it until the peer reads it: a peer that asks and never reads
 would make the daemon hold every reply, up to the high-water mark of 64
 messages (8 peers x 64 reads of 4 MiB grew a daemon by 2 GiB).  So a frames
 read is refused (``busy``) while its peer has PEER_UNREAD_BYTES of replies
-unread, or PEER_FRAME_READS reads in flight (a client calls one at a time a
+unread, or PEER_FRAME_READS requests in flight (a client calls one at a time a
 thread), or all peers together leave the daemon's ``max_inflight_bytes``
 unread.  Leased reads (the engine copies out of the arena) hold nothing here.
+A disk tier's clears, deletes and evictions run in the I/O pool too and are
+counted the same way: a peer that sends them without waiting for the replies
+queues at most PEER_FRAME_READS of them.
 """
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ class PeerReplies:
         self.max_unread_bytes = max_unread_bytes
         self._unread: Dict[bytes, Deque[Tuple[zmq.MessageTracker, int]]] = {}
         self._unread_bytes = 0
-        self._reads: Dict[bytes, int] = {}  # frames reads in flight, by peer
+        self._reads: Dict[bytes, int] = {}  # frames reads and pool store work in flight, by peer
         self.refused = 0
 
     def admit(self, ident: bytes) -> None:
-        """A frames read of this peer may start (ProtocolError busy if not); call started() when it does."""
+        """A frames read (or pool store work) of this peer may start (ProtocolError busy if not); call started()
+        when it does."""
         mine = self._settle(ident)
         if self._unread_bytes > self.max_unread_bytes:
             self.prune()
