@@ -225,11 +225,11 @@ class PageTransfers:
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
                 group.append((i, alloc))
-        if group and self.store.batched and self.store.keeps_checksums and check is None and not hashed:
+        if group and self.store.batched and self.store.fills_in_parts and check is None and not hashed:
             return self._put_staged_filled(ns, keys, sources, parents, deadline, sums, group, refusal)
-        # Each page hashed as it is copied (in C, while in the cache): a checked put is checked, and a store
-        # that keeps checksums keeps these, without another pass over the bytes.
-        copied: Optional[List[int]] = [0] * len(keys) if hashed or check or self.store.keeps_checksums else None
+        # A checked or hashed put: each page hashed as it is copied (in C, while in the cache), not after;
+        # a batched store gets these sums too (page_sums) and need not hash the bytes again.
+        copied: Optional[List[int]] = [0] * len(keys) if hashed or check is not None else None
         failed = self._copy_group(sources, group, deadline, copied) if group else None
         if failed is not None:
             for _i, alloc in group:
@@ -252,9 +252,7 @@ class PageTransfers:
                 out = self.store.put_many_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx],
                                                     [parents[i] for i in idx], deadline, [sums[i] for i in idx],
                                                     None if copied is None else [copied[i] for i in idx])
-                results = [(False, None)] * len(keys)
-                for i, exc in zip(idx, out):
-                    results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
+                results = _results(len(keys), idx, out)
             else:
                 results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i], sums[i])
                                      if views[i] is not None else (False, None))
@@ -283,10 +281,7 @@ class PageTransfers:
         finally:
             for _i, alloc in group:
                 self.arena.give(alloc)
-        results: list = [(False, None)] * len(keys)
-        for (i, _alloc), exc in zip(group, out):
-            results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
-        stored, first = _outcomes(results)
+        stored, first = _outcomes(_results(len(keys), [i for i, _alloc in group], out))
         return stored, refusal or first
 
     # ------------------------------------------------------------------ gets
@@ -397,6 +392,14 @@ def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:
 
 def _late(deadline: Optional[float]) -> bool:
     return deadline is not None and time.time() > deadline
+
+
+def _results(n: int, positions: List[int], out: List[Optional[StoreError]]) -> list:
+    """(stored, refusal) for each of n pages from a batched store's answer for those at positions."""
+    results: list = [(False, None)] * n
+    for i, exc in zip(positions, out):
+        results[i] = (True, None) if exc is None else (False, (exc.code, str(exc)))
+    return results
 
 
 def _outcomes(results) -> Tuple[List[bool], Refusal]:

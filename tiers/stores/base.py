@@ -127,6 +127,9 @@ class PageStore(ABC):
     batched = False  # True: put_many / get_many_into move a whole batch at once (the remote tier)
     persistent = False  # True: pages survive a restart of the daemon (a store built on the same path finds them)
     keeps_checksums = False  # True: the *_with_sum methods keep each page's checksum and return it
+    # True (with batched): put_many_filled fills a batch a part at a time as it writes it and keeps the sums the
+    # fill returns; the daemon then copies (and hashes) each part only when the store asks for it.
+    fills_in_parts = False
     answers_digests = False  # True: held_digests answers lookups named by key digests (its daemon says so)
 
     @abstractmethod

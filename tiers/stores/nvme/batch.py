@@ -57,9 +57,7 @@ def parse_name(name: str) -> Optional[int]:
 
 def aligned_block() -> memoryview:
     """A zeroed 4 KiB buffer at a 4 KiB address (a record header O_DIRECT may write)."""
-    raw = np.zeros(2 * cf.ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % cf.ALIGN
-    return memoryview(raw[start:start + cf.ALIGN])
+    return aligned_blocks(1)[0]
 
 
 def aligned_blocks(n: int) -> List[memoryview]:

@@ -45,6 +45,7 @@ class NvmeStore(PageStore):
 
     parallel_io = True
     batched = True  # a put's pages go to disk as one batch chunk file with one flush (tiers/stores/nvme/batch.py)
+    fills_in_parts = True  # tiers/stores/nvme/batch_writes.py
     persistent = True  # the index is rebuilt from the chunk files at start
     keeps_checksums = True  # in the chunk header (tiers/stores/nvme/chunkfile.py FLAG_PAGE_SUM)
     answers_digests = True  # the ledger is keyed by key_digest
