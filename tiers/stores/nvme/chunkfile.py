@@ -32,7 +32,6 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-import numpy as np
 import xxhash
 
 from tiers.node.buffers import address_of
