@@ -243,3 +243,40 @@ def test_parts_filled_as_they_are_written_and_a_failed_fill_keeps_nothing_of_its
     # and its reservations went back: a batch as large as the room left is stored without evicting a page
     assert store.put_many(lost, [[memoryview(page(9))]] * n, [None] * n, time.time() + 30) == [None] * n
     assert store.stats().pages == 2 * n - 1
+
+
+def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tmp_path):
+    """The engine's backup of one tier sends no sums (hash_pages): the daemon copies the pages out of the host
+    pool part by part as the device writes (put_many_filled), and each page's xxh3 taken in that copy is
+    what the tier keeps and returns with the page."""
+    import mmap
+    import xxhash
+    from tests.nodes import node_toml, nvme_tier, start_node
+    from tiers.node.buffers import address_of
+    from tiers.stores.nvme import batch_writes
+    from tiers.wire import protocol as P
+    from tiers.wire.client import TierClient
+    n = batch_writes.PART_BYTES // PAGE + 8  # two parts
+    runner = start_node(tmp_path, node_toml(nvme_tier(capacity="64MiB", fsync=True)))
+    size = 2 * n * PAGE
+    fd = os.memfd_create("pool")
+    os.ftruncate(fd, size)
+    view = mmap.mmap(fd, size)
+    wanted = [page(900 + i) for i in range(n)]
+    for i, data in enumerate(wanted):
+        view[i * PAGE:(i + 1) * PAGE] = data
+    client = TierClient("nvme", runner.config.tier("nvme").endpoint, "hashed", attach=True)
+    try:
+        client.attach_region(fd, size)
+        assert client.lookup(["x"]) == b"\x00"  # hello + region registration
+        keys = [f"k{i}" for i in range(n)]
+        desc, counts = P.encode_descriptors([[(i * PAGE, PAGE)] for i in range(n)])
+        assert client.put_region(keys, desc, counts, n * PAGE, hash_pages=True) == [True] * n
+        assert len(batch_files(os.path.join(runner.data_dir, "nvme"))) == 1
+        base, sums = address_of(memoryview(view)), [0] * n
+        assert client.get_leased(keys, [[(base + (n + i) * PAGE, PAGE)] for i in range(n)], sums) == [True] * n
+        assert sums == [xxhash.xxh3_64_intdigest(w) for w in wanted]
+        assert all(view[(n + i) * PAGE:(n + i + 1) * PAGE] == wanted[i] for i in range(n))
+    finally:
+        client.close()
+        runner.stop()

@@ -225,8 +225,8 @@ class PageTransfers:
                 refusal = refusal or ("busy", "staging arena full; try again")
             else:
                 group.append((i, alloc))
-        if group and self.store.batched and self.store.fills_in_parts and check is None and not hashed:
-            return self._put_staged_filled(ns, keys, sources, parents, deadline, sums, group, refusal)
+        if group and self.store.batched and self.store.fills_in_parts and check is None:
+            return self._put_staged_filled(ns, keys, sources, parents, deadline, sums, group, refusal, hashed)
         # A checked or hashed put: each page hashed as it is copied (in C, while in the cache), not after;
         # a batched store gets these sums too (page_sums) and need not hash the bytes again.
         copied: Optional[List[int]] = [0] * len(keys) if hashed or check is not None else None
@@ -263,21 +263,26 @@ class PageTransfers:
         return stored, refusal or first
 
     def _put_staged_filled(self, ns, keys, sources: "Sources", parents, deadline, sums: List[int],
-                           group: List[Tuple[int, Alloc]], refusal: Refusal) -> Tuple[List[bool], Refusal]:
+                           group: List[Tuple[int, Alloc]], refusal: Refusal,
+                           hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """A batched store fills its parts from the host pool as it writes them (put_many_filled): each
-        part's guarded copy, hashed as it goes, overlaps the device writing the part before."""
+        part's guarded copy, hashed as it goes, overlaps the device writing the part before.  hashed (the
+        put carried no sums): those taken while copying are the pages' sums, set in sums."""
         def fill(positions: List[int]) -> List[int]:
             part = [group[p] for p in positions]
             copied = [0] * len(keys)
             failed = self._copy_group(sources, part, deadline, copied)
             if failed is not None:
                 raise FillFailed(*failed)
+            if hashed:
+                for i, _alloc in part:
+                    sums[i] = copied[i]
             return [copied[i] for i, _alloc in part]
+        checksums = None if hashed else [sums[i] for i, _a in group]
         try:
             out = self.store.put_many_filled([(ns, keys[i]) for i, _a in group],
                                              [self.arena.views(alloc) for _i, alloc in group],
-                                             [parents[i] for i, _a in group], deadline,
-                                             [sums[i] for i, _a in group], fill)
+                                             [parents[i] for i, _a in group], deadline, checksums, fill)
         finally:
             for _i, alloc in group:
                 self.arena.give(alloc)

@@ -293,16 +293,19 @@ class PageStore(ABC):
 
     def put_many_filled(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                         parents: Sequence[Optional[str]], deadline: Optional[float],
-                        checksums: Sequence[int], fill: FillPages) -> List[Optional[StoreError]]:
+                        checksums: Optional[Sequence[int]], fill: FillPages) -> List[Optional[StoreError]]:
         """put_many_with_sums of pages whose buffers are filled on request: fill(positions) brings those
-        pages' bytes in and returns their page_sums.  A store that writes a batch in parts fills each part
-        just before writing it, so the daemon's copy out of the engine's memory overlaps the device (NVMe);
-        this default fills every page first.  A FillFailed refuses the pages not yet written."""
+        pages' bytes in and returns their page_sums.  checksums None: the writer sent none and asked the
+        daemon to hash (hash_pages), so each page's sum from the fill is its checksum too.  A store that
+        writes a batch in parts fills each part just before writing it, so the daemon's copy out of the
+        engine's memory overlaps the device (NVMe); this default fills every page first.  A FillFailed
+        refuses the pages not yet written."""
         try:
             sums = fill(list(range(len(keys))))
         except FillFailed as exc:
             return [exc] * len(keys)
-        return self.put_many_with_sums(keys, pages, parents, deadline, checksums, sums)
+        return self.put_many_with_sums(keys, pages, parents, deadline, sums if checksums is None else checksums,
+                                       sums)
 
     def get_many_into_with_sums(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                                 deadline: Optional[float],

@@ -73,13 +73,15 @@ class BatchWrites:
         self.t = target
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
-                 checksums: Sequence[int], page_sums: Optional[Sequence[int]] = None,
+                 checksums: Optional[Sequence[int]], page_sums: Optional[Sequence[int]] = None,
                  fill: Optional[FillPages] = None) -> List[Optional[StoreError]]:
-        """None or the refusal of each page; page_sums and fill as PageStore.put_many_with_sums and
+        """None or the refusal of each page; checksums, page_sums and fill as PageStore.put_many_with_sums and
         put_many_filled declare them (each part is filled just before it is prepared)."""
         out: List[Optional[StoreError]] = [None] * len(keys)
         if fill is not None:
             page_sums = [0] * len(keys)
+            if checksums is None:  # the daemon hashed for the writer: a page's checksum is its fill's sum,
+                checksums = page_sums  # read by _record once its part is filled
         groups: dict = {}
         for i, key in enumerate(keys):
             groups.setdefault(key[0], []).append(i)
