@@ -280,3 +280,20 @@ def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tm
     finally:
         client.close()
         runner.stop()
+
+
+def test_a_batch_directory_removed_behind_the_stores_back_is_made_again(make_store, monkeypatch):
+    """Batch directories are made once and remembered; one removed meanwhile (an operator's cleanup) costs
+    no put."""
+    import shutil
+    from tiers.stores.nvme import batch_writes
+    monkeypatch.setattr(batch_writes.secrets, "randbits", lambda bits: 0x5A5A5)  # both puts: one directory
+    store = make_store(capacity=64 * RECORD)
+    keys = [("ns", f"d{i}") for i in range(4)]
+    assert store.put_many(keys, [[memoryview(page(i))] for i in range(4)], [None] * 4, time.time() + 30) == [None] * 4
+    store.clear()
+    shutil.rmtree(os.path.join(store.root, batch.TOP))
+    more = [("ns", f"e{i}") for i in range(4)]
+    assert store.put_many(more, [[memoryview(page(7))]] * 4, [None] * 4, time.time() + 30) == [None] * 4
+    found, got = read_all(store, more)
+    assert all(found) and all(g == page(7) for g in got)

@@ -171,11 +171,17 @@ class BlockArena:
 
     def give(self, alloc: Alloc) -> None:
         """An allocation back to the arena; a leased one waits for its leases to end."""
+        self.give_many((alloc,))
+
+    def give_many(self, allocs: Sequence[Alloc]) -> None:
+        """give for each allocation under one lock hold (a batch's staging)."""
         with self._lock:
-            if alloc.alloc_id in self._pins:
-                self._parked[alloc.alloc_id] = alloc
-            else:
-                self._free.extend(reversed(alloc.blocks))
+            pins, free = self._pins, self._free
+            for alloc in allocs:
+                if alloc.alloc_id in pins:
+                    self._parked[alloc.alloc_id] = alloc
+                else:
+                    free.extend(reversed(alloc.blocks))
 
     def free_blocks(self) -> int:
         with self._lock:

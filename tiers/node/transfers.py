@@ -216,15 +216,12 @@ class PageTransfers:
                     sums: List[int], check=None, hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy the batch into staging first (one guarded C call, as
         _put_into_arena does), then hand the store our own memory."""
-        group: List[Tuple[int, Alloc]] = []
+        # One lock hold for the batch's staging: the leading pages that fit (the rest are told busy).
+        group: List[Tuple[int, Alloc]] = list(enumerate(self.arena.take_many(sources.sizes)))
         refusal: Refusal = None
-        for i, size in enumerate(sources.sizes):
-            alloc = self.arena.take(size)
-            if alloc is None:
-                self.staging_full += 1
-                refusal = refusal or ("busy", "staging arena full; try again")
-            else:
-                group.append((i, alloc))
+        if len(group) < len(sources.sizes):
+            self.staging_full += len(sources.sizes) - len(group)
+            refusal = ("busy", "staging arena full; try again")
         if group and self.store.batched and self.store.fills_in_parts and check is None:
             return self._put_staged_filled(ns, keys, sources, parents, deadline, sums, group, refusal, hashed)
         # A checked or hashed put: each page hashed as it is copied (in C, while in the cache), not after;
@@ -232,8 +229,7 @@ class PageTransfers:
         copied: Optional[List[int]] = [0] * len(keys) if hashed or check is not None else None
         failed = self._copy_group(sources, group, deadline, copied) if group else None
         if failed is not None:
-            for _i, alloc in group:
-                self.arena.give(alloc)
+            self.arena.give_many([alloc for _i, alloc in group])
             return [False] * len(keys), failed
         views: List[Optional[List[memoryview]]] = [None] * len(keys)
         for i, alloc in group:
@@ -257,8 +253,7 @@ class PageTransfers:
                 results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i], sums[i])
                                      if views[i] is not None else (False, None))
         finally:
-            for _i, alloc in group:
-                self.arena.give(alloc)
+            self.arena.give_many([alloc for _i, alloc in group])
         stored, first = _outcomes(results)
         return stored, refusal or first
 
@@ -284,8 +279,7 @@ class PageTransfers:
                                              [self.arena.views(alloc) for _i, alloc in group],
                                              [parents[i] for i, _a in group], deadline, checksums, fill)
         finally:
-            for _i, alloc in group:
-                self.arena.give(alloc)
+            self.arena.give_many([alloc for _i, alloc in group])
         stored, first = _outcomes(_results(len(keys), [i for i, _alloc in group], out))
         return stored, refusal or first
 

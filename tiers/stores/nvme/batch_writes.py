@@ -71,6 +71,7 @@ class _Pending:
 class BatchWrites:
     def __init__(self, target: BatchTarget):
         self.t = target
+        self._made: set = set()  # batch directories known to exist
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  checksums: Optional[Sequence[int]], page_sums: Optional[Sequence[int]] = None,
@@ -134,7 +135,12 @@ class BatchWrites:
         ns_hash = namespace_hash(namespace)
         file_id, path = self._new_path()
         try:
-            writer = batch.BatchWriter(path, t.direct(), t.writers)
+            try:
+                writer = batch.BatchWriter(path, t.direct(), t.writers)
+            except FileNotFoundError:  # its directory went (removed behind our back): made again, once
+                self._made.discard(os.path.dirname(path))
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                writer = batch.BatchWriter(path, t.direct(), t.writers)
         except OSError as exc:
             for i in idx:
                 out[i] = StoreIOError(f"{t.name}: creating {path}: {exc.strerror}")
@@ -186,20 +192,24 @@ class BatchWrites:
                 out[r.position] = err
             return
         stamp = max(1, int(time.monotonic()))
-        for r, block in written:
-            replaced = t.ledger.commit(r.digest, ns_hash, namespace, r.disk, r.size, stamp, r.parent,
-                                       file=file_id, block=block)
-            if replaced is not None:
-                t.replaced(r.digest, replaced)
-            t.ledger.wrote(r.size, r.stored)
+        for digest, replaced in t.ledger.commit_many(ns_hash, namespace, stamp, file_id,
+                                                     [(r.digest, r.disk, r.size, r.parent, block)
+                                                      for r, block in written]):
+            t.replaced(digest, replaced)
+        t.ledger.wrote(sum(r.size for r, _b in written), sum(r.stored for r, _b in written), len(written))
 
     def _new_path(self) -> Tuple[int, str]:
         """A file id no batch chunk holds (random: nothing to recover at start), and its path."""
         while True:
             file_id = secrets.randbits(32) or 1
             path = batch.batch_path(self.t.root, file_id)
-            if not os.path.exists(path) and not os.path.exists(path + ".tmp"):
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            # One stat a put: a .tmp of the same id (a put choosing it at the same moment) fails the writer's
+            # O_EXCL open instead; directories are made once (nothing removes them; at most 4,096).
+            if not os.path.exists(path):
+                directory = os.path.dirname(path)
+                if directory not in self._made:
+                    os.makedirs(directory, mode=0o700, exist_ok=True)
+                    self._made.add(directory)
                 return file_id, path
 
 

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -395,24 +395,41 @@ class Ledger:
         index it, replacing any older version; the version replaced (the caller gives back its record when
         it lies in a batch chunk, or its file when the new one does), or None."""
         with self.lock:
-            self.reserved -= disk_size
+            return self._commit_locked(self._tenant_locked(ns_hash, namespace), digest, disk_size, raw_size,
+                                       stamp, parent, file, block)
+
+    def commit_many(self, ns_hash: int, namespace: str, stamp: int, file: int,
+                    pages: Sequence[Tuple[int, int, int, Optional[int], int]]) -> List[Victim]:
+        """commit for each (digest, disk_size, raw_size, parent, block) of one batch chunk file under one lock
+        hold; the versions replaced, as (digest, entry)."""
+        replaced: List[Victim] = []
+        with self.lock:
             tenant = self._tenant_locked(ns_hash, namespace)
-            tenant.reserved -= disk_size
-            old = self._index.remove(digest)
-            replaced = None
-            if old is not None:
-                row = Row(*old)
-                replaced = self._entry(digest, row)
-                self._forget_locked(digest, row)
-            self._index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp, file=file, block=block)
-            if self._build is not None:
-                self._build.fresh.append(digest)
-                self._journal_locked("fresh", digest, ns_hash)
-            self.used += disk_size
-            tenant.bytes += disk_size
-            if tenant.policy is not None:
-                tenant.policy.insert(digest, parent)
-            return replaced
+            for digest, disk_size, raw_size, parent, block in pages:
+                old = self._commit_locked(tenant, digest, disk_size, raw_size, stamp, parent, file, block)
+                if old is not None:
+                    replaced.append((digest, old))
+        return replaced
+
+    def _commit_locked(self, tenant: _Tenant, digest: int, disk_size: int, raw_size: int, stamp: int,
+                       parent: Optional[int], file: int, block: int) -> Optional[Entry]:
+        self.reserved -= disk_size
+        tenant.reserved -= disk_size
+        old = self._index.remove(digest)
+        replaced = None
+        if old is not None:
+            row = Row(*old)
+            replaced = self._entry(digest, row)
+            self._forget_locked(digest, row)
+        self._index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp, file=file, block=block)
+        if self._build is not None:
+            self._build.fresh.append(digest)
+            self._journal_locked("fresh", digest, tenant.ns_hash)
+        self.used += disk_size
+        tenant.bytes += disk_size
+        if tenant.policy is not None:
+            tenant.policy.insert(digest, parent)
+        return replaced
 
     def _forget_locked(self, digest: int, row: Row) -> None:
         """Bytes and order of a row already out of the index."""
@@ -430,9 +447,10 @@ class Ledger:
         with self.lock:
             self.extra[name] += 1
 
-    def wrote(self, raw: int, stored: int) -> None:
+    def wrote(self, raw: int, stored: int, pages: int = 1) -> None:
+        """pages more written: raw bytes of them, stored on disk (compressed or not)."""
         with self.lock:
-            self.stats.inserts += 1
+            self.stats.inserts += pages
             self.stats.bytes_written += raw
             self.extra["raw_bytes_in"] += raw
             self.extra["stored_bytes_in"] += stored
