@@ -304,14 +304,18 @@ class SGLangServer:
         if self.alive():
             os.killpg(self.proc.pid, signum)
 
-    def stop(self, timeout: float = 30.0) -> Optional[int]:
-        """SIGTERM the server's process group, SIGKILL what is left after timeout."""
+    def stop(self, grace: float = 1.0) -> Optional[int]:
+        """SIGTERM the server's process group, SIGKILL what is left after grace seconds.
+
+        The scheduler (our backend in it) ends on the SIGTERM at once; SGLang's launcher then takes its
+        child's end for a crash and sleeps 5 s "to let GPU activity settle" before it exits, which nothing
+        here needs (it cost every server a test or the bench stops 5 s)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
         try:
