@@ -246,9 +246,9 @@ def test_parts_filled_as_they_are_written_and_a_failed_fill_keeps_nothing_of_its
 
 
 def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tmp_path):
-    """The engine's backup of one tier sends no sums (hash_pages): the daemon copies the pages out of the host
-    pool part by part as the device writes (put_many_filled), and each page's xxh3 taken in that copy is
-    what the tier keeps and returns with the page."""
+    """The engine's backup of one tier sends no sums (hash_pages): the daemon hashes the pages in the host
+    pool part by part as the device writes (put_many_filled), and each page's xxh3 taken then is what the
+    tier keeps and returns with the page."""
     import mmap
     import xxhash
     from tests.nodes import node_toml, nvme_tier, start_node
@@ -273,6 +273,8 @@ def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tm
         desc, counts = P.encode_descriptors([[(i * PAGE, PAGE)] for i in range(n)])
         assert client.put_region(keys, desc, counts, n * PAGE, hash_pages=True) == [True] * n
         assert len(batch_files(os.path.join(runner.data_dir, "nvme"))) == 1
+        # 4 KiB-aligned pages: written straight out of the host pool, no staging copy (_put_in_place)
+        assert client.stats()["in_place_puts"] == 1
         base, sums = address_of(memoryview(view)), [0] * n
         assert client.get_leased(keys, [[(base + (n + i) * PAGE, PAGE)] for i in range(n)], sums) == [True] * n
         assert sums == [xxhash.xxh3_64_intdigest(w) for w in wanted]
@@ -297,3 +299,27 @@ def test_a_batch_directory_removed_behind_the_stores_back_is_made_again(make_sto
     assert store.put_many(more, [[memoryview(page(7))]] * 4, [None] * 4, time.time() + 30) == [None] * 4
     found, got = read_all(store, more)
     assert all(found) and all(g == page(7) for g in got)
+
+
+def test_bytes_changed_after_their_fill_hashed_them_are_a_miss_never_served(make_store):
+    """A put written straight out of the engine's memory (the daemon's in-place put) hashes each part just
+    before the device reads it; an engine that reuses a slot in between puts other bytes on disk under the
+    old sum: the read finds the mismatch and misses."""
+    n = 6
+    store = make_store(capacity=4 * n * RECORD)
+    wanted = [page(700 + i) for i in range(n)]
+    buffers = [bytearray(w) for w in wanted]
+
+    def fill(positions):
+        import xxhash
+        sums = [xxhash.xxh3_64_intdigest(wanted[p]) for p in positions]
+        for p in positions:
+            if p % 2:
+                buffers[p][:4096] = bytes(4096)  # the engine wrote this slot after the hash
+        return sums
+    keys = [("ns", f"c{i}") for i in range(n)]
+    out = store.put_many_filled(keys, [[memoryview(b)] for b in buffers], [None] * n, time.time() + 30, None, fill)
+    assert out == [None] * n
+    found, got = read_all(store, keys)
+    assert found == [i % 2 == 0 for i in range(n)]
+    assert all(got[i] == wanted[i] for i in range(n) if i % 2 == 0)

@@ -52,12 +52,12 @@ def page_sums_at(pointers: np.ndarray, lengths: np.ndarray) -> List[int]:
     lengths = np.ascontiguousarray(lengths, dtype=np.uint64).reshape(pointers.shape)
     pages, regions = pointers.shape
     # A large batch hashed in two halves at once (a write's sums come before its put: the whole wait).
-    return in_halves(lambda a, b: _sums_flat(pointers[a:b].ravel(), lengths[a:b].ravel(),
+    return in_halves(lambda a, b: sums_flat(pointers[a:b].ravel(), lengths[a:b].ravel(),
                                              np.full(b - a, regions, dtype=np.int64)),
                      pages, int(lengths.sum()))
 
 
-def _sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray) -> List[int]:
+def sums_flat(ptrs: np.ndarray, lens: np.ndarray, runs: np.ndarray) -> List[int]:
     """The checksum of each page p, the next runs[p] regions of (ptrs, lens): one C call, or python-xxhash."""
     if not native():
         ends = np.cumsum(runs).tolist()

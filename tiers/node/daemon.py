@@ -523,6 +523,7 @@ class TierDaemon:
         stats["staging_full"] = self.transfers.staging_full
         stats["source_gone"] = self.transfers.source_gone
         stats["sum_refused"] = self.transfers.sum_refused
+        stats["in_place_puts"] = self.transfers.in_place_puts
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
         guard = self._guard

@@ -16,7 +16,7 @@ from typing import List, NamedTuple, Sequence, Tuple
 import numpy as np
 
 from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs, view_at
-from tiers.node.checksums import page_sums
+from tiers.node.checksums import page_sums, sums_flat
 
 
 class PageRuns(NamedTuple):
@@ -84,6 +84,15 @@ class PageRuns(NamedTuple):
             return self
         runs = np.repeat(flags, self.counts)
         return PageRuns(self.addr[runs], self.length[runs], self.counts[flags])
+
+    def aligned(self, base: int, align: int) -> bool:
+        """Every run starts (at base + addr) and ends on an align boundary (a device may read it directly)."""
+        a, n = np.uint64(align), np.uint64(base)
+        return bool(len(self.addr)) and not ((self.addr + n) % a).any() and not (self.length % a).any()
+
+    def sums(self, base: int = 0) -> List[int]:
+        """Each page's xxh3_64, read in place (guarded: MemoryFault when its memory went away)."""
+        return sums_flat(self.addr + np.uint64(base), self.length, self.counts) if len(self.counts) else []
 
     def as_lists(self, base: int = 0) -> List[List[Tuple[int, int]]]:
         flat = list(zip((self.addr + np.uint64(base)).tolist(), self.length.tolist()))

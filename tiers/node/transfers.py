@@ -29,6 +29,10 @@ from tiers.node.faults import CorruptReads
 from tiers.ops.logs import RateLimitedLog
 from tiers.stores.base import FillFailed, PageStore, StoreError
 
+# A put whose every run starts and ends on this boundary is written out of the host pool in place: the
+# alignment O_DIRECT asks of memory on the devices we run on (tiers/stores/nvme/chunkfile.py ALIGN).
+IN_PLACE_ALIGN = 4096
+
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
@@ -60,6 +64,7 @@ class PageTransfers:
         self.staging_full = 0
         self.source_gone = 0
         self.sum_refused = 0  # pages of a checked put whose bytes did not match their checksum
+        self.in_place_puts = 0  # puts written straight out of a host pool (_put_in_place)
 
     # ------------------------------------------------------------------ puts
     def page_sources(self, msg: M.Put, frames, keys: list, regions) -> "Sources":
@@ -216,6 +221,9 @@ class PageTransfers:
                     sums: List[int], check=None, hashed: bool = False) -> Tuple[List[bool], Refusal]:
         """Stores without an arena: copy the batch into staging first (one guarded C call, as
         _put_into_arena does), then hand the store our own memory."""
+        if (self.store.batched and self.store.fills_in_parts and check is None
+                and sources.runs.aligned(sources.region_base, IN_PLACE_ALIGN)):
+            return self._put_in_place(ns, keys, sources, parents, deadline, sums, hashed)
         # One lock hold for the batch's staging: the leading pages that fit (the rest are told busy).
         group: List[Tuple[int, Alloc]] = list(enumerate(self.arena.take_many(sources.sizes)))
         refusal: Refusal = None
@@ -282,6 +290,32 @@ class PageTransfers:
             self.arena.give_many([alloc for _i, alloc in group])
         stored, first = _outcomes(_results(len(keys), [i for i, _alloc in group], out))
         return stored, refusal or first
+
+    def _put_in_place(self, ns, keys, sources: "Sources", parents, deadline, sums: List[int],
+                      hashed: bool) -> Tuple[List[bool], Refusal]:
+        """A batched store that fills in parts writes straight out of the host pool when every run is
+        4 KiB-aligned (O_DIRECT takes the engine's memory as it is): no staging copy, only a guarded hash of
+        each part, in place, before the device reads it.  Bytes the engine changes after that hash reach the
+        disk under the sum of the old ones: a read finds the mismatch and misses, never serves them.  The
+        mapping stays while its views live (tiers/node/regions.py); the store is done with them on return."""
+        def fill(positions: List[int]) -> List[int]:
+            if _late(deadline):
+                raise FillFailed("deadline", "deadline passed during the batch")
+            try:
+                got = sources.runs.take(positions).sums(sources.region_base)
+            except MemoryFault:
+                self.source_gone += 1
+                _warn.warning("gone", "tier %s: a host pool shrank under a put (the engine truncated its memfd); "
+                                      "pages refused", self.name)
+                raise FillFailed("bad_request", "the host pool went away under the copy") from None
+            if hashed:
+                for p, checksum in zip(positions, got):
+                    sums[p] = checksum
+            return got
+        self.in_place_puts += 1
+        out = self.store.put_many_filled([(ns, key) for key in keys], sources.views, parents, deadline,
+                                         None if hashed else list(sums), fill)
+        return _outcomes(_results(len(keys), list(range(len(keys))), out))
 
     # ------------------------------------------------------------------ gets
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
