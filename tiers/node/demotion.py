@@ -12,9 +12,10 @@ When the upper store keeps its pages in an arena (DRAM), a dirty page that
 goes down while still stored (over the dirty bound, or at a graceful stop)
 goes through shared memory: its blocks are pinned by a lease (no copy), the
 lower daemon maps the arena read-only as it maps an engine's host pool and
-copies the page by (offset, length) into its own 4 KiB-aligned staging
-blocks, so the NVMe tier writes it with O_DIRECT; the lease ends when the
-call returns.  A dirty page evicted before that is copied at eviction (its
+the NVMe tier writes the page with O_DIRECT straight out of that mapping
+when its runs are 4 KiB-aligned (else through its own aligned staging
+blocks); the lease ends when the call returns (bytes reused after a lower
+daemon gave up reach its disk under the old sum: a read misses them).  A dirty page evicted before that is copied at eviction (its
 blocks go to the writer at once: pinning them made a writer of a full arena
 evict more pages) and sent as ZeroMQ frames, as are all pages to tcp://
 tiers: a copy more, and unaligned (buffered I/O below).
