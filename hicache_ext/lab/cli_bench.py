@@ -68,7 +68,8 @@ def register(sub) -> None:
     p.add_argument("--restart-chunks", type=positive_int, default=1_000_000,
                    help="chunks the NVMe tier restarts over in the restart part (default 1000000)")
     p.add_argument("--quick", action="store_true", help="smoke size: 8 pages of 1 MiB, 2 repetitions, "
-                   "10000 chunks to restart over; ttft: one 512-token prompt, the tiny model, 1 repetition")
+                   "10000 chunks to restart over; ttft: one 512-token prompt, the tiny model, 1 repetition, "
+                   "the in-process floor as the only reference (no file-backend server)")
     p.add_argument("--ttft-lengths", type=_list(int), default=None, metavar="TOKENS",
                    help=f"ttft: prompt lengths, comma-separated (default {DEFAULT_LENGTHS}; --quick: 512)")
     p.add_argument("--ttft-tiers", type=_list(str, TTFT_TIERS), default=list(TTFT_TIERS), metavar="KINDS",

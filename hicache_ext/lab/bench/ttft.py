@@ -182,6 +182,9 @@ def _references(figs: Figures, args, progress: Progress, options: ServerOptions,
                    FileDirectory(directory, figs)),
                   ("l3_memory", "the in-process memory backend",
                    dataclasses.replace(options, reference_backend=extra_config()), InProcessMemory())]
+    if args.quick:  # a smoke run: the floor only (each reference is a server start, ~30 s on 2 cores)
+        references = references[1:]
+        figs.note("ttft", "--quick: the L3 hit through SGLang's own file backend is left out (full runs have it).")
     try:
         for case, what, reference_options, store in references:
             progress.step(f"ttft: starting SGLang with {what} (a reference L3 hit; about a minute)")
