@@ -199,15 +199,19 @@ class PageTransfers:
             taken = copy_pages(dst, sources.runs.take([i for i, _alloc in group]), sources.region_base,
                                summed=sums is not None)
         except MemoryFault:
-            self.source_gone += 1
-            _warn.warning("gone", "tier %s: a host pool shrank under a copy (the engine truncated its memfd); "
-                                  "pages refused", self.name)
-            return ("bad_request", "the host pool went away under the copy")
+            return self._source_gone()
         if sums is not None:
             for (i, _alloc), checksum in zip(group, taken):
                 sums[i] = checksum
         # Bytes copied after the engine gave up may be torn (it reuses its buffers at once).
         return ("deadline", "deadline passed during the copy") if _late(deadline) else None
+
+    def _source_gone(self) -> Tuple[str, str]:
+        """A host pool that shrank under a copy or an in-place hash: counted, said, and the pages' refusal."""
+        self.source_gone += 1
+        _warn.warning("gone", "tier %s: a host pool shrank under a put (the engine truncated its memfd); "
+                              "pages refused", self.name)
+        return ("bad_request", "the host pool went away under the copy")
 
     def _put_owned(self, ns, key, page, parent, checksum: int) -> Tuple[bool, Refusal]:
         """Pages in daemon-owned memory (frames): the store takes them as they are."""
@@ -304,10 +308,7 @@ class PageTransfers:
             try:
                 got = sources.runs.take(positions).sums(sources.region_base)
             except MemoryFault:
-                self.source_gone += 1
-                _warn.warning("gone", "tier %s: a host pool shrank under a put (the engine truncated its memfd); "
-                                      "pages refused", self.name)
-                raise FillFailed("bad_request", "the host pool went away under the copy") from None
+                raise FillFailed(*self._source_gone()) from None
             if hashed:
                 for p, checksum in zip(positions, got):
                     sums[p] = checksum
