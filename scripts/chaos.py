@@ -200,18 +200,33 @@ def run_rank(args, rank_id: int, conn, log_path: str) -> None:
 
 
 def verify(rank: Rank, chains: List[List[str]], seconds: float):
-    """Read every acknowledged chain back; retries while the daemons come back. (lost keys, wrong keys)."""
+    """Read every acknowledged chain back; retries while the daemons come back. (lost keys, wrong keys).
+
+    A chain still short when the first pass's time is up gets a second pass of its own (up to 2 s
+    each, seconds in all): on a loaded machine one read can miss without any page being gone (a lease
+    that expired before this process copied it), and the first pass's deadline may pass mid-way."""
     end = time.time() + seconds
-    lost, wrong = [], []
+    short, wrong = [], []
     for keys in chains:
-        while True:
-            done, bad = rank.read(keys)
-            wrong += bad
-            if done == len(keys) or time.time() > end:
-                break
-            time.sleep(0.1)
+        done = read_until(rank, keys, end, wrong)
+        if done < len(keys):
+            short.append(keys)
+    lost = []
+    end = time.time() + seconds
+    for keys in short:
+        done = read_until(rank, keys, min(end, time.time() + 2.0), wrong)
         lost += keys[done:]
     return lost, wrong
+
+
+def read_until(rank: Rank, keys: List[str], end: float, wrong: List[str]) -> int:
+    """Pages of keys read (a prefix), retrying until all are or end passes; wrong pages added to wrong."""
+    while True:
+        done, bad = rank.read(keys)
+        wrong += bad
+        if done == len(keys) or time.time() > end:
+            return done
+        time.sleep(0.1)
 
 
 # ------------------------------------------------------------- the driver
@@ -286,7 +301,43 @@ def run(args) -> dict:
         runner.stop()
     summary = summarize(args, tiers, started, events, results, final_ready, work)
     summary.update(phases)
+    if summary["lost_pages"]:
+        summary["lost_diagnosis"] = diagnose_losses([k for r in results for k in r["lost"]],
+                                                    os.path.join(work, "data"), runner.log_path)
     return summary
+
+
+def diagnose_losses(lost: List[str], data_dir: str, daemon_log: str) -> dict:
+    """Where lost pages went, read once every daemon has stopped: is each on disk, whole (its header
+    verifies), and what did the daemons warn about."""
+    from tiers.stores.nvme import batch, chunkfile as cf
+    wanted = set(lost)
+    on_disk: Dict[str, List[str]] = {}
+    for top, _dirs, files in os.walk(data_dir):
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                if batch.TOP in path.split(os.sep) and batch.parse_name(name) is not None:
+                    found = [hdr for _block, hdr in batch.records_of(path)]
+                else:
+                    found = [cf.read_header(path, None)]
+            except (OSError, cf.CorruptChunk, ValueError):
+                continue
+            for hdr in found:
+                if hdr.key in wanted:
+                    on_disk.setdefault(hdr.key, []).append(os.path.relpath(path, data_dir))
+    try:
+        with open(daemon_log, errors="replace") as fh:
+            lines = [line.strip() for line in fh if "WARNING" in line or "ERROR" in line]
+    except OSError:
+        lines = []
+    warnings: Dict[str, int] = {}  # each message once (its timestamp cut off), with how often it came
+    for line in lines:
+        text = line.split(" ", 2)[-1]
+        warnings[text] = warnings.get(text, 0) + 1
+    return {"lost_on_disk": len(on_disk), "lost_not_on_disk": len(wanted) - len(on_disk),
+            "files_of_lost_on_disk": sorted({p for paths in on_disk.values() for p in paths})[:10],
+            "daemon_warnings": [f"{n}x {text}" for text, n in list(warnings.items())[-30:]]}
 
 
 def expect(pipe, field: str, timeout: float) -> dict:

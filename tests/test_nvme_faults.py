@@ -224,3 +224,37 @@ def test_bench_smoke(tmp_path):
     assert result.returncode == 0, result.stderr
     assert out.exists() and "store/raw" in result.stdout
     shutil.rmtree(tmp_path / "b", ignore_errors=True)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_read_without_descriptors_is_a_miss_that_keeps_the_page(tmp_path, batched):
+    """EMFILE (a node out of descriptors for a moment) says nothing about the page on disk: the read
+    misses, and the page is served once descriptors are back (it was forgotten, an acknowledged page lost)."""
+    import resource
+    s = NvmeStore(str(tmp_path / "nvme"), 1 << 20, fsync=True)
+    keys = [("ns", f"b{i}") for i in range(4)]
+    try:
+        if batched:
+            assert s.put_many(keys, [[memoryview(page(i))] for i in range(4)], [None] * 4, None) == [None] * 4
+        else:
+            for i, key in enumerate(keys):
+                s.put(key, [memoryview(page(i))])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+        held = []
+        try:
+            while True:  # every descriptor below the limit taken
+                try:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError:
+                    break
+            during = [s.get_bytes(key) for key in keys]
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert during == [None] * 4
+        assert [bytes(s.get_bytes(key)) for key in keys] == [page(i) for i in range(4)]
+        assert s.stats().extra.get("corrupt_removed", 0) == 0
+    finally:
+        s.close()

@@ -38,6 +38,10 @@ from tiers.plugins import StoreKind
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# A read that fails for want of a resource says nothing about the page on disk: a miss, the page kept
+# (forgetting it lost an acknowledged page to a moment without descriptors or memory).
+_TRANSIENT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EBUSY,
+                     errno.ENOBUFS)
 
 
 class NvmeStore(PageStore):
@@ -422,6 +426,9 @@ class NvmeStore(PageStore):
                 self._direct = False
                 return self._read(key, digest, entry, dst, size)
             self._rlog.warning("read", "%s: reading %s: %s", self.name, entry.path, exc.strerror)
+            if exc.errno in _TRANSIENT_ERRNOS:
+                self._ledger.miss(read_error=True)
+                return None
             self._forget(digest, entry, None, exc.strerror or "I/O error")
             self._ledger.miss(read_error=True)
             return None
