@@ -375,3 +375,54 @@ def test_clears_sent_without_waiting_queue_a_bounded_few_and_the_rest_are_busy(t
         bulk.close()
         flooder.close()
         runner.stop()
+
+
+def test_puts_naming_a_host_pool_sent_without_waiting_queue_a_bounded_few(tmp_path):
+    """A put naming a host pool carries no bytes, so the daemon's byte bound never sees it: a peer that
+    sends 200 of them at once must get at most PEER_FRAME_READS queued in the I/O pool (the rest busy at
+    once), and another tenant's puts and lookups are served meanwhile within their deadlines."""
+    from tiers.node.peers import PEER_FRAME_READS
+    runner = start_node(tmp_path, node_toml(nvme_tier("1GiB", fsync=True)))
+    endpoint = runner.config.tier("nvme").endpoint
+    fd_socket = runner.config.tier("nvme").fd_socket(runner.runtime_dir)
+    page, pages = 256 << 10, 8
+    fd = os.memfd_create("flood-pool")
+    os.ftruncate(fd, page * pages)
+    pool = mmap.mmap(fd, page * pages)
+    pool[:] = os.urandom(page * pages)
+    flooder = RawPeer(endpoint)
+    victim = TierClient("nvme", endpoint, "victim", "test", Deadlines(base=1.0))
+    try:
+        session = flooder.hello("flood")
+        conn, reply = _attach(fd_socket, session, fd, page * pages)
+        assert reply["ok"], reply
+        desc, counts = P.encode_descriptors([[(i * page, page)] for i in range(pages)])
+        sent = 200
+        for i in range(sent):
+            flooder.sock.send_multipart([P.request("put", 1000 + i, session=session, region=reply["region"],
+                                                   keys=[f"f{i}-{j}" for j in range(pages)], desc=desc,
+                                                   regions_per_page=counts)])
+        victim_calls = []
+        for i in range(10):  # while the flood is being answered
+            started = time.monotonic()
+            ok = victim.put_frames([f"v{i}"], [[b"v" * 4096]], 4096) == [True] and victim.lookup([f"v{i}"]) == b"\x01"
+            victim_calls.append((ok, time.monotonic() - started))
+        replies = []
+        while len(replies) < sent and flooder.sock.poll(3000):  # dropped replies never come: 3 s of quiet ends it
+            replies.append(P.unpack(flooder.sock.recv_multipart()[0]))
+        codes = [r.get("code") for r in replies if not r["ok"]]
+        # Replies past the peer's queue (it reads none until the end) are dropped and counted, not held.
+        dropped = _stats(endpoint)["errors"].get("reply_dropped", 0)
+        print(f"\n{sent} puts of {pages} x {page >> 10} KiB sent at once: {len(replies) - len(codes)} ran, "
+              f"{len(codes)} told busy, {dropped} replies dropped (queue full); the victim's put + lookup: "
+              f"worst {max(t for _ok, t in victim_calls) * 1e3:.0f} ms")
+        assert set(codes) <= {"busy"} and len(replies) + dropped == sent
+        assert len(replies) - len(codes) <= 4 * PEER_FRAME_READS, "the peer's puts were all queued in the pool"
+        assert all(ok for ok, _t in victim_calls), victim_calls  # each within its 1 s deadline
+        conn.close()
+    finally:
+        victim.close()
+        flooder.close()
+        pool.close()
+        os.close(fd)
+        runner.stop()

@@ -42,7 +42,7 @@ from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
 
 # Requests whose store work runs in the I/O pool where the store touches a disk (TierDaemon._store_work).
-_STORE_WORK = (M.Clear, M.Delete, M.Evict)
+_POOL_WORK = (M.Put, M.Clear, M.Delete, M.Evict)  # run in the I/O pool of a store with parallel_io
 
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
@@ -236,10 +236,10 @@ class TierDaemon:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
             self._peer_tenant = self.sessions.tenant_of(peer)  # read by _namespace: a session is its own tenant's only
-            # Pages that come back as frames, and disk work of clear/delete/evict in the I/O pool (_store_work):
+            # Pages that come back as frames, and puts and disk work of clear/delete/evict in the I/O pool:
             # bounded a peer (tiers/node/peers.py), so a peer that sends without waiting queues nothing unbounded.
             counted = ((type(msg) is M.Get and msg.lease is None)
-                       or (type(msg) in _STORE_WORK and self.store.parallel_io))
+                       or (type(msg) in _POOL_WORK and self.store.parallel_io))
             if counted:
                 self._peer_replies.admit(ident)
             if type(msg) is M.Hello:

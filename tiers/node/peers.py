@@ -8,9 +8,11 @@ read is refused (``busy``) while its peer has PEER_UNREAD_BYTES of replies
 unread, or PEER_FRAME_READS requests in flight (a client calls one at a time a
 thread), or all peers together leave the daemon's ``max_inflight_bytes``
 unread.  Leased reads (the engine copies out of the arena) hold nothing here.
-A disk tier's clears, deletes and evictions run in the I/O pool too and are
-counted the same way: a peer that sends them without waiting for the replies
-queues at most PEER_FRAME_READS of them.
+A disk tier's puts, clears, deletes and evictions run in the I/O pool too and
+are counted the same way: a peer that sends them without waiting for the
+replies queues at most PEER_FRAME_READS of them (a put naming a host pool
+carries no bytes, so the daemon's byte bound never saw a flood of them: 200
+sent at once held every I/O thread and the staging arena ahead of everyone).
 """
 from __future__ import annotations
 
