@@ -3,8 +3,8 @@
 A prefix is mostly read back in the order it was written, so the pages of a
 get mostly lie one after another in one batch file (tiers/stores/nvme/batch.py).
 Such runs are read with one open and one preadv straight into the caller's
-buffers, each record verified as a page read alone would be; runs stop at
-RUN_BYTES so that several are in flight on the store's read threads.  Pages
+buffers, each record verified as a page read alone would be; a batch is cut
+into about two runs a read thread so that several are in flight.  Pages
 in files of their own, and any record of a run that does not verify, go
 through the store's one-page read, which says why and cleans up.
 """
@@ -22,11 +22,14 @@ from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.layout import key_digest
 from tiers.stores.nvme.ledger import Ledger
 
-# Adjacent records read with one preadv at most, so that several runs are in flight on the read threads:
-# one preadv of 128 MiB on one thread read 1 MiB pages at 0.93 GB/s, runs of 4 MiB on four threads 1.35;
-# a batch of 128 pages of 64 KiB took 10 ms cold with runs of 1 MiB, 13-16 with runs of 4 MiB (256 KiB
-# pages: 34 against 46 ms; 1 MiB pages alike), each record being a request of its own to the device anyway.
-RUN_BYTES = 1 << 20
+# Adjacent records are read with one preadv a run.  A batch is cut into about two runs a read thread (the
+# device sees several requests at once, and a thread's next run is ready when its last ends), each of
+# MIN_RUN_BYTES to MAX_RUN_BYTES.  Measured here, 128-page cold leased reads, daemons paired round by round
+# (python /tmp exp, 15 rounds): fixed 1 MiB runs (a page of 1 MiB and up read alone, header first) 1.07 /
+# 1.29 / 1.63 GB/s at 1 / 1 / 4 MiB pages, runs of 8 MiB 2.26 GB/s at 1 MiB; at 64 KiB pages 1 MiB runs
+# (8 of them) beat 4-8 MiB runs (2 or 1: fewer than the threads) 1.10 to 0.92-0.98.
+MIN_RUN_BYTES = 1 << 20
+MAX_RUN_BYTES = 8 << 20
 TOUCH_INTERVAL = 1.0  # seconds between mtime refreshes of one chunk (recency kept across restarts)
 
 
@@ -36,6 +39,7 @@ class BatchReadSource:
 
     ledger: Ledger
     readers: Executor  # threads that read runs and pages, several in flight
+    threads: int  # how many
     direct: Callable[[], bool]  # O_DIRECT now (a device that refused it turns it off)
     read_one: Callable[[PageKey, Buffers], Optional[int]]  # the store's one-page read: its checksum or None
 
@@ -59,10 +63,7 @@ class BatchReads:
                 out[job[1]] = self.s.read_one(keys[job[1]], dsts[job[1]])
                 return
             _kind, path, run = job
-            if len(run) == 1:
-                out[run[0][1]] = self.s.read_one(keys[run[0][1]], dsts[run[0][1]])
-                return
-            self._read_run(path, run, keys, dsts, out)
+            self._read_run(path, run, keys, dsts, out)  # a page alone too: header and payload in one preadv
 
         if len(work) > 1:
             list(self.s.readers.map(do, work))
@@ -82,13 +83,15 @@ class BatchReads:
             else:
                 alone.append(i)
         work: list = [("page", i) for i in alone]
+        total = sum(total_size(dsts[i]) for items in runs.values() for _b, i, _e in items)
+        run_limit = min(MAX_RUN_BYTES, max(MIN_RUN_BYTES, total // (2 * self.s.threads)))
         for path, items in runs.items():
             items.sort()
             run, run_bytes = [items[0]], total_size(dsts[items[0][1]])
             for item in items[1:]:
                 prev_block, prev_i, _e = run[-1]
                 size = total_size(dsts[item[1]])
-                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])) and run_bytes + size <= RUN_BYTES:
+                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])) and run_bytes + size <= run_limit:
                     run.append(item)
                     run_bytes += size
                 else:

@@ -92,8 +92,8 @@ class NvmeStore(PageStore):
         self._batches = BatchWrites(BatchTarget(
             name, self.root, capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers, self._dirsync,
             direct=lambda: self._direct, discard=self._discard_many, replaced=self._replaced))
-        self._reads = BatchReads(BatchReadSource(self._ledger, self._readers, lambda: self._direct,
-                                                 self.get_into_with_sum))
+        self._reads = BatchReads(BatchReadSource(self._ledger, self._readers, max(1, io_threads),
+                                                 lambda: self._direct, self.get_into_with_sum))
         self._rebuild()
 
     @classmethod
