@@ -46,7 +46,10 @@ GPU_PRESETS: Dict[str, GpuPreset] = {
                                       "31.5 GB/s a direction (PCI-SIG), 25 GB/s taken as reached"),
     "h100-sxm": GpuPreset(989.0, 50.0, "NVIDIA H100 datasheet: 989 TFLOPs dense BF16 (SXM); PCIe 5.0 x16 "
                                       "63 GB/s a direction (PCI-SIG), 50 GB/s taken as reached"),
-    "h200": GpuPreset(989.0, 50.0, "NVIDIA H200 datasheet: 989 TFLOPs dense BF16; PCIe 5.0 x16, as H100"),
+    "h200": GpuPreset(989.0, 55.0, "NVIDIA H200 datasheet: 989 TFLOPs dense BF16; host-to-device measured on "
+                                  "one H200 (PCIe 5.0 x16, 2026-11-27, scripts/gpu_h2d.py, "
+                                  "docs/measured/gpu_h2d_h200.json): 54-55 GB/s one copy from a pinned or "
+                                  "cudaHostRegister'd memfd host pool, 48-54 GB/s page by page at 1-8 MiB"),
     "l40s": GpuPreset(362.0, 25.0, "NVIDIA L40S datasheet: 362 TFLOPs dense BF16; PCIe 4.0 x16, as A100"),
 }
 
