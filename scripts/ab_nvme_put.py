@@ -53,20 +53,25 @@ def paired(args, size: int, root: str) -> str:
     from hicache_ext.lab.bench.rig import Node, Rank, node_toml, tier_toml
     from tiers.bench import limits
     nodes, ranks = [], []
-    saved = os.environ.get("PYTHONPATH")
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
     try:
         for k, tree in enumerate(args.tree_list):
-            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, saved]))  # the daemons' tiers
+            # The daemons' tiers from the tree: `python -m` puts the working directory first on sys.path,
+            # ahead of PYTHONPATH, unless PYTHONSAFEPATH is set (without it every tree ran this one's code).
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, saved["PYTHONPATH"]]))
+            os.environ["PYTHONSAFEPATH"] = "1"
             nodes.append(Node(os.path.join(root, f"node{k}"),
                               node_toml([tier_toml("nvme", 4 * args.pages * size, size)])))
+            check_tree(nodes[-1], tree)
             ranks.append(Rank.tiered(nodes[-1], size, args.pages))
             ranks[-1].write(ranks[-1].keys(99))  # connections, registration: not timed
             ranks[-1].clear()
     finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     disk = limits.RawDisk(os.path.join(root, "raw"), size)
     rates = [[] for _ in ranks]
     limit = []
@@ -95,6 +100,16 @@ def paired(args, size: int, root: str) -> str:
     cells = [f"{tree}: {statistics.median(r):.2f} GB/s ({statistics.median(r) / lim:.2f}x)"
              for tree, r in zip(args.tree_list, rates)]
     return f"{size >> 10} KiB pages, {args.pages} a put: limit {lim:.2f} GB/s; " + "; ".join(cells)
+
+
+def check_tree(node, tree: str) -> None:
+    """The daemon runs the tree's code: its C extension is mapped from the tree (SystemExit if not)."""
+    pid = node.runner.pid("nvme")
+    with open(f"/proc/{pid}/maps") as fh:
+        mapped = {line.split()[-1] for line in fh if "_chunkscan" in line}
+    want = os.path.realpath(tree)
+    if not any(os.path.realpath(path).startswith(want + os.sep) for path in mapped):
+        raise SystemExit(f"the daemon meant to run {tree} runs {sorted(mapped) or 'no tiers extension'}")
 
 
 def main(argv=None) -> int:
