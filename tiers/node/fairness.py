@@ -17,7 +17,8 @@ name matches all its shards).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Iterable, Mapping, Optional, Set, Tuple
+import heapq
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Set, Tuple
 
 MAX_ASSIGNED = 65536  # namespaces whose group is remembered (past it the oldest is forgotten: its own group)
 
@@ -123,6 +124,96 @@ class FairShare:
         if group in held and group not in self._group:  # a namespace that is its own group
             return group
         return largest((ns for ns in held if self._group.get(ns, ns) == group), held)
+
+
+class VictimPlan:
+    """FairShare.victim for one writer asked again and again while the namespaces it names give bytes back:
+    O(namespaces) once, then O(log namespaces) a victim.
+
+    A full tier evicts page after page for each put, and victim() walks every namespace each time: a
+    128-page put of a full NVMe tier holding pages of 5,000 namespaces took 247 ms (3.8 with 100).  The
+    plan keeps the groups' and namespaces' bytes in heaps (most bytes first, then the smallest name, the
+    order victim() breaks ties in); gave() records what a victim gave.  It answers exactly as victim()
+    would on the same usage; the owner makes a new plan when anything else changes the usage."""
+
+    def __init__(self, fair: "FairShare", writer: Optional[Hashable], usage: Mapping[Hashable, int],
+                 writer_over_quota: bool = False):
+        self.fair, self.writer, self.over = fair, writer, writer_over_quota
+        self.held: Dict[Hashable, int] = {ns: n for ns, n in usage.items() if n > 0}
+        self.groups = fair.groups_held(self.held)
+        self.own = fair.group(writer) if writer is not None else None
+        self._groups_heap: List[Tuple[int, str, Hashable]] = [(-n, _name(g), g) for g, n in self.groups.items()]
+        heapq.heapify(self._groups_heap)
+        self._members: Dict[Hashable, List[Tuple[int, str, Hashable]]] = {}  # group -> its namespaces, lazily
+        self._all: Optional[List[Tuple[int, str, Hashable]]] = None  # every namespace, lazily
+
+    def next(self) -> Optional[Hashable]:
+        """The namespace that gives the next page (None: nothing held), as victim() would answer now."""
+        held, writer = self.held, self.writer
+        if not held:
+            return None
+        if writer is not None and writer in held and self.over:
+            return writer
+        own = self.own
+        share = self.fair.share(len(self.groups) + (0 if writer is None or own in self.groups else 1))
+        top = self._top(self._groups_heap, self.groups)
+        if top is not None and self.groups[top] - share > 0:
+            worst = top
+            if own is not None and own != worst and self.groups.get(own) == self.groups[top]:
+                worst = own  # of groups equally far above their share, the writer's own gives
+            return self._member(worst)
+        if own in self.groups:
+            return self._member(own)
+        if self._all is None:
+            self._all = [(-n, _name(ns), ns) for ns, n in held.items()]
+            heapq.heapify(self._all)
+        return self._top(self._all, held)
+
+    def grew(self, namespace: Hashable, nbytes: int) -> None:
+        """namespace holds nbytes more (a writer's batch counted as its own as it reserves)."""
+        self.gave(namespace, -nbytes)
+
+    def gave(self, namespace: Hashable, nbytes: int) -> None:
+        """namespace gave nbytes (a victim of it was taken)."""
+        left = self.held.get(namespace, 0) - nbytes
+        group = self.fair._group.get(namespace, namespace)
+        in_group = self.groups.get(group, 0) - nbytes
+        if left > 0:
+            self.held[namespace] = left
+            for heap in (self._members.get(group), self._all):
+                if heap is not None:
+                    heapq.heappush(heap, (-left, _name(namespace), namespace))
+        else:
+            self.held.pop(namespace, None)
+        if in_group > 0:
+            self.groups[group] = in_group
+            heapq.heappush(self._groups_heap, (-in_group, _name(group), group))
+        else:
+            self.groups.pop(group, None)
+
+    def _member(self, group: Hashable) -> Hashable:
+        """FairShare._member: the writer's own namespace, the group's namespace itself, or its largest."""
+        writer = self.writer
+        if writer in self.held and self.fair.group(writer) == group:
+            return writer
+        if group in self.held and group not in self.fair._group:
+            return group
+        heap = self._members.get(group)
+        if heap is None:
+            heap = self._members[group] = [(-n, _name(ns), ns) for ns, n in self.held.items()
+                                           if self.fair._group.get(ns, ns) == group]
+            heapq.heapify(heap)
+        return self._top(heap, self.held)
+
+    @staticmethod
+    def _top(heap: List[Tuple[int, str, Hashable]], current: Mapping[Hashable, int]) -> Optional[Hashable]:
+        """The heap's first entry that is still true of current (entries go stale as bytes change)."""
+        while heap:
+            n, _n, key = heap[0]
+            if current.get(key) == -n:
+                return key
+            heapq.heappop(heap)
+        return None
 
 
 def _name(namespace: Hashable) -> str:

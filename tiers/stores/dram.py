@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
-from tiers.node.fairness import FairShare, bounded_top, largest
+from tiers.node.fairness import FairShare, VictimPlan, bounded_top, largest
 from tiers.node.page_index import ORDER_NONE, PageIndex
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
@@ -84,6 +84,11 @@ class DramStore(PageStore):
         self._held = PageIndex(ORDER_NONE)
         self._tenants: Dict[str, _Tenant] = {}
         self._fair = FairShare(self.capacity, quotas)
+        # Fairness's plan of victims for the last writer (tiers/node/fairness.py VictimPlan), good while the
+        # usage changed only by its victims and the writer's own batch: (usage version, writer, over quota,
+        # plan, the writer's pending bytes it knows of).  Evicting page after page walks the namespaces once.
+        self._victim_plan = None
+        self._usage_version = 0
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
         self._evictions = evictions
@@ -107,6 +112,7 @@ class DramStore(PageStore):
             self._held.remove(key_digest(*key))
             tenant.bytes -= entry.size
             tenant.policy.remove(key)
+            self._usage_version += 1
         return entry
 
     def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None,
@@ -115,10 +121,19 @@ class DramStore(PageStore):
         its own, as they would once committed page by page)."""
         own = self._tenants.get(writer) if writer is not None else None
         over = own is not None and self._fair.over_quota(writer, own.bytes + pending + need)
-        held = {ns: t.bytes for ns, t in self._tenants.items()}
-        if pending and writer in held:
-            held[writer] += pending
-        namespace = only or self._fair.victim(writer, held, over)
+        plan, namespace, grown = None, only, pending if own is not None else 0
+        if only is None:
+            kept = self._victim_plan
+            if kept is not None and kept[:3] == (self._usage_version, writer, over):
+                plan = kept[3]
+                if grown != kept[4]:
+                    plan.grew(writer, grown - kept[4])
+            else:
+                held = {ns: t.bytes for ns, t in self._tenants.items()}
+                if grown:
+                    held[writer] += grown
+                plan = VictimPlan(self._fair, writer, held, over)
+            namespace = plan.next()
         tenant = self._tenants.get(namespace) if namespace is not None else None
         victim = tenant.policy.pop_victim() if tenant is not None else None
         if victim is None:
@@ -130,6 +145,9 @@ class DramStore(PageStore):
             # (pinning them instead made a writer of a full arena evict more pages, or fail).
             self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads, entry.checksum)
         self._release_locked(victim)
+        if plan is not None:  # the usage changed only as the plan knows
+            plan.gave(namespace, entry.size)
+            self._victim_plan = (self._usage_version, writer, over, plan, grown)
         tenant.evictions += 1
         self._stats.evictions += 1
         return True
@@ -243,6 +261,12 @@ class DramStore(PageStore):
                 policy.insert(page, (namespace, parent) if parent else None)
                 added += alloc.size
             tenant.bytes += added
+            kept = self._victim_plan
+            if kept is not None and kept[:2] == (self._usage_version, namespace):
+                # The writer's batch, counted by its plan as pending, is its own now: the plan stays good.
+                self._victim_plan = kept[:4] + (kept[4] - added,)
+            else:
+                self._usage_version += 1
             self._stats.used_bytes += added
             self._stats.inserts += len(allocs)
             self._stats.bytes_written += added
@@ -396,6 +420,7 @@ class DramStore(PageStore):
     def assign_tenant(self, namespace: str, tenant: str, quota: Optional[int] = None) -> None:
         with self._lock:
             self._fair.assign(namespace, ("tenant", tenant), quota)
+            self._usage_version += 1
 
     def prune(self) -> int:
         """Forget the namespaces that hold nothing (their counters with them): a tenant opening namespace
@@ -405,6 +430,7 @@ class DramStore(PageStore):
             empty = [ns for ns, t in self._tenants.items() if not t.bytes and not len(t.policy)]
             for ns in empty:
                 del self._tenants[ns]
+            self._usage_version += 1
             return len(empty)
 
     def stats(self) -> StoreStats:
@@ -428,6 +454,7 @@ class DramStore(PageStore):
         with self._lock:
             self._index.clear()
             self._tenants.clear()
+            self._usage_version += 1
             self.arena.close()
 
 

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from tiers.node.fairness import FairShare, bounded_top, largest
+from tiers.node.fairness import FairShare, VictimPlan, bounded_top, largest
 from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import StoreFull, StoreStats
@@ -92,6 +92,11 @@ class Ledger:
         self._tenants: Dict[int, _Tenant] = {}  # by namespace hash: each namespace evicts by its own order
         self._numbered: Dict[int, _Tenant] = {}  # the same, by their number in the index
         self._fair = FairShare(capacity, quotas)
+        # Fairness's plan of victims for the last writer (tiers/node/fairness.py VictimPlan), good while the
+        # usage changed only by its own victims: (usage version, writer, over quota, plan).  A put that evicts
+        # page after page walks the namespaces once, not once a page.
+        self._victim_plan: Optional[Tuple[int, Optional[int], bool, VictimPlan]] = None
+        self._usage_version = 0
         self.used = 0
         self.reserved = 0
         self.stats = StoreStats(capacity_bytes=capacity)
@@ -115,6 +120,7 @@ class Ledger:
         quota (bytes on disk all its namespaces hold together) when one is given."""
         with self.lock:
             self._fair.assign(ns_hash, ("tenant", tenant), quota)
+            self._usage_version += 1
 
     def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
         """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
@@ -142,6 +148,7 @@ class Ledger:
                     raise ValueError("a row of a namespace the snapshot does not list")
                 self._numbered[number].bytes = nbytes
                 self.used += nbytes
+            self._usage_version += 1
             return loaded
 
     def reset(self) -> None:
@@ -183,6 +190,7 @@ class Ledger:
             for number, nbytes in self._index.insert_scanned(records.tobytes(), tenants).items():
                 self._numbered[number].bytes += nbytes
                 self.used += nbytes
+            self._usage_version += 1
         return stale
 
     def reserve_rows(self, rows: int) -> None:
@@ -301,10 +309,17 @@ class Ledger:
 
     def _pop_victim_locked(self, writer: Optional[int], need: int = 0, only: Optional[int] = None) -> Optional[Victim]:
         """The next victim: of namespace only, or of the namespace tiers/node/fairness.py chooses for writer."""
+        plan = None  # the plan this victim was chosen by
         if only is None:
             own = self._tenants.get(writer) if writer is not None else None
             over = own is not None and own.name is not None and self._fair.over_quota(own.name, own.bytes + need)
-            only = self._fair.victim(writer, {h: t.bytes for h, t in self._tenants.items()}, over)
+            kept = self._victim_plan
+            if kept is not None and kept[:3] == (self._usage_version, writer, over):
+                plan = kept[3]
+            else:
+                plan = VictimPlan(self._fair, writer, {h: t.bytes for h, t in self._tenants.items()}, over)
+                self._victim_plan = (self._usage_version, writer, over, plan)
+            only = plan.next()
         tenant = self._tenants.get(only) if only is not None else None
         if tenant is None:
             return None
@@ -324,6 +339,10 @@ class Ledger:
             self._journal_locked("gone", digest, entry.ns_hash)
         self.used -= entry.disk_size
         tenant.bytes -= entry.disk_size
+        if plan is not None:  # the usage changed only as the plan knows
+            plan.gave(only, entry.disk_size)
+        else:
+            self._usage_version += 1
         tenant.evictions += 1
         self.stats.evictions += 1
         return digest, entry
@@ -427,6 +446,11 @@ class Ledger:
             self._journal_locked("fresh", digest, tenant.ns_hash)
         self.used += disk_size
         tenant.bytes += disk_size
+        kept = self._victim_plan
+        if kept is not None and kept[:2] == (self._usage_version, tenant.ns_hash):
+            kept[3].grew(tenant.ns_hash, disk_size)  # the writer's own pages: its plan stays good
+        else:
+            self._usage_version += 1
         if tenant.policy is not None:
             tenant.policy.insert(digest, parent)
         return replaced
@@ -439,6 +463,7 @@ class Ledger:
             self._journal_locked("gone", digest, tenant.ns_hash)
         self.used -= row.size
         tenant.bytes -= row.size
+        self._usage_version += 1
         if tenant.policy is not None:
             tenant.policy.remove(digest)
 

@@ -1,0 +1,88 @@
+"""A plan of victims answers as fairness would page by page, without walking every namespace a page."""
+from __future__ import annotations
+
+import mmap
+import random
+
+from tiers.node.fairness import FairShare, VictimPlan
+from tiers.stores.dram import DramStore
+from tiers.stores.nvme.store import NvmeStore
+
+
+def _usage(rng: random.Random, fair: FairShare) -> dict:
+    usage = {f"ns{i}": rng.choice([0, rng.randrange(1, 40) * 4096]) for i in range(rng.randrange(1, 12))}
+    for ns in usage:  # some namespaces in tenants (one group for several), the rest their own group
+        if rng.random() < 0.4:
+            fair.assign(ns, f"tenant{rng.randrange(3)}")
+    return usage
+
+
+def test_a_plan_names_the_victims_fairness_names_page_by_page():
+    """Random usages, tenant groups, writers (over quota or not), page sizes and writer growth; 3,000
+    cases: before every page the plan names what victim() names on the same usage."""
+    rng = random.Random(7)
+    steps = 0
+    for _case in range(3000):
+        fair = FairShare(capacity=rng.randrange(1, 64) * 65536)
+        usage = _usage(rng, fair)
+        writer = rng.choice(list(usage) + ["newcomer", None])
+        over = rng.random() < 0.1
+        plan = VictimPlan(fair, writer, usage, over)
+        for _page in range(rng.randrange(1, 60)):
+            expected = fair.victim(writer, usage, over)
+            assert plan.next() == expected, (usage, writer, over)
+            if expected is None:
+                break
+            page = min(usage[expected], rng.choice([4096, 8192, 65536]))
+            usage[expected] -= page
+            plan.gave(expected, page)
+            if writer is not None and rng.random() < 0.3:  # the writer's batch grows meanwhile
+                usage[writer] = usage.get(writer, 0) + page
+                plan.grew(writer, page)
+            steps += 1
+    assert steps > 20000
+
+
+def test_a_full_tier_of_many_namespaces_walks_them_once_a_put_not_once_a_page(tmp_path, monkeypatch):
+    """5,000 namespaces on a full NVMe tier, a put of 128 pages that must evict 128: fairness walks the
+    namespaces a few times, not 128 (it walked them once a page: 247 ms a put, 3.8 with 100 namespaces)."""
+    page, pages, namespaces = 4096, 128, 5000
+    store = NvmeStore(str(tmp_path / "nvme"), namespaces * 2 * page, fsync=False, max_page_bytes=page)
+    buf = mmap.mmap(-1, page * pages)
+    views = [[memoryview(buf)[i * page:(i + 1) * page]] for i in range(pages)]
+    try:
+        keys = [(f"ns{i}", "k") for i in range(namespaces)]
+        for start in range(0, namespaces, pages):
+            part = keys[start:start + pages]
+            assert store.put_many(part, views[:len(part)], [None] * len(part), None) == [None] * len(part)
+        from tiers.stores.nvme import ledger
+        planned = []
+        monkeypatch.setattr(ledger, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
+        writer = [("writer", f"w{i}") for i in range(pages)]
+        assert store.put_many(writer, views, [None] * pages, None) == [None] * pages
+        assert store.stats().evictions >= pages
+        assert len(planned) <= 2, f"{len(planned)} walks of every namespace for {pages} evictions"
+        assert sum(store.contains(writer)) == pages
+    finally:
+        store.close()
+
+
+def test_a_full_dram_tier_of_many_namespaces_walks_them_once_for_a_writer(monkeypatch):
+    """5,000 namespaces on a full DRAM tier, 128 puts of one writer that each evict: a walk of every
+    namespace for the writer, not one a put (each put walked them all: 201 ms for the 128, 3 with the plan)."""
+    from tiers.stores import dram
+    page, namespaces = 4096, 5000
+    store = DramStore(namespaces * 2 * page, block_size=page, max_page_bytes=page, prefault=False)
+    data = [memoryview(bytes(page))]
+    for i in range(namespaces):
+        for j in range(2):
+            store.put((f"ns{i}", f"k{j}"), data)
+    planned = []
+    monkeypatch.setattr(dram, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
+    for i in range(128):
+        store.put(("writer", f"w{i}"), data)
+    assert store.stats().evictions >= 128
+    assert len(planned) <= 2, f"{len(planned)} walks of every namespace for 128 puts"
+    # Past its share (capacity over 5,001 groups: two pages) the writer's own pages make room for it.
+    assert sum(store.contains([("writer", f"w{i}") for i in range(128)])) == 2
+    assert store.stats().pages == 2 * namespaces
