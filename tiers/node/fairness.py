@@ -91,39 +91,12 @@ class FairShare:
 
     def victim(self, writer: Optional[Hashable], usage: Mapping[Hashable, int],
                writer_over_quota: bool = False) -> Optional[Hashable]:
-        """The namespace that loses a page so writer can store more (None: nothing held).
+        """The namespace that loses a page so writer can store more (None: nothing held); a tier evicting
+        page after page keeps a VictimPlan instead of asking again.
 
         Namespaces are any hashable name (the NVMe tier knows some only by a hash of it).
         """
-        held = {ns: n for ns, n in usage.items() if n > 0}
-        if not held:
-            return None
-        if writer is not None and writer in held and writer_over_quota:
-            return writer
-        groups = self.groups_held(held)
-        own = self.group(writer) if writer is not None else None
-        share = self.share(len(groups) + (0 if writer is None or own in groups else 1))
-        worst, excess = None, 0.0
-        for g, n in groups.items():
-            over = n - share
-            # Ties go to the writer's own group, then to the smallest name: never to whichever namespace
-            # happens to come first (forgetting an emptied namespace and meeting it again reorders them).
-            if over > excess or (over == excess and over > 0 and worst != own
-                                 and (g == own or _name(g) < _name(worst))):
-                worst, excess = g, over
-        if worst is not None:
-            return self._member(worst, writer, held)
-        # Nobody above the share: the writer's own group gives (its namespace first), else the largest.
-        return self._member(own, writer, held) if own in groups else largest(held, held)
-
-    def _member(self, group: Hashable, writer: Optional[Hashable], held: Mapping[Hashable, int]) -> Hashable:
-        """The namespace of group (which holds pages) that gives one: the writer's own if it is one of them
-        and holds pages, else the group's largest."""
-        if writer in held and self.group(writer) == group:
-            return writer
-        if group in held and group not in self._group:  # a namespace that is its own group
-            return group
-        return largest((ns for ns in held if self._group.get(ns, ns) == group), held)
+        return VictimPlan(self, writer, usage, writer_over_quota).next()
 
 
 class VictimPlan:
