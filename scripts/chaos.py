@@ -284,6 +284,7 @@ def run(args) -> dict:
             time.sleep(rng.uniform(args.hold, args.hold * 1.5))
         for pipe in pipes:
             expect(pipe, "done", args.seconds + 120)
+        counters = {"before_final_kill": tier_counters(runner, tiers)}
         # Durability: SIGKILL every daemon (NVMe included) and restart; acknowledged pages must all be there.
         runner.kill()
         runner.start()
@@ -292,6 +293,7 @@ def run(args) -> dict:
             pipe.send({"verify": True})
         results = [expect(pipe, "rank", args.verify_seconds * 3 + 300) for pipe in pipes]
         phases["verify_s"] = round(time.time() - final_ready, 1)
+        counters["after_verify"] = tier_counters(runner, tiers)
         for proc in procs:
             proc.join(30)
     finally:
@@ -301,10 +303,30 @@ def run(args) -> dict:
         runner.stop()
     summary = summarize(args, tiers, started, events, results, final_ready, work)
     summary.update(phases)
+    summary["tier_counters"] = counters
     if summary["lost_pages"]:
         summary["lost_diagnosis"] = diagnose_losses([k for r in results for k in r["lost"]],
                                                     os.path.join(work, "data"), runner.log_path)
     return summary
+
+
+# What a daemon's stats say about pages that went away, read before the final kill and after the read-back.
+COUNTERS = ("pages", "used_bytes", "evictions", "corrupt_removed", "read_errors", "enospc_retries", "checksum_refused",
+            "stale_removed", "torn_removed", "temp_removed", "rebuild_files", "open_fds", "fd_limit")
+
+
+def tier_counters(runner, tiers: List[str]) -> Dict[str, dict]:
+    """Each tier's COUNTERS (an empty map for a tier that did not answer)."""
+    from tiers.wire.client import Deadlines, TierClient
+    out = {}
+    for name in tiers:
+        client = TierClient(name, runner.config.tier(name).endpoint, "_admin", "chaos", Deadlines(base=5.0))
+        try:
+            stats = client.stats() or {}
+        finally:
+            client.close()
+        out[name] = {k: stats[k] for k in COUNTERS if k in stats}
+    return out
 
 
 def diagnose_losses(lost: List[str], data_dir: str, daemon_log: str) -> dict:

@@ -95,7 +95,8 @@ def test_chaos_short(tmp_path):
     assert summary["wrong_pages"] == 0
     assert summary["exceptions"] == []
     assert summary["acked_pages"] > 0
-    assert summary["lost_pages"] == 0, (summary["lost_examples"], summary.get("lost_diagnosis"))
+    assert summary["lost_pages"] == 0, (summary["lost_examples"], summary.get("lost_diagnosis"),
+                                        summary["tier_counters"])
     measured = [r for r in summary["recovery_s"] if r is not None]
     assert measured and max(measured) <= 2.0, summary["recovery_s"]
 
