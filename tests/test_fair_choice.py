@@ -112,3 +112,58 @@ def test_a_full_dram_tier_of_many_namespaces_walks_them_once_for_a_writer(monkey
     # Past its share (capacity over 5,001 groups: two pages) the writer's own pages make room for it.
     assert sum(store.contains([("writer", f"w{i}") for i in range(128)])) == 2
     assert store.stats().pages == 2 * namespaces
+
+
+def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypatch):
+    """A tenant with a quota over 2,000 namespaces on an NVMe tier: puts under the quota walk the group's
+    namespaces once, not once a page (summing them a page cost 84 ms a 128-page put at 5,000); puts past it,
+    evictions within the group, deletes and a clear leave the kept sum equal to a fresh one."""
+    from tiers.stores.nvme.layout import namespace_hash
+    page, pages, namespaces = 4096, 128, 2000
+    store = NvmeStore(str(tmp_path / "nvme"), 1 << 30, fsync=False, max_page_bytes=page)
+    ledger = store._ledger
+    buf = mmap.mmap(-1, page * pages)
+    views = [[memoryview(buf)[i * page:(i + 1) * page]] for i in range(pages)]
+    quota = (namespaces + 3 * pages) * 2 * page  # a record is a header block and the page
+    try:
+        for i in range(namespaces):
+            ledger.assign_tenant(namespace_hash(f"ns{i}"), "big", quota=quota)
+        keys = [(f"ns{i}", "k") for i in range(namespaces)]
+        for start in range(0, namespaces, pages):
+            part = keys[start:start + pages]
+            assert store.put_many(part, views[:len(part)], [None] * len(part), None) == [None] * len(part)
+        walks = []
+        real = ledger._fair.group_quota
+
+        def counted(ns_hash):
+            limit, members = real(ns_hash)
+            return limit, _CountingSet(members, walks)
+        monkeypatch.setattr(ledger._fair, "group_quota", counted)
+        for r in range(3):  # under the quota
+            batch = [("ns0", f"w{r}-{i}") for i in range(pages)]
+            assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
+        assert len(walks) <= 1, f"{len(walks)} walks of the group's namespaces for {3 * pages} pages"
+        for r in range(3, 5):  # past it: the group's largest namespace gives
+            batch = [("ns1", f"w{r}-{i}") for i in range(pages)]
+            assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
+        store.delete([(f"ns{i}", "k") for i in range(5, 50)])
+        store.clear("ns7")
+        group = ledger._fair.group(namespace_hash("ns0"))
+        with ledger.lock:
+            kept = ledger._group_held.get(group)
+            fresh = sum(t.bytes + t.reserved for h, t in ledger._tenants.items() if ledger._fair.group(h) == group)
+        assert kept == fresh and fresh <= quota
+    finally:
+        store.close()
+
+
+class _CountingSet(set):
+    """A set that counts how often it is walked."""
+
+    def __init__(self, members, walks):
+        super().__init__(members)
+        self._walks = walks
+
+    def __iter__(self):
+        self._walks.append(1)
+        return super().__iter__()
