@@ -115,9 +115,10 @@ def test_a_full_dram_tier_of_many_namespaces_walks_them_once_for_a_writer(monkey
 
 
 def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypatch):
-    """A tenant with a quota over 2,000 namespaces on an NVMe tier: puts under the quota walk the group's
-    namespaces once, not once a page (summing them a page cost 84 ms a 128-page put at 5,000); puts past it,
-    evictions within the group, deletes and a clear leave the kept sum equal to a fresh one."""
+    """A tenant with a quota over 2,000 namespaces on an NVMe tier: puts under the quota and past it (its
+    largest namespace gives) walk the group's namespaces at most twice, not once a page or a victim
+    (summing them a page cost 84 ms a 128-page put at 5,000); deletes and a clear leave the kept sum equal
+    to a fresh one."""
     from tiers.stores.nvme.layout import namespace_hash
     page, pages, namespaces = 4096, 128, 2000
     store = NvmeStore(str(tmp_path / "nvme"), 1 << 30, fsync=False, max_page_bytes=page)
@@ -143,9 +144,16 @@ def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypat
             batch = [("ns0", f"w{r}-{i}") for i in range(pages)]
             assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
         assert len(walks) <= 1, f"{len(walks)} walks of the group's namespaces for {3 * pages} pages"
-        for r in range(3, 5):  # past it: the group's largest namespace gives
+        for r in range(3, 5):  # past it: the group's largest namespace gives (ns0, then ns1 itself)
             batch = [("ns1", f"w{r}-{i}") for i in range(pages)]
             assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
+        assert len(walks) <= 2, f"{len(walks)} walks of the group's namespaces for {5 * pages} pages"
+        assert store.stats().evictions >= pages
+        held0 = sum(store.contains([("ns0", "k")] + [("ns0", f"w{r}-{i}") for r in range(3) for i in range(pages)]))
+        held1 = sum(store.contains([("ns1", "k")] + [("ns1", f"w{r}-{i}") for r in (3, 4) for i in range(pages)]))
+        # The largest by committed bytes gives: ns0 (385 pages) gave 128 for each put of ns1, whose pages
+        # count once committed (1 then 129 pages, fewer than ns0's 385 then 257).
+        assert (held0, held1) == (129, 257)
         store.delete([(f"ns{i}", "k") for i in range(5, 50)])
         store.clear("ns7")
         group = ledger._fair.group(namespace_hash("ns0"))

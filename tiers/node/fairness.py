@@ -163,6 +163,11 @@ class VictimPlan:
             heapq.heappush(self._groups_heap, (-in_group, _name(group), group))
         else:
             self.groups.pop(group, None)
+        if len(self._groups_heap) > 2 * len(self.groups) + 64:  # a plan kept long: drop its stale entries
+            self._groups_heap = [(-n, _name(g), g) for g, n in self.groups.items()]
+            heapq.heapify(self._groups_heap)
+            self._members.clear()
+            self._all = None
 
     def _member(self, group: Hashable) -> Hashable:
         """FairShare._member: the writer's own namespace, the group's namespace itself, or its largest."""

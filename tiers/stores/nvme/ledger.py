@@ -14,6 +14,7 @@ orders the digests itself (a Python EvictionPolicy a namespace).
 """
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from tiers.node.fairness import FairShare, VictimPlan, bounded_top, largest
+from tiers.node.fairness import FairShare, VictimPlan, bounded_top
 from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import StoreFull, StoreStats
@@ -100,6 +101,9 @@ class Ledger:
         # Bytes held and reserved by each quota'd group's namespaces, summed once and kept current (a group of
         # 5,000 namespaces summed a page cost 84 ms a 128-page put); absent: not summed since it changed shape.
         self._group_held: Dict[object, int] = {}
+        # Each quota'd group's namespaces by bytes held, most first (a heap, entries checked against the
+        # tenants when read): which one gives way when the group is over its quota, without walking them all.
+        self._group_largest: Dict[object, list] = {}
         self.used = 0
         self.reserved = 0
         self.stats = StoreStats(capacity_bytes=capacity)
@@ -125,6 +129,7 @@ class Ledger:
             self._fair.assign(ns_hash, ("tenant", tenant), quota)
             self._usage_version += 1
             self._group_held.clear()
+            self._group_largest.clear()
 
     def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
         """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
@@ -154,6 +159,7 @@ class Ledger:
                 self.used += nbytes
             self._usage_version += 1
             self._group_held.clear()
+            self._group_largest.clear()
             return loaded
 
     def reset(self) -> None:
@@ -163,6 +169,7 @@ class Ledger:
             self._tenants.clear()
             self._numbered.clear()
             self._group_held.clear()
+            self._group_largest.clear()
             self.used = 0
 
     # ------------------------------------------------- background rebuild
@@ -198,6 +205,7 @@ class Ledger:
                 self.used += nbytes
             self._usage_version += 1
             self._group_held.clear()
+            self._group_largest.clear()
         return stale
 
     def reserve_rows(self, rows: int) -> None:
@@ -346,7 +354,7 @@ class Ledger:
             self._journal_locked("gone", digest, entry.ns_hash)
         self.used -= entry.disk_size
         tenant.bytes -= entry.disk_size
-        self._held_changed_locked(tenant.ns_hash, -entry.disk_size)
+        self._held_changed_locked(tenant.ns_hash, -entry.disk_size, tenant)
         if plan is not None:  # the usage changed only as the plan knows
             plan.gave(only, entry.disk_size)
         else:
@@ -393,9 +401,8 @@ class Ledger:
                                                       for h in members if h in self._tenants)
             if total + nbytes <= limit:
                 return
-            mine = [self._tenants[h] for h in members if h in self._tenants]
-            held = {t.ns_hash: t.bytes for t in mine if t.bytes > 0}
-            victim = self._pop_victim_locked(ns_hash, only=largest(held, held)) if held else None
+            giver = self._largest_of_group_locked(group, members)
+            victim = self._pop_victim_locked(ns_hash, only=giver) if giver is not None else None
             if victim is None:
                 return
             victims.append(victim)
@@ -461,6 +468,7 @@ class Ledger:
             self._journal_locked("fresh", digest, tenant.ns_hash)
         self.used += disk_size
         tenant.bytes += disk_size
+        self._held_changed_locked(tenant.ns_hash, 0, tenant)  # held + reserved as before: only the order
         kept = self._victim_plan
         if kept is not None and kept[:2] == (self._usage_version, tenant.ns_hash):
             kept[3].grew(tenant.ns_hash, disk_size)  # the writer's own pages: its plan stays good
@@ -470,12 +478,35 @@ class Ledger:
             tenant.policy.insert(digest, parent)
         return replaced
 
-    def _held_changed_locked(self, ns_hash: int, delta: int) -> None:
-        """A namespace's bytes held plus reserved moved by delta: its group's kept sum follows."""
-        if self._group_held:
-            group = self._fair.group(ns_hash)
-            if group in self._group_held:
-                self._group_held[group] += delta
+    def _held_changed_locked(self, ns_hash: int, delta: int, tenant: Optional[_Tenant] = None) -> None:
+        """A namespace's bytes held plus reserved moved by delta: its group's kept sum follows; tenant, when
+        its bytes held changed: its place in its group's order of largest."""
+        if not self._group_held and not self._group_largest:
+            return
+        group = self._fair.group(ns_hash)
+        if group in self._group_held:
+            self._group_held[group] += delta
+        heap = self._group_largest.get(group) if tenant is not None else None
+        if heap is not None and tenant.bytes > 0:
+            if len(heap) > 2 * len(self._tenants) + 64:  # mostly stale entries: made again when next needed
+                del self._group_largest[group]
+            else:
+                heapq.heappush(heap, (-tenant.bytes, str(ns_hash), ns_hash))
+
+    def _largest_of_group_locked(self, group, members) -> Optional[int]:
+        """The namespace of group holding the most (of equals the smallest name, as fairness.largest)."""
+        heap = self._group_largest.get(group)
+        if heap is None:
+            heap = self._group_largest[group] = [(-self._tenants[h].bytes, str(h), h) for h in members
+                                                 if h in self._tenants and self._tenants[h].bytes > 0]
+            heapq.heapify(heap)
+        while heap:
+            held, _name, ns_hash = heap[0]
+            tenant = self._tenants.get(ns_hash)
+            if tenant is not None and tenant.bytes == -held:
+                return ns_hash
+            heapq.heappop(heap)  # stale: its bytes changed since (a newer entry says so) or it went
+        return None
 
     def _forget_locked(self, digest: int, row: Row) -> None:
         """Bytes and order of a row already out of the index."""
@@ -485,7 +516,7 @@ class Ledger:
             self._journal_locked("gone", digest, tenant.ns_hash)
         self.used -= row.size
         tenant.bytes -= row.size
-        self._held_changed_locked(tenant.ns_hash, -row.size)
+        self._held_changed_locked(tenant.ns_hash, -row.size, tenant)
         self._usage_version += 1
         if tenant.policy is not None:
             tenant.policy.remove(digest)
