@@ -194,6 +194,62 @@ class VictimPlan:
         return None
 
 
+class GroupUsage:
+    """Each quota'd group's usage kept current as a store reports changes, instead of summing the group's
+    namespaces for every page: its total (what its quota is checked against) and its namespaces by bytes
+    held, most first (which one gives way when it is over).  A tenant of 5,000 namespaces paid 84 ms a
+    128-page NVMe put for the sums, and a walk of them a victim past its quota.  Both are caches: absent
+    until asked, then moved by changed(); clear() when groups change shape (a tenant assigned)."""
+
+    def __init__(self):
+        self._totals: Dict[Hashable, int] = {}
+        self._largest: Dict[Hashable, List[Tuple[int, str, Hashable]]] = {}
+
+    def clear(self) -> None:
+        self._totals.clear()
+        self._largest.clear()
+
+    def total(self, group: Hashable, members: Iterable[Hashable], amount_of) -> int:
+        """The group's total of amount_of(namespace) over members, summed once."""
+        total = self._totals.get(group)
+        if total is None:
+            total = self._totals[group] = sum(amount_of(ns) for ns in members)
+        return total
+
+    def known(self, group: Hashable) -> Optional[int]:
+        """The group's kept total, None when it is not kept."""
+        return self._totals.get(group)
+
+    def largest(self, group: Hashable, members: Iterable[Hashable], held_of) -> Optional[Hashable]:
+        """The member holding the most (of equals the smallest name, as largest()); None: none holds any."""
+        heap = self._largest.get(group)
+        if heap is None:
+            heap = self._largest[group] = [(-held_of(ns), _name(ns), ns) for ns in members if held_of(ns) > 0]
+            heapq.heapify(heap)
+        while heap:
+            held, _n, ns = heap[0]
+            if held_of(ns) == -held:
+                return ns
+            heapq.heappop(heap)  # stale: a newer entry says what it holds, or it holds nothing
+        return None
+
+    def changed(self, group: Hashable, delta: int, namespace: Optional[Hashable] = None, held: int = 0,
+                namespaces: int = 0) -> None:
+        """The group's amount moved by delta; namespace (when given) holds held bytes now.  namespaces: how
+        many the store knows (a heap far larger is mostly stale and is made again when next asked)."""
+        if group in self._totals:
+            self._totals[group] += delta
+        heap = self._largest.get(group) if namespace is not None else None
+        if heap is not None and held > 0:
+            if len(heap) > 2 * namespaces + 64:
+                del self._largest[group]
+            else:
+                heapq.heappush(heap, (-held, _name(namespace), namespace))
+
+    def __bool__(self) -> bool:
+        return bool(self._totals or self._largest)
+
+
 def _name(namespace: Hashable) -> str:
     return str(namespace)
 

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tiers.node.arena import Alloc, BlockArena, Extents
 from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
-from tiers.node.fairness import FairShare, VictimPlan, bounded_top, largest
+from tiers.node.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
 from tiers.node.page_index import ORDER_NONE, PageIndex
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
@@ -89,6 +89,7 @@ class DramStore(PageStore):
         # plan, the writer's pending bytes it knows of).  Evicting page after page walks the namespaces once.
         self._victim_plan = None
         self._usage_version = 0
+        self._groups = GroupUsage()  # each quota'd group's bytes and its namespaces by bytes, kept current
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
         self._evictions = evictions
@@ -113,6 +114,7 @@ class DramStore(PageStore):
             tenant.bytes -= entry.size
             tenant.policy.remove(key)
             self._usage_version += 1
+            self._bytes_changed_locked(key[0], tenant, -entry.size)
         return entry
 
     def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None,
@@ -163,14 +165,22 @@ class DramStore(PageStore):
             room = (limit - own, namespace, own)
         group_limit, members = self._fair.group_quota(namespace)
         if group_limit is not None:
-            held = {ns: self._tenants[ns].bytes for ns in members if ns in self._tenants}
-            total = sum(held.values())
+            group = self._fair.group(namespace)
+            total = self._groups.total(group, members, self._bytes_of)
             if room is None or group_limit - total < room[0]:
                 # The tenant's largest namespace gives way (of equals, the smallest name): a tenant's newest
                 # namespace does not evict its own pages while older ones hold more.
-                giver = largest(held, held) if held else namespace
+                giver = self._groups.largest(group, members, self._bytes_of) or namespace
                 room = (group_limit - total, giver, total)
         return room
+
+    def _bytes_of(self, namespace: str) -> int:
+        tenant = self._tenants.get(namespace)
+        return tenant.bytes if tenant is not None else 0
+
+    def _bytes_changed_locked(self, namespace: str, tenant: _Tenant, delta: int) -> None:
+        if self._groups:
+            self._groups.changed(self._fair.group(namespace), delta, namespace, tenant.bytes, len(self._tenants))
 
     def _allocate_locked(self, namespace: str, size: int) -> Alloc:
         while True:
@@ -261,6 +271,7 @@ class DramStore(PageStore):
                 policy.insert(page, (namespace, parent) if parent else None)
                 added += alloc.size
             tenant.bytes += added
+            self._bytes_changed_locked(namespace, tenant, added)
             kept = self._victim_plan
             if kept is not None and kept[:2] == (self._usage_version, namespace):
                 # The writer's batch, counted by its plan as pending, is its own now: the plan stays good.
@@ -421,6 +432,7 @@ class DramStore(PageStore):
         with self._lock:
             self._fair.assign(namespace, ("tenant", tenant), quota)
             self._usage_version += 1
+            self._groups.clear()
 
     def prune(self) -> int:
         """Forget the namespaces that hold nothing (their counters with them): a tenant opening namespace
@@ -431,6 +443,7 @@ class DramStore(PageStore):
             for ns in empty:
                 del self._tenants[ns]
             self._usage_version += 1
+            self._groups.clear()
             return len(empty)
 
     def stats(self) -> StoreStats:
@@ -455,6 +468,7 @@ class DramStore(PageStore):
             self._index.clear()
             self._tenants.clear()
             self._usage_version += 1
+            self._groups.clear()
             self.arena.close()
 
 

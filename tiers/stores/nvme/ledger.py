@@ -14,7 +14,6 @@ orders the digests itself (a Python EvictionPolicy a namespace).
 """
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from tiers.node.fairness import FairShare, VictimPlan, bounded_top
+from tiers.node.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
 from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
 from tiers.policies import EvictionPolicy, make_policy
 from tiers.stores.base import StoreFull, StoreStats
@@ -98,12 +97,8 @@ class Ledger:
         # page after page walks the namespaces once, not once a page.
         self._victim_plan: Optional[Tuple[int, Optional[int], bool, VictimPlan]] = None
         self._usage_version = 0
-        # Bytes held and reserved by each quota'd group's namespaces, summed once and kept current (a group of
-        # 5,000 namespaces summed a page cost 84 ms a 128-page put); absent: not summed since it changed shape.
-        self._group_held: Dict[object, int] = {}
-        # Each quota'd group's namespaces by bytes held, most first (a heap, entries checked against the
-        # tenants when read): which one gives way when the group is over its quota, without walking them all.
-        self._group_largest: Dict[object, list] = {}
+        # Each quota'd group's bytes held and reserved, and its namespaces by bytes held, kept current.
+        self._groups = GroupUsage()
         self.used = 0
         self.reserved = 0
         self.stats = StoreStats(capacity_bytes=capacity)
@@ -128,8 +123,7 @@ class Ledger:
         with self.lock:
             self._fair.assign(ns_hash, ("tenant", tenant), quota)
             self._usage_version += 1
-            self._group_held.clear()
-            self._group_largest.clear()
+            self._groups.clear()
 
     def tenant_table(self) -> List[Tuple[int, Optional[str]]]:
         """(namespace hash, name) of each tenant number, in number order (tiers/stores/nvme/snapshot.py)."""
@@ -158,8 +152,7 @@ class Ledger:
                 self._numbered[number].bytes = nbytes
                 self.used += nbytes
             self._usage_version += 1
-            self._group_held.clear()
-            self._group_largest.clear()
+            self._groups.clear()
             return loaded
 
     def reset(self) -> None:
@@ -168,8 +161,7 @@ class Ledger:
             self._index = PageIndex(self._order)
             self._tenants.clear()
             self._numbered.clear()
-            self._group_held.clear()
-            self._group_largest.clear()
+            self._groups.clear()
             self.used = 0
 
     # ------------------------------------------------- background rebuild
@@ -204,8 +196,7 @@ class Ledger:
                 self._numbered[number].bytes += nbytes
                 self.used += nbytes
             self._usage_version += 1
-            self._group_held.clear()
-            self._group_largest.clear()
+            self._groups.clear()
         return stale
 
     def reserve_rows(self, rows: int) -> None:
@@ -395,13 +386,9 @@ class Ledger:
         limit, members = self._fair.group_quota(ns_hash)
         while limit is not None:
             group = self._fair.group(ns_hash)
-            total = self._group_held.get(group)
-            if total is None:
-                total = self._group_held[group] = sum(self._tenants[h].bytes + self._tenants[h].reserved
-                                                      for h in members if h in self._tenants)
-            if total + nbytes <= limit:
+            if self._groups.total(group, members, self._held_and_reserved) + nbytes <= limit:
                 return
-            giver = self._largest_of_group_locked(group, members)
+            giver = self._groups.largest(group, members, self._held)
             victim = self._pop_victim_locked(ns_hash, only=giver) if giver is not None else None
             if victim is None:
                 return
@@ -479,34 +466,18 @@ class Ledger:
         return replaced
 
     def _held_changed_locked(self, ns_hash: int, delta: int, tenant: Optional[_Tenant] = None) -> None:
-        """A namespace's bytes held plus reserved moved by delta: its group's kept sum follows; tenant, when
-        its bytes held changed: its place in its group's order of largest."""
-        if not self._group_held and not self._group_largest:
-            return
-        group = self._fair.group(ns_hash)
-        if group in self._group_held:
-            self._group_held[group] += delta
-        heap = self._group_largest.get(group) if tenant is not None else None
-        if heap is not None and tenant.bytes > 0:
-            if len(heap) > 2 * len(self._tenants) + 64:  # mostly stale entries: made again when next needed
-                del self._group_largest[group]
-            else:
-                heapq.heappush(heap, (-tenant.bytes, str(ns_hash), ns_hash))
+        """A namespace's bytes held plus reserved moved by delta (tenant, when its bytes held changed)."""
+        if self._groups:
+            self._groups.changed(self._fair.group(ns_hash), delta, None if tenant is None else ns_hash,
+                                 0 if tenant is None else tenant.bytes, len(self._tenants))
 
-    def _largest_of_group_locked(self, group, members) -> Optional[int]:
-        """The namespace of group holding the most (of equals the smallest name, as fairness.largest)."""
-        heap = self._group_largest.get(group)
-        if heap is None:
-            heap = self._group_largest[group] = [(-self._tenants[h].bytes, str(h), h) for h in members
-                                                 if h in self._tenants and self._tenants[h].bytes > 0]
-            heapq.heapify(heap)
-        while heap:
-            held, _name, ns_hash = heap[0]
-            tenant = self._tenants.get(ns_hash)
-            if tenant is not None and tenant.bytes == -held:
-                return ns_hash
-            heapq.heappop(heap)  # stale: its bytes changed since (a newer entry says so) or it went
-        return None
+    def _held(self, ns_hash: int) -> int:
+        tenant = self._tenants.get(ns_hash)
+        return tenant.bytes if tenant is not None else 0
+
+    def _held_and_reserved(self, ns_hash: int) -> int:
+        tenant = self._tenants.get(ns_hash)
+        return tenant.bytes + tenant.reserved if tenant is not None else 0
 
     def _forget_locked(self, digest: int, row: Row) -> None:
         """Bytes and order of a row already out of the index."""
