@@ -133,13 +133,7 @@ def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypat
         for start in range(0, namespaces, pages):
             part = keys[start:start + pages]
             assert store.put_many(part, views[:len(part)], [None] * len(part), None) == [None] * len(part)
-        walks = []
-        real = ledger._fair.group_quota
-
-        def counted(ns_hash):
-            limit, members = real(ns_hash)
-            return limit, _CountingSet(members, walks)
-        monkeypatch.setattr(ledger._fair, "group_quota", counted)
+        walks = _count_group_walks(monkeypatch, ledger._fair)
         for r in range(3):  # under the quota
             batch = [("ns0", f"w{r}-{i}") for i in range(pages)]
             assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
@@ -165,6 +159,18 @@ def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypat
         store.close()
 
 
+def _count_group_walks(monkeypatch, fair: FairShare) -> list:
+    """A list that grows by one each time a store walks a group's namespaces (group_quota's members)."""
+    walks: list = []
+    real = fair.group_quota
+
+    def counted(namespace):
+        limit, members = real(namespace)
+        return limit, _CountingSet(members, walks)
+    monkeypatch.setattr(fair, "group_quota", counted)
+    return walks
+
+
 class _CountingSet(set):
     """A set that counts how often it is walked."""
 
@@ -188,13 +194,8 @@ def test_a_dram_tenant_of_many_namespaces_is_not_walked_a_page(monkeypatch):
         store.assign_tenant(f"ns{i}", "big", quota=(namespaces + 64) * page)
         store.put((f"ns{i}", "k"), data)
     store.put(("ns1", "extra"), data)
-    walks = []
     real = store._fair.group_quota
-
-    def counted(namespace):
-        limit, members = real(namespace)
-        return limit, _CountingSet(members, walks)
-    monkeypatch.setattr(store._fair, "group_quota", counted)
+    walks = _count_group_walks(monkeypatch, store._fair)
     for i in range(256):
         store.put(("ns0", f"w{i}"), data)
     assert len(walks) <= 2, f"{len(walks)} walks of the group's namespaces for 256 puts"
