@@ -315,7 +315,7 @@ class PageTransfers:
             return got
         self.in_place_puts += 1
         out = self.store.put_many_filled([(ns, key) for key in keys], sources.views, parents, deadline,
-                                         None if hashed else list(sums), fill)
+                                         None if hashed else list(sums), fill, aligned=True)
         return _outcomes(_results(len(keys), list(range(len(keys))), out))
 
     # ------------------------------------------------------------------ gets

@@ -293,13 +293,15 @@ class PageStore(ABC):
 
     def put_many_filled(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                         parents: Sequence[Optional[str]], deadline: Optional[float],
-                        checksums: Optional[Sequence[int]], fill: FillPages) -> List[Optional[StoreError]]:
+                        checksums: Optional[Sequence[int]], fill: FillPages,
+                        aligned: bool = False) -> List[Optional[StoreError]]:
         """put_many_with_sums of pages whose buffers are filled on request: fill(positions) brings those
         pages' bytes in and returns their page_sums.  checksums None: the writer sent none and asked the
         daemon to hash (hash_pages), so each page's sum from the fill is its checksum too.  A store that
         writes a batch in parts fills each part just before writing it, so the daemon's copy out of the
         engine's memory overlaps the device (NVMe); this default fills every page first.  A FillFailed
-        refuses the pages not yet written."""
+        refuses the pages not yet written.  aligned: every buffer starts and ends on a 4 KiB boundary (the
+        daemon checked the whole batch at once; a store need not ask each buffer again)."""
         try:
             sums = fill(list(range(len(keys))))
         except FillFailed as exc:

@@ -108,14 +108,15 @@ class BatchWriter:
         self.blocks = 0  # blocks written or being written
         self.direct_parts = 0
 
-    def add(self, records: Sequence[Record]) -> List[int]:
-        """Write records after those added before; the first block of each."""
+    def add(self, records: Sequence[Record], aligned: bool = False) -> List[int]:
+        """Write records after those added before; the first block of each.  aligned: every buffer is known
+        to start and end on a 4 KiB boundary (else each is checked: a read-only view's address costs ~1.4 us)."""
         firsts, at = [], self.blocks
         for rec in records:
             firsts.append(at)
             at += record_blocks(rec.payload_len)
         views = _views(records)
-        if self._direct and cf.is_aligned(views):
+        if self._direct and (aligned or cf.is_aligned(views)):
             fd = self._fd
             self.direct_parts += 1
         else:

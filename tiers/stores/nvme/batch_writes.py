@@ -66,6 +66,7 @@ class _Pending:
     size: int  # the page's own bytes
     stored: int  # its payload's (compressed or not)
     parent: Optional[int]
+    raw: bool  # the payload is the caller's own buffers (not compressed into ours)
 
 
 class BatchWrites:
@@ -75,7 +76,7 @@ class BatchWrites:
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  checksums: Optional[Sequence[int]], page_sums: Optional[Sequence[int]] = None,
-                 fill: Optional[FillPages] = None) -> List[Optional[StoreError]]:
+                 fill: Optional[FillPages] = None, aligned: bool = False) -> List[Optional[StoreError]]:
         """None or the refusal of each page; checksums, page_sums and fill as PageStore.put_many_with_sums and
         put_many_filled declare them (each part is filled just before it is prepared)."""
         out: List[Optional[StoreError]] = [None] * len(keys)
@@ -93,7 +94,8 @@ class BatchWrites:
                 while last < len(idx) and (last == first or at + total_size(pages[idx[last]]) <= BATCH_FILE_BYTES):
                     at += total_size(pages[idx[last]])
                     last += 1
-                self._write_file(namespace, idx[first:last], keys, pages, parents, checksums, page_sums, fill, out)
+                self._write_file(namespace, idx[first:last], keys, pages, parents, checksums, page_sums, fill, out,
+                                 aligned)
                 first = last
         return out
 
@@ -126,10 +128,11 @@ class BatchWrites:
         if disk > t.capacity:
             raise PageTooLarge(f"chunk of {disk} bytes exceeds capacity {t.capacity}")
         parent_digest = key_digest(namespace, parent) if isinstance(parent, str) and parent else None
-        return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest)
+        return _Pending(position, disk, key_digest(namespace, name), header, payload, size, stored, parent_digest,
+                        encoded is None)
 
     def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
-                    fill: Optional[FillPages], out: list) -> None:
+                    fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
         t = self.t
         ns_hash = namespace_hash(namespace)
@@ -166,7 +169,9 @@ class BatchWrites:
                         out[i] = exc
                 t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
                 if records:
-                    firsts = writer.add([batch.Record(r.header, r.payload, r.stored) for r in records])
+                    # Headers and padding are aligned blocks; raw payloads the caller vouched for need no check.
+                    firsts = writer.add([batch.Record(r.header, r.payload, r.stored) for r in records],
+                                        aligned and all(r.raw for r in records))
                     written += zip(records, firsts)
                     time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
             if not written:

@@ -487,14 +487,15 @@ class NvmeStore(PageStore):
 
     def put_many_filled(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
                         parents: Sequence[Optional[str]], deadline: Optional[float],
-                        checksums: Optional[Sequence[int]], fill: FillPages) -> List[Optional[StoreError]]:
+                        checksums: Optional[Sequence[int]], fill: FillPages,
+                        aligned: bool = False) -> List[Optional[StoreError]]:
         """Each part of a batch chunk filled just before it is prepared: the daemon's copy of part k+1 out of
         the engine's memory overlaps the device writing part k."""
         if not self.batched:
-            return super().put_many_filled(keys, pages, parents, deadline, checksums, fill)
+            return super().put_many_filled(keys, pages, parents, deadline, checksums, fill, aligned)
         if deadline is not None and time.time() > deadline:  # each page refused, nothing filled
             return self.put_many_with_sums(keys, pages, parents, deadline, [0] * len(keys))
-        return self._batches.put_many(keys, pages, parents, checksums, fill=fill)
+        return self._batches.put_many(keys, pages, parents, checksums, fill=fill, aligned=aligned)
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  deadline: Optional[float]) -> List[Optional[StoreError]]:
