@@ -323,3 +323,26 @@ def test_bytes_changed_after_their_fill_hashed_them_are_a_miss_never_served(make
     found, got = read_all(store, keys)
     assert found == [i % 2 == 0 for i in range(n)]
     assert all(got[i] == wanted[i] for i in range(n) if i % 2 == 0)
+
+
+def test_a_batch_is_read_in_runs_about_two_a_thread_and_a_page_alone_in_one_request(make_store, monkeypatch):
+    """A batch of one file is cut into runs of 1-8 MiB, about two a read thread (one run of the whole file
+    left threads idle; runs of 1 MiB kept the device shallow at large pages), every page served exactly;
+    and a run of one page is read with one preadv of header and payload, not the one-page path (header
+    first, then payload: two requests in series)."""
+    from tiers.stores.nvme import batch_reads
+    store = make_store(capacity=600 * RECORD, io_threads=2)
+    keys = put_batch(store, [f"r{i}" for i in range(128)], range(128))  # 8 MiB of 64 KiB pages: one file
+    runs = []
+    real_run = batch.read_run
+    monkeypatch.setattr(batch_reads.batch, "read_run", lambda path, first, pages, direct: runs.append(len(pages))
+                        or real_run(path, first, pages, direct))
+    alone = []
+    real_one = store._reads.s.read_one
+    monkeypatch.setattr(store._reads.s, "read_one", lambda key, dst: alone.append(key) or real_one(key, dst))
+    found, data = read_all(store, keys)
+    assert found == [True] * 128 and data == [page(i) for i in range(128)]
+    assert sum(runs) == 128 and len(runs) == 4 and not alone, runs  # 8 MiB / (2 x 2 threads): 2 MiB runs
+    runs.clear()
+    found, data = read_all(store, keys[7:8])  # one page: a run of its own
+    assert found == [True] and data == [page(7)] and runs == [1] and not alone
