@@ -41,8 +41,9 @@ from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
 
-# Requests whose store work runs in the I/O pool where the store touches a disk (TierDaemon._store_work).
-_POOL_WORK = (M.Put, M.Clear, M.Delete, M.Evict)  # run in the I/O pool of a store with parallel_io
+# Requests whose work runs in the I/O pool where the store touches a disk (parallel_io): each counts as its
+# peer's work in flight (tiers/node/peers.py).
+_POOL_WORK = (M.Put, M.Clear, M.Delete, M.Evict)
 
 log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)

@@ -115,8 +115,7 @@ class VictimPlan:
         self.held: Dict[Hashable, int] = {ns: n for ns, n in usage.items() if n > 0}
         self.groups = fair.groups_held(self.held)
         self.own = fair.group(writer) if writer is not None else None
-        self._groups_heap: List[Tuple[int, str, Hashable]] = [(-n, _name(g), g) for g, n in self.groups.items()]
-        heapq.heapify(self._groups_heap)
+        self._groups_heap = _most_first(self.groups.items())
         self._members: Dict[Hashable, List[Tuple[int, str, Hashable]]] = {}  # group -> its namespaces, lazily
         self._all: Optional[List[Tuple[int, str, Hashable]]] = None  # every namespace, lazily
 
@@ -129,7 +128,7 @@ class VictimPlan:
             return writer
         own = self.own
         share = self.fair.share(len(self.groups) + (0 if writer is None or own in self.groups else 1))
-        top = self._top(self._groups_heap, self.groups)
+        top = _first_current(self._groups_heap, self.groups.get)
         if top is not None and self.groups[top] - share > 0:
             worst = top
             if own is not None and own != worst and self.groups.get(own) == self.groups[top]:
@@ -138,9 +137,8 @@ class VictimPlan:
         if own in self.groups:
             return self._member(own)
         if self._all is None:
-            self._all = [(-n, _name(ns), ns) for ns, n in held.items()]
-            heapq.heapify(self._all)
-        return self._top(self._all, held)
+            self._all = _most_first(held.items())
+        return _first_current(self._all, held.get)
 
     def grew(self, namespace: Hashable, nbytes: int) -> None:
         """namespace holds nbytes more (a writer's batch counted as its own as it reserves)."""
@@ -164,8 +162,7 @@ class VictimPlan:
         else:
             self.groups.pop(group, None)
         if len(self._groups_heap) > 2 * len(self.groups) + 64:  # a plan kept long: drop its stale entries
-            self._groups_heap = [(-n, _name(g), g) for g, n in self.groups.items()]
-            heapq.heapify(self._groups_heap)
+            self._groups_heap = _most_first(self.groups.items())
             self._members.clear()
             self._all = None
 
@@ -178,20 +175,9 @@ class VictimPlan:
             return group
         heap = self._members.get(group)
         if heap is None:
-            heap = self._members[group] = [(-n, _name(ns), ns) for ns, n in self.held.items()
-                                           if self.fair._group.get(ns, ns) == group]
-            heapq.heapify(heap)
-        return self._top(heap, self.held)
-
-    @staticmethod
-    def _top(heap: List[Tuple[int, str, Hashable]], current: Mapping[Hashable, int]) -> Optional[Hashable]:
-        """The heap's first entry that is still true of current (entries go stale as bytes change)."""
-        while heap:
-            n, _n, key = heap[0]
-            if current.get(key) == -n:
-                return key
-            heapq.heappop(heap)
-        return None
+            heap = self._members[group] = _most_first((ns, n) for ns, n in self.held.items()
+                                                      if self.fair._group.get(ns, ns) == group)
+        return _first_current(heap, self.held.get)
 
 
 class GroupUsage:
@@ -224,14 +210,8 @@ class GroupUsage:
         """The member holding the most (of equals the smallest name, as largest()); None: none holds any."""
         heap = self._largest.get(group)
         if heap is None:
-            heap = self._largest[group] = [(-held_of(ns), _name(ns), ns) for ns in members if held_of(ns) > 0]
-            heapq.heapify(heap)
-        while heap:
-            held, _n, ns = heap[0]
-            if held_of(ns) == -held:
-                return ns
-            heapq.heappop(heap)  # stale: a newer entry says what it holds, or it holds nothing
-        return None
+            heap = self._largest[group] = _most_first((ns, held_of(ns)) for ns in members)
+        return _first_current(heap, held_of)
 
     def changed(self, group: Hashable, delta: int, namespace: Optional[Hashable] = None, held: int = 0,
                 namespaces: int = 0) -> None:
@@ -248,6 +228,24 @@ class GroupUsage:
 
     def __bool__(self) -> bool:
         return bool(self._totals or self._largest)
+
+
+def _most_first(amounts: Iterable[Tuple[Hashable, int]]) -> List[Tuple[int, str, Hashable]]:
+    """A heap of (name, bytes) pairs holding bytes: most first, of equals the smallest name (largest()'s order)."""
+    heap = [(-n, _name(key), key) for key, n in amounts if n > 0]
+    heapq.heapify(heap)
+    return heap
+
+
+def _first_current(heap: List[Tuple[int, str, Hashable]], amount_of) -> Optional[Hashable]:
+    """The heap's first entry still true (amount_of(key) is what it says); stale ones go: entries are pushed
+    anew as amounts change, never updated in place."""
+    while heap:
+        n, _n, key = heap[0]
+        if amount_of(key) == -n:
+            return key
+        heapq.heappop(heap)
+    return None
 
 
 def _name(namespace: Hashable) -> str:

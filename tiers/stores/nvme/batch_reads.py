@@ -75,23 +75,24 @@ class BatchReads:
         """("page", position) for pages read alone, ("run", path, [(block, position, entry)]) for runs."""
         alone: List[int] = []
         runs: dict = {}  # path -> [(block, position, entry)]
+        sizes = [total_size(dst) for dst in dsts]  # each page's once: the plan asks up to four times
+        total = 0
         for i, key in enumerate(keys):
             entry = self.s.ledger.get(key_digest(*key))
-            size = total_size(dsts[i])
-            if entry is not None and entry.file and entry.disk_size == batch.record_blocks(size) * cf.ALIGN:
+            if entry is not None and entry.file and entry.disk_size == batch.record_blocks(sizes[i]) * cf.ALIGN:
                 runs.setdefault(entry.path, []).append((entry.block, i, entry))
+                total += sizes[i]
             else:
                 alone.append(i)
         work: list = [("page", i) for i in alone]
-        total = sum(total_size(dsts[i]) for items in runs.values() for _b, i, _e in items)
         run_limit = min(MAX_RUN_BYTES, max(MIN_RUN_BYTES, total // (2 * self.s.threads)))
         for path, items in runs.items():
             items.sort()
-            run, run_bytes = [items[0]], total_size(dsts[items[0][1]])
+            run, run_bytes = [items[0]], sizes[items[0][1]]
             for item in items[1:]:
                 prev_block, prev_i, _e = run[-1]
-                size = total_size(dsts[item[1]])
-                if item[0] == prev_block + batch.record_blocks(total_size(dsts[prev_i])) and run_bytes + size <= run_limit:
+                size = sizes[item[1]]
+                if item[0] == prev_block + batch.record_blocks(sizes[prev_i]) and run_bytes + size <= run_limit:
                     run.append(item)
                     run_bytes += size
                 else:
