@@ -57,13 +57,13 @@ def run_as(uid: int, gid: int, attack) -> dict:
     return json.loads(data)
 
 
-def raw_call(ctx: zmq.Context, endpoint: str, op: str, **fields) -> dict:
+def raw_call(ctx: zmq.Context, endpoint: str, op: str, poll_ms: int = 5000, **fields) -> dict:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
         sock.send(P.request(op, 1, **fields))
-        if not sock.poll(5000):
+        if not sock.poll(poll_ms):
             return {"timeout": True}
         reply = P.unpack(sock.recv())
         return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in reply.items() if k != "stats"}
@@ -71,12 +71,13 @@ def raw_call(ctx: zmq.Context, endpoint: str, op: str, **fields) -> dict:
         sock.close(linger=0)
 
 
-def tenant_node(tier: dict, tenants: str, limit_fds=None):
-    """A node of one tier, its sockets open to the group nogroup, with these [[tenants]] tables; stopped and
-    removed after the test. Outside pytest's 0700 temporary tree: another account must reach its sockets."""
+def tenant_node(tier: dict, tenants: str, limit_fds=None, **node):
+    """A node of one tier, its sockets open to the group nogroup, with these [[tenants]] tables (and these
+    [node] keys); stopped and removed after the test. Outside pytest's 0700 temporary tree: another account
+    must reach its sockets."""
     root = tempfile.mkdtemp(prefix="hct-tenants-", dir="/tmp")
     os.chmod(root, 0o711)
-    runner = NodeRunner(node_toml(tier, socket_group=NOBODY) + tenants, os.path.join(root, "run"),
+    runner = NodeRunner(node_toml(tier, socket_group=NOBODY, **node) + tenants, os.path.join(root, "run"),
                         os.path.join(root, "data"))
     runner.limit_fds = limit_fds
     try:
@@ -520,6 +521,83 @@ def test_a_tenants_connection_flood_cannot_end_the_daemon(tmp_path):
         assert stats["connections_refused"] >= 1110 - budget // 4
         assert calls[0] > 50 and failed[0] == 0
         assert budget // 4 <= most[0] <= budget // 4 + 8  # the tenant's share, the victim's and the stats calls
+    finally:
+        victim.close()
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+
+
+def test_a_tenants_idle_connections_give_way_to_its_new_ones():
+    """Attack 4: connections idle within their tenant's share never timed out, so an engine that leaked
+    connections (opened and never closed) kept its tenant's live engines out for good. Once one has sent
+    nothing for connection_idle_s, a newcomer past the share takes its place; a connection in use never gives
+    way, and the operator's engines are not touched."""
+    from tiers.node.connections import connection_budget
+    idle_s = 2.0
+    gen = tenant_node(dram_tier("16MiB"), '\n[[tenants]]\nname = "guest"\nuids = [%d]\nnamespaces = ["guest*"]\n'
+                      % NOBODY, limit_fds=(1024, 1024), connection_idle_s=idle_s)
+    runner = next(gen)
+    endpoint = runner.config.tier("dram").endpoint
+    share = connection_budget(1024) // 4
+    victim = TierClient("dram", endpoint, "victim", "victim", Deadlines(base=2.0))
+
+    def tenant(out: dict, ctx: zmq.Context) -> None:
+        ctx.set(zmq.MAX_SOCKETS, 2048)
+        live = TierClient("dram", endpoint, "guest-live", "live", Deadlines(base=2.0), context=ctx)
+        out["live_put"] = live.put_frames(["p"], [[b"L" * PAGE]], PAGE)
+        stop, calls, failed = threading.Event(), [0], [0]
+
+        def use() -> None:  # an engine at work: a read every 50 ms over its one connection
+            while not stop.is_set():
+                found, frames = live.get_frames(["p"], PAGE)
+                calls[0] += 1
+                failed[0] += not (found == [True] and frames[0].bytes == b"L" * PAGE)
+                time.sleep(0.05)
+        user = threading.Thread(target=use)
+        user.start()
+        leaked = []
+        for _ in range(share + 8):  # the rest of the share, and 8 more the daemon shuts (they keep reconnecting)
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            leaked.append(sock)
+        opened = time.monotonic()
+        time.sleep(0.5)
+        out["newcomer_while_in_use"] = raw_call(ctx, endpoint, "hello", ns="guest-new", client="new", poll_ms=700)
+        time.sleep(max(0.0, opened + idle_s + 0.5 - time.monotonic()))
+        late = TierClient("dram", endpoint, "guest-new", "new", Deadlines(base=5.0), context=ctx)
+        out["newcomer_put"] = late.put_frames(["n"], [[b"N" * PAGE]], PAGE)
+        found, frames = late.get_frames(["n"], PAGE)
+        out["newcomer_get"] = found == [True] and frames[0].bytes == b"N" * PAGE
+        time.sleep(0.3)
+        stop.set()
+        user.join()
+        out["live_calls"], out["live_failed"] = calls[0], failed[0]
+        late.close()
+        live.close()
+        for sock in leaked:
+            sock.close(linger=0)
+        ctx.term()
+
+    try:
+        assert victim.put_frames(["v"], [[b"v" * PAGE]], PAGE) == [True]
+        got = run_as(NOBODY, NOBODY, tenant)
+        stats = _admin_stats(endpoint)
+        found, frames = victim.get_frames(["v"], PAGE)
+        print(f"\na tenant's share of {share} connections held by {share - 1} idle ones and one in use: a newcomer "
+              f"while all were younger than {idle_s} s: {got.get('newcomer_while_in_use')}; after: put "
+              f"{got.get('newcomer_put')}, read back {got.get('newcomer_get')}; the live engine's reads "
+              f"{got.get('live_calls')}, failed {got.get('live_failed')}; reclaimed {stats['connections_reclaimed']}, "
+              f"refused {stats['connections_refused']}")
+        assert "error" not in got, got
+        assert got["newcomer_while_in_use"] == {"timeout": True}  # the share was full and nothing idle long enough
+        assert got["newcomer_put"] == [True] and got["newcomer_get"] is True
+        assert got["live_put"] == [True] and got["live_calls"] > 20 and got["live_failed"] == 0
+        assert stats["connections_reclaimed"] >= 1
+        assert found == [True] and frames[0].bytes == b"v" * PAGE
+        assert runner.procs["dram"].poll() is None
     finally:
         victim.close()
         try:

@@ -10,7 +10,15 @@ node's whole budget (the descriptor limit less a headroom) is shut down at once
 through a duplicate of its descriptor: libzmq then reads end-of-file and closes
 it as if the peer had left.  The operator's connections count against the
 whole budget only.  A shut connection costs its owner a reconnection; the
-victims' connections, accepted before, are never touched.
+victims' connections, accepted before, are never touched while they are in use.
+
+Unless they sit idle: before a newcomer is shut, the connection of the same
+share (its tenant's, the strangers', or for the node's budget any but the
+operator's) that has sent nothing for longest gives way to it, once that is
+``idle_s`` or more.  Connections an engine leaked (a client opened a request
+and never closed) would otherwise hold their tenant's share for good, and
+that tenant's live engines could not connect.  The daemon tells the guard of
+each request's connection (``active``: ZMQ_SRCFD of its routing frame).
 
 tcp:// endpoints are left to CurveZMQ (only authorized keys complete a
 handshake); their connections count in ``open_fds`` like every descriptor.
@@ -21,6 +29,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from typing import Dict, Optional
 
 import zmq
@@ -49,15 +58,22 @@ def connection_budget(fd_limit: int) -> int:
 class ConnectionGuard:
     """Counts accepted connections by tenant and shuts those past their share (called on the loop thread)."""
 
-    def __init__(self, router: zmq.Socket, ipc_path: str, tenants: TenantTable, fd_limit: int, name: str):
+    def __init__(self, router: zmq.Socket, ipc_path: str, tenants: TenantTable, fd_limit: int, name: str,
+                 idle_s: float = 60.0):
         self.name = name
+        self.idle_s = idle_s
         self.budget = connection_budget(fd_limit)
         self.tenant_budget = max(1, self.budget // TENANT_SHARE)
         self._path = ipc_path
         self._tenants = tenants
         self._owner: Dict[int, str] = {}  # descriptor -> tenant name, for connections kept
         self._per_tenant: Dict[str, int] = {}
+        self._seen: Dict[int, float] = {}  # descriptor -> when it last carried a request (perf_counter)
+        # A share whose connections were all younger than idle_s at the last look cannot give one way before
+        # this time: a flood of newcomers does not walk the share once each.
+        self._no_idle_until: Dict[Optional[str], float] = {}
         self.refused = 0
+        self.reclaimed = 0
         self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(_EVENTS)
 
     @property
@@ -77,7 +93,13 @@ class ConnectionGuard:
             else:
                 self._forget(fd)
 
+    def active(self, fd: int, now: float) -> None:
+        """A request came over connection fd (kept ones only: a number we do not hold is left alone)."""
+        if fd in self._seen:
+            self._seen[fd] = now
+
     def _forget(self, fd: int) -> None:
+        self._seen.pop(fd, None)
         name = self._owner.pop(fd, None)
         if name is not None:
             left = self._per_tenant[name] - 1
@@ -97,6 +119,8 @@ class ConnectionGuard:
             uid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
             tenant = self._tenants.of_uid(uid)
             why = self._refusal(tenant)
+            if why and self._reclaim(tenant, why):
+                why = ""
             if why:
                 self.refused += 1
                 _warn.warning(f"conn:{uid}", "tier %s shut a connection of uid %d: %s", self.name, uid, why)
@@ -104,6 +128,7 @@ class ConnectionGuard:
                 return
             name = tenant.name if tenant is not None else _STRANGERS
             self._owner[fd] = name
+            self._seen[fd] = time.perf_counter()
             self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
         except OSError:
             return
@@ -119,6 +144,45 @@ class ConnectionGuard:
         elif tenant is not OPERATOR and self._per_tenant.get(tenant.name, 0) >= self.tenant_budget:
             return f"tenant {tenant.name} holds its {self.tenant_budget} connections"
         return ""
+
+    def _reclaim(self, tenant, why: str) -> bool:
+        """Shut the longest-idle connection of the share a newcomer of tenant is refused by, when it has sent
+        nothing for idle_s; True when one made room."""
+        if len(self._owner) >= self.budget:
+            share = None  # the node's whole budget: any connection but the operator's
+        elif tenant is OPERATOR:
+            return False
+        else:
+            share = tenant.name if tenant is not None else _STRANGERS
+        now = time.perf_counter()
+        if now < self._no_idle_until.get(share, 0.0):
+            return False
+        operator = OPERATOR.name
+        kept = [(self._seen[fd], fd) for fd, name in self._owner.items()
+                if (name == share if share is not None else name != operator)]
+        if not kept:
+            return False
+        seen, fd = min(kept)
+        if now - seen < self.idle_s:
+            self._no_idle_until[share] = seen + self.idle_s
+            return False
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            self._forget(fd)  # closed by libzmq already: its place is free
+            return True
+        try:
+            if conn.family == socket.AF_UNIX and conn.getsockname() == self._path:
+                conn.shutdown(socket.SHUT_RDWR)  # libzmq sees end-of-file and closes its descriptor
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        self._forget(fd)
+        self.reclaimed += 1
+        _warn.warning(f"reclaim:{share}", "tier %s shut a connection idle %.0f s to make room (%s)", self.name,
+                      now - seen, why)
+        return True
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -65,8 +65,10 @@ class TierDaemon:
                  demoter: Optional[Demoter] = None,
                  staging_bytes: int = 2 << 30, max_region_bytes: int = 0, max_inflight_bytes: int = 2 << 30,
                  curve: Optional[security.CurveSettings] = None, corrupt_reads: Optional[CorruptReads] = None,
-                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None):
+                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None,
+                 connection_idle_s: float = 60.0):
         self.name = name
+        self.connection_idle_s = connection_idle_s
         self.curve = curve or security.CurveSettings()  # a tcp:// endpoint needs keys (or allow_insecure_tcp)
         self.store = store
         self.endpoint = endpoint
@@ -126,7 +128,7 @@ class TierDaemon:
         self._router = router
         if self.endpoint.startswith("ipc://"):  # each tenant's share of the descriptors (tiers/node/connections.py)
             self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
-                                          self.name)
+                                          self.name, self.connection_idle_s)
         if self._regions is not None:
             self._regions.bind()
         self.ready.set()
@@ -225,6 +227,8 @@ class TierDaemon:
         ident = peer.bytes
         req_id = 0
         started = time.perf_counter()
+        if self._guard is not None:  # the connection is in use: not one to shut for a newcomer
+            self._guard.active(peer.get(zmq.SRCFD), started)
         op = "invalid"
         nbytes = 0
         try:
@@ -530,4 +534,5 @@ class TierDaemon:
         guard = self._guard
         stats["connections"] = guard.connections if guard is not None else 0
         stats["connections_refused"] = guard.refused if guard is not None else 0
+        stats["connections_reclaimed"] = guard.reclaimed if guard is not None else 0
         return stats

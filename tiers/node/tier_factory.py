@@ -52,4 +52,5 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
                       io_threads=io_threads, demoter=demoter, staging_bytes=tier.staging_bytes,
                       max_region_bytes=tier.max_region_bytes, max_inflight_bytes=tier.max_inflight_bytes,
                       curve=tier.curve, corrupt_reads=CorruptReads.from_environ(tier.name, os.environ),
-                      tenants=TenantTable(node.tenants), socket_gid=node.socket_gid)
+                      tenants=TenantTable(node.tenants), socket_gid=node.socket_gid,
+                      connection_idle_s=node.connection_idle_s)

@@ -204,6 +204,7 @@ class NodeConfig:
     demotion_queue_bytes: int = 256 << 20  # write-back pages on their way down, per daemon
     quotas: Dict[str, int] = field(default_factory=dict)  # namespace prefix -> bytes per tier
     socket_gid: Optional[int] = None  # ipc sockets open to this group (None: the daemon's account only)
+    connection_idle_s: float = 60.0  # a tenant's connection idle this long gives its place to a newcomer
     tenants: List[Tenant] = field(default_factory=list)  # [[tenants]]: accounts and keys beside the operator's
 
     def tier(self, name: str) -> TierConfig:
@@ -229,7 +230,7 @@ def default_data_dir() -> str:
 
 NODE_KEYS = {"name", "runtime_dir", "data_dir", "write_policy", "log_level", "max_dirty_pages",
              "metrics_port", "metrics_address", "curve_server_key", "curve_client_key", "curve_authorized_keys",
-             "allow_insecure_tcp", "demotion_queue_bytes", "socket_group"}
+             "allow_insecure_tcp", "demotion_queue_bytes", "socket_group", "connection_idle_s"}
 
 
 def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data_dir: Optional[str] = None,
@@ -280,6 +281,7 @@ def parse_config(text: str, source: str, runtime_dir: Optional[str] = None, data
                                    f"{source}: node.demotion_queue_bytes"),
         quotas=check({}, _quotas, raw.get("quotas", {}), source),
         socket_gid=check(None, socket_gid, node.get("socket_group", ""), f"{source}: node.socket_group"),
+        connection_idle_s=check(60.0, _weight, node.get("connection_idle_s", 60.0), f"{source}: node.connection_idle_s"),
         tenants=check([], parse_tenants, raw.get("tenants", []), source),
     )
     tiers = raw.get("tiers", [])
