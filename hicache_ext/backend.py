@@ -32,7 +32,7 @@ from hicache_ext.settings import BackendSettings, derive_namespace
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.config import load_config
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)

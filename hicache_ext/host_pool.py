@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node.buffers import view_at
-from tiers.node.page_runs import PageRuns
+from tiers.shm.buffers import view_at
+from tiers.shm.page_runs import PageRuns
 from tiers.wire import protocol as P
 
 log = logging.getLogger("hicache.backend")

@@ -12,7 +12,7 @@ never reported to SGLang as a hit.  A sum of 0 is unknown (a page stored by
 an older writer, a tier kind that keeps none) and is not checked.
 
 A batch is hashed in one C call without the GIL, and a copy out of a daemon's
-arena hashes each page right after copying it (tiers/node/checksums.py): one
+arena hashes each page right after copying it (tiers/shm/checksums.py): one
 GIL hand-over a batch, not one a page, which in a busy server is what counts.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 
-from tiers.node.checksums import page_sums, page_sums_at
-from tiers.ops.logs import RateLimitedLog
+from tiers.shm.checksums import page_sums, page_sums_at
+from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)

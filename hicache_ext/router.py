@@ -27,11 +27,11 @@ from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
 from hicache_ext.sealed_transfers import SealedTransfers, put_sealed
 from hicache_ext.sealing import PageSealer
 from tiers.wire import protocol as P
-from tiers.node.buffers import scatter_copy
-from tiers.node.checksums import page_sums, page_sums_at
+from tiers.shm.buffers import scatter_copy
+from tiers.shm.checksums import page_sums, page_sums_at
 from tiers.wire.client import TierClient
 from tiers.wire.lookup import merge_held, per_tier_held
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)

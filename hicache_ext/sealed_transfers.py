@@ -21,8 +21,8 @@ import numpy as np
 
 from hicache_ext.page_sums import ReadChecks
 from hicache_ext.sealing import OVERHEAD, PageSealer
-from tiers.node.buffers import address_of
-from tiers.node.checksums import page_sums
+from tiers.shm.buffers import address_of
+from tiers.shm.checksums import page_sums
 from tiers.wire import protocol as P
 from tiers.wire.client import TierClient
 

@@ -40,10 +40,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiers.wire import protocol as P  # noqa: E402
-from tiers.node.buffers import scatter_copy  # noqa: E402
+from tiers.shm.buffers import scatter_copy  # noqa: E402
 from tiers.wire.client import Deadlines, TierClient  # noqa: E402
 from tiers.ops.node_runner import NodeRunner  # noqa: E402
-from tiers.node.buffers import address_of  # noqa: E402
+from tiers.shm.buffers import address_of  # noqa: E402
 from tiers.stores.remote.engine import Engine, EngineConfig  # noqa: E402
 from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config  # noqa: E402
 from tiers.stores.remote.pool_client import PoolClient  # noqa: E402

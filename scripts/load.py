@@ -67,7 +67,7 @@ def content(key: str) -> bytes:
 
 def client_main(index: int, endpoints: Dict[str, str], keys_per_client: int, until: float, seed: int, conn) -> None:
     from tiers.wire import protocol as P
-    from tiers.node.buffers import address_of
+    from tiers.shm.buffers import address_of
     from tiers.wire.client import Deadlines, TierClient
 
     rng = random.Random(seed * 1000 + index)

@@ -114,7 +114,7 @@ def reference() -> str:
     from hicache_ext.settings import SETTINGS_HELP, BackendSettings
     from tiers.cli import build_parser
     from tiers.ops.config import COMMON_TIER_OPTIONS, KIND_OPTIONS, NODE_KEYS
-    from tiers.ops.tenants import TENANT_KEY_HELP
+    from tiers.node.tenants import TENANT_KEY_HELP
 
     missing = set(NODE_KEYS) ^ set(NODE_KEY_HELP)
     if missing:

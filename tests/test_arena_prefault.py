@@ -5,7 +5,7 @@ yet faulted in runs ~10x slower, and a measurement then times the faults, not th
 """
 import time
 
-from tiers.node.arena import BlockArena
+from tiers.shm.arena import BlockArena
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import TierClient
 from tests.nodes import eventually

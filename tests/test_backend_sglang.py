@@ -125,9 +125,9 @@ def test_a_prompt_longer_than_one_lookup_message(node):
 
 
 def test_a_batch_over_the_parallel_copy_size_round_trips_byte_for_byte(node):
-    """16 MiB a batch (over tiers/node/buffers.py PARALLEL_BYTES): the daemon copies a write's pages into its
+    """16 MiB a batch (over tiers/shm/buffers.py PARALLEL_BYTES): the daemon copies a write's pages into its
     arena and hashes them, and the engine copies a read out of it and hashes it, each in two halves at once."""
-    from tiers.node.buffers import PARALLEL_BYTES
+    from tiers.shm.buffers import PARALLEL_BYTES
     # 16 tokens a page: 2 x 4 layers x 16 x 8 heads x 128 x 2 bytes = 256 KiB; 64 pages = 16 MiB, a quarter of
     # the module's 64 MiB tier (nothing of it is evicted by what the other tests left there)
     shape = dict(layers=4, kv_heads=8, head_dim=128, page_size=16)

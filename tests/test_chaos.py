@@ -11,7 +11,7 @@ import time
 
 from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
-from tiers.node.buffers import address_of
+from tiers.shm.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
 
 ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)

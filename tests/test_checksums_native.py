@@ -1,4 +1,4 @@
-"""The page checksums hashed in C (tiers/node/checksums.py): the same sums as python-xxhash, copies that
+"""The page checksums hashed in C (tiers/shm/checksums.py): the same sums as python-xxhash, copies that
 hash each page as they go, and a truncated mapping raising MemoryFault instead of killing the process."""
 import mmap
 import os
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from tiers.node.buffers import MemoryFault, address_of
-from tiers.node.checksums import native, page_sums, page_sums_at
-from tiers.node.page_runs import PageRuns, copy_pages
+from tiers.shm.buffers import MemoryFault, address_of
+from tiers.shm.checksums import native, page_sums, page_sums_at
+from tiers.shm.page_runs import PageRuns, copy_pages
 
 
 def test_built_where_xxhash_h_is_installed():

@@ -1,4 +1,4 @@
-"""A batch copy: every page of a batch cut, copied (and hashed) in one C call (tiers/node/page_runs.py
+"""A batch copy: every page of a batch cut, copied (and hashed) in one C call (tiers/shm/page_runs.py
 copy_pages), and the two halves a large batch is copied in at once (in_halves).
 
 Every copy between a host pool and an arena is one such call; a wrong cut
@@ -13,9 +13,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers.node import buffers
-from tiers.node.buffers import copy_runs, scatter_runs
-from tiers.node.page_runs import PageRuns, _copy_slow, copy_pages
+from tiers.shm import buffers
+from tiers.shm.buffers import copy_runs, scatter_runs
+from tiers.shm.page_runs import PageRuns, _copy_slow, copy_pages
 
 SPAN = 1 << 16  # bytes of each side's buffer: the runs of a layout lie apart inside it
 

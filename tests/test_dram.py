@@ -95,7 +95,7 @@ def test_daemon_writing_twice_its_capacity_evicts_lru_and_stays_bounded(tmp_path
 
 def test_a_background_prefault_the_kernel_cannot_do_never_writes_over_stored_pages(monkeypatch):
     """Without MADV_POPULATE_WRITE (Linux < 5.14) a serving arena is left to fault in on first use."""
-    import tiers.node.arena as arena_module
+    import tiers.shm.arena as arena_module
     gate = threading.Event()
 
     def populate_unsupported(mapping, write=True, step=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import mmap
 import random
 
-from tiers.node.fairness import FairShare, VictimPlan, largest
+from tiers.stores.fairness import FairShare, VictimPlan, largest
 from tiers.stores.dram import DramStore
 from tiers.stores.nvme.store import NvmeStore
 
@@ -18,7 +18,7 @@ def _usage(rng: random.Random, fair: FairShare) -> dict:
 
 
 def reference_victim(fair: FairShare, writer, usage: dict, over: bool):
-    """The fairness rules of tiers/node/fairness.py walked in full, as the stores asked them page by page
+    """The fairness rules of tiers/stores/fairness.py walked in full, as the stores asked them page by page
     before VictimPlan: the oracle the plan is held to."""
     held = {ns: n for ns, n in usage.items() if n > 0}
     if not held:

@@ -20,7 +20,7 @@ from tests.nodes import dram_config, start_node
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tiers.node.page_runs import PageRuns
+from tiers.shm.page_runs import PageRuns
 
 import numpy as np
 

@@ -252,7 +252,7 @@ def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tm
     import mmap
     import xxhash
     from tests.nodes import node_toml, nvme_tier, start_node
-    from tiers.node.buffers import address_of
+    from tiers.shm.buffers import address_of
     from tiers.stores.nvme import batch_writes
     from tiers.wire import protocol as P
     from tiers.wire.client import TierClient

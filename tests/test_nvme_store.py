@@ -12,7 +12,7 @@ import pytest
 from tiers.ops.config import parse_config
 from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme.chunkfile import HEADER_SIZE
-from tiers.policies import policy_names
+from tiers.plugins import policy_names
 from tiers.stores.base import PageTooLarge, StoreIOError
 from tiers.testing import RecordingListener
 

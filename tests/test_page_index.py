@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import pytest
 
-from tiers.node.page_index import (MAX_TENANTS, ORDER_FIFO, ORDER_LRU, ORDER_NONE, ROW_BYTES, PageIndex, Row,
+from tiers.stores.page_index import (MAX_TENANTS, ORDER_FIFO, ORDER_LRU, ORDER_NONE, ROW_BYTES, PageIndex, Row,
                                    order_for, row)
 
 

@@ -18,7 +18,7 @@ from tests.nodes import dram_tier, node_toml, start_node
 from tiers import plugins
 from tiers.wire.client import TierClient
 from tiers.ops.config import ConfigError, parse_config
-from tiers.policies import make_policy, policy_names
+from tiers.plugins import make_policy, policy_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN = os.path.join(ROOT, "scripts", "plugins", "hicache-tier-tmpfs")
@@ -58,7 +58,7 @@ def tmpfs_chain(path: str, policy: str = "mru") -> str:
 
 def test_names_are_known_without_importing_and_unknown_names_list_what_is_installed(installed):
     assert "tmpfs" in plugins.store_targets() and "mru" in policy_names()
-    with pytest.raises(ValueError, match="choose one of .*mru"):
+    with pytest.raises(ValueError, match="no eviction policy .nope.; installed: .*mru"):
         make_policy("nope")
     with pytest.raises(ConfigError, match="'tape' is not one of dram, nvme, remote, pool, mooncake_store, tmpfs"):
         parse_config("[[tiers]]\nname = 'x'\nkind = 'tape'\n", "t.toml")

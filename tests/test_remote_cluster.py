@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
 from tiers.wire import protocol as P
-from tiers.node.buffers import address_of
+from tiers.shm.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.node_runner import NodeRunner
 from tiers.stores.remote.placement import Rendezvous

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
 from tiers.ops.node_runner import NodeRunner
-from tiers.node.buffers import address_of
+from tiers.shm.buffers import address_of
 from tiers.stores.remote.engine import Engine, EngineConfig
 from tiers.stores.remote.loopback import free_ports, pool_config
 from tiers.stores.remote.store import RemoteStore
@@ -195,7 +195,7 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
 def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node):
     """Staging blocks the daemon holds on request (hold_blocks): reads land in them directly, no landing copy;
     a read given up at its deadline holds its blocks out of use until the engine says the transfer ended."""
-    from tiers.node.arena import BlockArena
+    from tiers.shm.arena import BlockArena
     from tiers.node.transfers import hold_blocks
     pool, store, view = node
     store.direct_reads = False

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from test_sim_fixtures import HAND_REQUESTS, conversation_like
-from tiers.policies import policy_names
+from tiers.plugins import policy_names
 from tiers.sim import simulate
 from tiers.sim.capacity import parse_capacities, parse_capacity
 from tiers.sim.trace import from_requests, read_traces

@@ -653,7 +653,7 @@ def test_an_attachment_lives_only_as_long_as_its_session(node):
 
 def test_a_tenants_idle_sessions_are_forgotten_and_the_operators_kept():
     from tiers.node.sessions import TENANT_SESSION_IDLE, Sessions
-    from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+    from tiers.node.tenants import OPERATOR, Tenant, TenantTable
     guest = Tenant("guest", uids=frozenset({NOBODY}), namespaces=("guest*",))
     sessions = Sessions(TenantTable([guest]), ipc=True, authenticated=False)
     idle = sessions.open("guest-1", "guest", guest)

@@ -1,4 +1,4 @@
-/* A page index for a whole node: 128-bit digest -> one fixed 48-byte row (tiers/node/page_index.py).
+/* A page index for a whole node: 128-bit digest -> one fixed 48-byte row (tiers/stores/page_index.py).
  *
  * A tier of tens of millions of pages cannot afford a Python dict entry, an
  * entry object and a policy node a page (the NVMe tier spent ~470 bytes a
@@ -911,7 +911,7 @@ static PyTypeObject PageIndexType = {
     .tp_basicsize = sizeof(PageIndex),
     .tp_dealloc = (destructor)PageIndex_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "128-bit digest -> a fixed row, with per-tenant eviction lists (tiers/node/page_index.py)",
+    .tp_doc = "128-bit digest -> a fixed row, with per-tenant eviction lists (tiers/stores/page_index.py)",
     .tp_methods = PageIndex_methods,
     .tp_as_sequence = &PageIndex_as_sequence,
     .tp_new = PageIndex_new,

@@ -26,7 +26,9 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import distributions
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Type
+
+from tiers.policies.base import EvictionPolicy
 
 STORE_GROUP = "hicache_tiers.stores"
 POLICY_GROUP = "hicache_tiers.policies"
@@ -96,7 +98,7 @@ def _installed(group: str) -> Dict[str, str]:
 
 def rescan() -> None:
     """Forget what was found and loaded (a distribution was added to the path since)."""
-    for cached in (_entry_points, store_kind, policy_class):
+    for cached in (_entry_points, store_kind, _policy_class):
         cached.cache_clear()
 
 
@@ -162,10 +164,14 @@ def _load_file(path: str, attribute: str, what: str) -> Any:
         raise PluginError(f"{what} does not load: {type(exc).__name__}: {exc}") from None
 
 
+def policy_class(name: str) -> Type[EvictionPolicy]:
+    """The EvictionPolicy class installed as name (any case), or in FILE.py:Class (PluginError, a ValueError,
+    naming what is installed)."""
+    return _policy_class(name if POLICY_FILE.match(name) else name.lower())
+
+
 @lru_cache(maxsize=None)
-def policy_class(name: str) -> type:
-    """The EvictionPolicy class registered as name, or in FILE.py:Class (PluginError listing the installed ones)."""
-    from tiers.policies.base import EvictionPolicy
+def _policy_class(name: str) -> Type[EvictionPolicy]:
     in_file = POLICY_FILE.match(name)
     if in_file:
         cls = _load_file(in_file["path"], in_file["attribute"], f"policy {name}")
@@ -176,6 +182,16 @@ def policy_class(name: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise PluginError(f"policy {name}: {target} is not an EvictionPolicy subclass")
     return cls
+
+
+def policy_names() -> List[str]:
+    """Names of every installed policy (built-in and plug-in), sorted."""
+    return sorted(policy_targets())
+
+
+def make_policy(name: str, **options) -> EvictionPolicy:
+    """Build the policy installed as name, or in FILE.py:Class (PluginError naming the choices)."""
+    return policy_class(name)(**options)
 
 
 def command_modules() -> List[str]:

@@ -17,7 +17,7 @@ DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB)
 
 def _sizes(text: str):
     """'64KiB,1MiB' -> bytes; each a whole number of tokens of the bench's model shapes."""
-    from tiers.ops.config_values import ConfigError, parse_size
+    from tiers.config_values import ConfigError, parse_size
     try:
         sizes = [parse_size(p.strip(), "page size") for p in text.split(",") if p.strip()]
     except ConfigError as exc:

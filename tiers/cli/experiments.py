@@ -6,7 +6,7 @@ import json
 import sys
 
 from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, output_file, positive_int
-from tiers.policies import policy_names
+from tiers.plugins import POLICY_FILE, PluginError, absolute_policy, policy_class, policy_names
 from tiers.sim.capacity import DEFAULT_CAPACITIES, SYNTAX, parse_capacities
 from tiers.sim import prefill
 from tiers.sim.prefill import PRESETS, ModelShape, PrefillModel
@@ -49,7 +49,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tiers.sim import kernels, report, sweep
     from tiers.sim.trace import read_traces
 
-    from tiers.plugins import POLICY_FILE, PluginError, absolute_policy, policy_class
     installed = policy_names()
     policies = installed if args.policy == "all" else [p if POLICY_FILE.match(p) else p.lower()
                                                        for p in _split(args.policy)]

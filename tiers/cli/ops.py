@@ -20,7 +20,7 @@ from tiers.wire.client import Deadlines, TierClient
 from tiers.wire import messages as M
 from tiers.ops.config import NODE_KEYS, ConfigError, NodeConfig, TierConfig, load_config, parse_size
 from tiers.node.sessions import ADMIN_NAMESPACE
-from tiers.ops.logs import setup_logging
+from tiers.logs import setup_logging
 
 SIZE_KEYS = ("capacity", "max_page_bytes", "block_size")
 

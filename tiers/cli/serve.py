@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 from tiers.ops.config import SYSTEM_CONFIG, ConfigError, NodeConfig, load_config
-from tiers.ops.logs import FloodGuard, setup_logging
+from tiers.logs import FloodGuard, setup_logging
 from tiers.ops.supervisor import serve_one, supervise
 from tiers.ops.systemd import DOC_DIR, UNIT_DIR, UNIT_SOURCE, install_units
 

@@ -35,8 +35,8 @@ from typing import Dict, Optional
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tiers.ops.logs import RateLimitedLog
-from tiers.ops.tenants import OPERATOR, TenantTable
+from tiers.logs import RateLimitedLog
+from tiers.node.tenants import OPERATOR, TenantTable
 
 log = logging.getLogger("hicache.connections")
 _warn = RateLimitedLog(log)

@@ -25,16 +25,16 @@ import zmq
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
-from tiers.node.arena import BlockArena
+from tiers.shm.arena import BlockArena
 from tiers.node.demotion import Demoter
 from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.faults import CorruptReads
 from tiers.node.connections import ConnectionGuard
 from tiers.node.fds import open_fds, raise_fd_limit
-from tiers.ops.logs import RateLimitedLog
-from tiers.ops.metrics import DaemonMetrics
-from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+from tiers.logs import RateLimitedLog
+from tiers.node.metrics import DaemonMetrics
+from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
@@ -111,7 +111,7 @@ class TierDaemon:
         self._inflight_bytes = 0
         self.ready = threading.Event()
         # Write-back and selective pages go to the next tier down (if there is one), through a queue;
-        # the demoter is the store's EvictionListener too (tiers/node/tier_factory.py).
+        # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
         self.demoter = demoter
         self.dirty = demoter.dirty if demoter is not None else DirtySet(0)  # stays empty without a tier below
 

@@ -29,12 +29,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import scatter_copy
+from tiers.shm.buffers import scatter_copy
 from tiers.node.dirty import DirtySet, should_demote
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tiers.node.sessions import ADMIN_NAMESPACE
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 from tiers.stores.base import EvictionListener, PageKey, PageStore
 from tiers.wire.security import CurveSettings
 
@@ -54,7 +54,7 @@ class DemotionLink:
     one arena attach whatever the number of namespaces above (one client a namespace ran a daemon holding
     pages of ~1,000 namespaces out of descriptors, and out of the lower tier's attach slots past 256).
     The daemon below must take this daemon's account as an admin: its own operator, or a tenant with
-    ``admin`` (tiers/ops/tenants.py)."""
+    ``admin`` (tiers/node/tenants.py)."""
 
     def __init__(self, name: str, endpoint: str, deadlines: Optional[Deadlines] = None,
                  curve: Optional[CurveSettings] = None):
@@ -272,7 +272,7 @@ class Demoter(EvictionListener):
     """A daemon's duty to the tier below: evicted dirty pages and dirty pages over the bound go down
     through the queue; at a graceful stop every eligible dirty page goes straight down.
 
-    Built before the store (tiers/node/tier_factory.py) and handed to it as its
+    Built before the store (tiers/ops/tier_factory.py) and handed to it as its
     EvictionListener, then to the daemon, which calls tick and close with the store.
     """
 

@@ -4,7 +4,7 @@ ipc:// sockets are created 0600, under umask 077, in a 0700 directory, so no
 other account can connect at any moment; with ``node.socket_group`` they are
 opened to that group afterwards (socket 0660, directory 0710: members may
 connect, not list), and who connects is then the kernel's word
-(tiers/ops/tenants.py).  A tcp:// endpoint needs CurveZMQ keys (or
+(tiers/node/tenants.py).  A tcp:// endpoint needs CurveZMQ keys (or
 allow_insecure_tcp), else ValueError and the daemon refuses to start
 (tiers/wire/security.py).
 """

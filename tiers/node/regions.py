@@ -5,7 +5,7 @@ session, with its host-pool memfd when it has one) and keeps the connection
 open.  The daemon maps the host pool read-only, once: it only ever reads
 from it (writes), and reads it through the SIGBUS-guarded copy, because a
 buggy engine may truncate it.  It answers with a read-only descriptor of its
-arena (tiers/node/arena.py), which the engine maps to copy leased pages out.
+arena (tiers/shm/arena.py), which the engine maps to copy leased pages out.
 When the connection closes (engine exit or crash) the mapping is dropped, so
 no daemon pins a dead engine's host pool.  A memfd is mapped once however many
 connections attach it (its page tables once, not once a connection: 200
@@ -40,10 +40,10 @@ import zmq
 
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
-from tiers.node.buffers import address_of, populate
+from tiers.shm.buffers import address_of, populate
 from tiers.node.endpoint import open_socket_file, private_dir
-from tiers.ops.logs import RateLimitedLog
-from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+from tiers.logs import RateLimitedLog
+from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 
 log = logging.getLogger("hicache.regions")
 _warn = RateLimitedLog(log)

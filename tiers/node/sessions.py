@@ -1,7 +1,7 @@
 """A daemon's sessions: each opened by a hello for one namespace, on behalf of one tenant.
 
 Who a peer is comes from its messages' metadata, never their fields
-(tiers/ops/tenants.py): the peer's uid on ipc (libzmq's Peer-Address, from
+(tiers/node/tenants.py): the peer's uid on ipc (libzmq's Peer-Address, from
 SO_PEERCRED), its CurveZMQ key on tcp (User-Id).  A hello opens a session only
 for a namespace the peer's tenant may use; every later request must come from
 a peer of the same tenant (a session id is no bearer token), and a request
@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import zmq
 
-from tiers.ops.tenants import OPERATOR, Tenant, TenantTable
+from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 from tiers.wire import protocol as P
 
 ADMIN_NAMESPACE = "_admin"  # the operator CLI's session: may act on every namespace
@@ -33,7 +33,7 @@ class Session:
     ns: str
     client: str
     tenant: Tenant
-    owner: int  # whose read leases its are (tiers/node/arena.py): its own id, or its tenant's
+    owner: int  # whose read leases its are (tiers/shm/arena.py): its own id, or its tenant's
     write: bool  # may change its namespace (puts, deletes, clears, evictions)
     seen: float
 

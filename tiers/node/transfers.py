@@ -3,7 +3,7 @@
 Two rules make a frozen or slow daemon harmless to the engine:
 - The daemon never writes into an engine's memory.  A read either returns
   the bytes as frames, or leases arena blocks holding the pages and lets the
-  engine copy them out itself (tiers/node/arena.py).  Stores without an arena of
+  engine copy them out itself (tiers/shm/arena.py).  Stores without an arena of
   their own (NVMe, remote) read into staging blocks of the daemon's arena.
 - The daemon reads an engine's host pool only through the SIGBUS-guarded
   copy, straight into the DRAM arena or into staging blocks, and keeps a page
@@ -21,12 +21,12 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
-from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import MemoryFault, address_of
-from tiers.node.page_runs import PageRuns, copy_pages
-from tiers.node.checksums import page_sums
+from tiers.shm.arena import Alloc, BlockArena
+from tiers.shm.buffers import MemoryFault, address_of
+from tiers.shm.page_runs import PageRuns, copy_pages
+from tiers.shm.checksums import page_sums
 from tiers.node.faults import CorruptReads
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 from tiers.stores.base import FillFailed, PageStore, StoreError
 
 # A put whose every run starts and ends on this boundary is written out of the host pool in place: the

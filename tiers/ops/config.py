@@ -39,9 +39,11 @@ policy = "lru"
 DEFAULT_CONFIG_TOML = ("# hicache-tiers embedded default: DRAM in front of NVMe; pages are acknowledged in DRAM and "
                        "written to NVMe behind it.\n[node]\n" + DEFAULT_CHAIN_TOML)
 
+from tiers.plugins import PluginError, store_kind, store_targets
 from tiers.wire.security import CurveSettings
-from tiers.ops.tenants import Tenant, parse_tenants, socket_gid
-from tiers.ops.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
+from tiers.stores.kind_options import KIND_OPTIONS, TRANSFER_ENGINE_OPTIONS  # noqa: F401  (public here too)
+from tiers.node.tenants import Tenant, parse_tenants, socket_gid
+from tiers.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
     WRITE_POLICIES,
     LOG_LEVELS,
     ConfigError,
@@ -62,7 +64,6 @@ from tiers.ops.config_values import (  # noqa: F401  (ConfigError, parse_size, W
 
 
 def _kind(value: Any, where: str) -> str:
-    from tiers.plugins import store_targets
     builtin = ("dram", "nvme", "remote", "pool", "mooncake_store")
     return _choice(*builtin, *sorted(set(store_targets()) - set(builtin)))(value, where)
 
@@ -71,7 +72,6 @@ def kind_options(kind: str, where: str = "kind") -> Dict[str, tuple]:
     """The options a tier kind accepts: the built-ins' tables below, a plug-in's own declaration."""
     if kind in KIND_OPTIONS:
         return KIND_OPTIONS[kind]
-    from tiers.plugins import PluginError, store_kind
     try:
         return store_kind(kind).options
     except PluginError as exc:
@@ -96,70 +96,6 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
                                           "8 MiB); a batch that finds it full is served in part"),
     "max_region_bytes": (parse_size, "0", "largest host pool an engine may attach; 0: the machine's RAM"),
     "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get busy"),
-}
-# The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
-TRANSFER_ENGINE_OPTIONS: Dict[str, tuple] = {
-    "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport: rdma on clusters, tcp without an RDMA NIC"),
-    "device_name": (_str, "", "RDMA devices, comma separated (e.g. mlx5_0,mlx5_1); empty: every HCA found"),
-    "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE (no metadata service), etcd://HOST:PORT or http://HOST:PORT/metadata"),
-    "te_hostname": (_str, "", "address peers reach this engine at; default: a pool's endpoint host, 127.0.0.1 for a remote tier"),
-    "require_rdma": (_bool, False, "fail at start when RDMA is unusable instead of moving pages over TCP (MC_FORCE_HCA)"),
-}
-KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
-    "dram": {
-        "block_size": (parse_size, "64KiB", "arena allocation unit; pages span whole blocks"),
-        "prefault": (_bool, True, "fault the whole arena in at start (first touches are ~10x slower than copies)"),
-    },
-    "nvme": {
-        "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),
-        "fsync": (_bool, True, "fdatasync each chunk file before its rename and fsync the directory after, "
-                               "before acknowledging (false: a power loss may drop recent pages, never return bad ones)"),
-        "compression": (_choice("none", "zstd", "zstd-shuffle"), "none",
-                        "chunk codec; zstd-shuffle splits bf16 byte planes first; capacity counts on-disk bytes"),
-        "compression_level": (_int, 1, "zstd level (1 is fastest; higher levels gained nothing on bf16 KV data)"),
-        "io_threads": (_int, 4, "blocking I/O threads (several reads in flight; the parts of a batch on their way "
-                                "to the device)"),
-        "direct_io": (_bool, True, "O_DIRECT reads of uncompressed pages into 4 KiB-aligned buffers, and writes "
-                                   "of batch chunks from aligned buffers, where the file system allows; other "
-                                   "pages buffered"),
-        "direct_writes": (_bool, False, "O_DIRECT writes of single pages in files of their own too (with "
-                                        "direct_io); buffered write + fdatasync measured 1.0-1.7x faster there on "
-                                        "the development disk, and drops its pages from the page cache once written"),
-        "index_snapshot": (_bool, True, "save the index at a clean shutdown and load it at the next start instead "
-                                        "of scanning every chunk name (removed once loaded: after a crash the "
-                                        "start scans)"),
-    },
-    "remote": {
-        **TRANSFER_ENGINE_OPTIONS,
-        "pools": (_list_of(_endpoint), [], "pool daemon endpoints (tcp://HOST:PORT); keys are placed by rendezvous hashing"),
-        "pool_weights": (_list_of(_weight), [], "relative share of keys of each pool; default equal"),
-        "pool_timeout_ms": (_int, 200, "a pool's control call (alloc, commit, locate, lookup) gives up after this"),
-        "pool_retry_max_ms": (_int, 2000, "longest back-off before a pool that stopped answering is tried again"),
-        "transfer_timeout_ms": (_int, 1000, "a page transfer gives up after this plus its bytes at min_bandwidth"),
-        "min_bandwidth": (parse_size, "100MB", "bytes per second below which a transfer is given up"),
-        "io_threads": (_int, 2, "transfers in flight (and staging slots for pages that arrive as frames)"),
-        "direct_reads": (_bool, False, "read pages straight into the engine's host pool, no staging copy; a transfer "
-                                       "given up at its deadline cannot be cancelled and may still land there after "
-                                       "the engine reused that memory (a corrupted KV page): only where transfers "
-                                       "end fast (RDMA with short QP timeouts) and that risk is accepted"),
-    },
-    "pool": {
-        **TRANSFER_ENGINE_OPTIONS,
-        "block_size": (parse_size, "1MiB", "arena allocation unit; a page is at most ceil(size/block) transfers"),
-        "max_lease_ms": (_int, 60000, "longest a client may pin or reserve pages for one transfer; above the "
-                         "Transfer Engine's 30 s stall limit, so a late transfer ends before its blocks are reused"),
-        "prefault": (_bool, True, "fault the arena in, in the background from start (first writes are otherwise slow)"),
-    },
-    "mooncake_store": {
-        "master_server_address": (_str, "127.0.0.1:50051", "the Mooncake Store master (HOST:PORT)"),
-        "metadata_server": (_str, "P2PHANDSHAKE", "P2PHANDSHAKE, etcd://HOST:PORT or http://HOST:PORT/metadata"),
-        "protocol": (_choice("tcp", "rdma"), "tcp", "Transfer Engine transport"),
-        "device_name": (_str, "", "RDMA devices, comma separated; empty: every HCA found"),
-        "te_hostname": (_str, "127.0.0.1", "address the store's peers reach this node at"),
-        "global_segment_size": (parse_size, "0", "memory this node contributes to the cluster (0: none, a pure client)"),
-        "local_buffer_size": (parse_size, "256MiB", "the store client's registered transfer buffer"),
-        "io_threads": (_int, 2, "transfers in flight"),
-    },
 }
 
 

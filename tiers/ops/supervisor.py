@@ -32,7 +32,7 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
     from tiers.ops.notify import sd_notify, watchdog_interval
     from tiers.ops.prometheus import start_exporter
     from tiers.stores.base import StoreError
-    from tiers.node.tier_factory import build_daemon
+    from tiers.ops.tier_factory import build_daemon
 
     tier = config.tier(tier_name)
     exporter = None

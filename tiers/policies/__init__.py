@@ -14,9 +14,13 @@ Contract, exercised by tests/test_policies.py for every registered policy:
 - ``pop_victim()``: remove and return the key to evict next, or None when
   empty.  It mutates on purpose (its name says so): no query has side effects.
 - ``len(policy)`` and ``key in policy``.
+
+Policies are found and built by name in tiers/plugins.py (``make_policy``,
+``policy_class``, ``policy_names``): the built-ins and those installed by
+entry point; this package imports nothing of the registry.
 """
 from __future__ import annotations
 
-from tiers.policies.base import EvictionPolicy, make_policy, policy_class, policy_names, register_policy
+from tiers.policies.base import EvictionPolicy, register_policy
 
-__all__ = ["EvictionPolicy", "make_policy", "policy_class", "policy_names", "register_policy"]
+__all__ = ["EvictionPolicy", "register_policy"]

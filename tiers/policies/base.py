@@ -47,25 +47,3 @@ def register_policy(cls: Type[EvictionPolicy]) -> Type[EvictionPolicy]:
     if not cls.name or cls.name != cls.name.lower():
         raise ValueError(f"policy class {cls.__name__} needs a lower-case name, got {cls.name!r}")
     return cls
-
-
-def policy_names() -> list:
-    """Names of every installed policy (built-in and plug-in), sorted."""
-    from tiers.plugins import policy_targets
-    return sorted(policy_targets())
-
-
-def policy_class(name: str) -> Type[EvictionPolicy]:
-    """The class installed as name, or in FILE.py:Class (ValueError naming the choices)."""
-    from tiers.plugins import POLICY_FILE, PluginError, policy_class as load
-    try:
-        return load(name if POLICY_FILE.match(name) else name.lower())
-    except PluginError as exc:
-        if "no eviction policy" in str(exc):
-            raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}") from None
-        raise
-
-
-def make_policy(name: str, **options) -> EvictionPolicy:
-    """Build the policy installed as name (ValueError naming the choices)."""
-    return policy_class(name)(**options)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from tiers.policies import make_policy
+from tiers.plugins import make_policy
 
 ROUTER_WRITE_POLICIES = ("write_through", "write_back", "selective")
 

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
-from tiers.policies import make_policy
+from tiers.plugins import make_policy
 from tiers.sim import kernels
 from tiers.sim.trace import Trace
 

@@ -196,7 +196,7 @@ class PageStore(ABC):
     def assign_tenant(self, namespace: str, tenant: str, quota: Optional[int] = None) -> None:
         """namespace is tenant's: its pages count toward that tenant's one fair share, and toward its quota
         (bytes all its namespaces may hold together in this tier) when one is given. The daemon says so at
-        each hello of a configured tenant (tiers/ops/tenants.py); a namespace never assigned is a tenant of
+        each hello of a configured tenant (tiers/node/tenants.py); a namespace never assigned is a tenant of
         its own. Stores without a fair share ignore it."""
 
     def prune(self) -> int:
@@ -206,7 +206,7 @@ class PageStore(ABC):
 
     # ------------------------------------------------ optional capabilities
     def export_arena(self):
-        """The BlockArena (tiers/node/arena.py) this store keeps its pages in, when engines may read them from it.
+        """The BlockArena (tiers/shm/arena.py) this store keeps its pages in, when engines may read them from it.
 
         None (the default): the daemon stages reads in an arena of its own.
         A store that returns its arena implements ``lease_pages``.
@@ -216,7 +216,7 @@ class PageStore(ABC):
     def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
                     max_bytes: int):
         """(lease id or None, extents in export_arena() of each page or None, checksum of each page);
-        see tiers/node/arena.py."""
+        see tiers/shm/arena.py."""
         raise Unsupported(f"{type(self).__name__} keeps no exported arena")
 
     # A store that exports an arena is written into in three steps, the copy outside its lock:

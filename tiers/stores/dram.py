@@ -1,12 +1,12 @@
 """The DRAM tier: pages in one sealed shared-memory arena, bounded, evicting by policy and fair share.
 
-Pages live in a BlockArena (tiers/node/arena.py): ceil(size / block_size) blocks
+Pages live in a BlockArena (tiers/shm/arena.py): ceil(size / block_size) blocks
 each, not necessarily contiguous, so any freed page makes room for any new
 one and the byte bound is exact.  Engines map the arena read-only and copy
 leased pages out themselves (``lease_pages``); writes are reserved, copied
 outside the lock under a SIGBUS guard (a truncated host pool is a refusal,
 not a dead daemon), then committed.  Each namespace has its own policy; the
-namespace that gives up space is chosen by tiers/node/fairness.py.
+namespace that gives up space is chosen by tiers/stores/fairness.py.
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from tiers.node.arena import Alloc, BlockArena, Extents
-from tiers.node.buffers import MemoryFault, as_bytes_view, scatter_copy
-from tiers.node.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
-from tiers.node.page_index import ORDER_NONE, PageIndex
-from tiers.policies import EvictionPolicy, make_policy
+from tiers.shm.arena import Alloc, BlockArena, Extents
+from tiers.shm.buffers import MemoryFault, as_bytes_view, scatter_copy
+from tiers.stores.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
+from tiers.stores.page_index import ORDER_NONE, PageIndex
+from tiers.policies import EvictionPolicy
+from tiers.plugins import make_policy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
                                StoreStats, total_size)
 from tiers.plugins import StoreKind
@@ -35,7 +36,7 @@ log = logging.getLogger("hicache.dram")
 # the next hold.
 EVICT_AHEAD_BYTES = 8 << 20
 # Seconds of evicting ahead in one lock hold at most, whatever the bytes: choosing a victim walks every
-# namespace (tiers/node/fairness.py), so with thousands of them a batch's evictions in one hold would stall
+# namespace (tiers/stores/fairness.py), so with thousands of them a batch's evictions in one hold would stall
 # the tier's readers for as long as those evictions page by page, each in a hold of its own, would have.
 EVICT_AHEAD_S = 0.001
 
@@ -80,11 +81,11 @@ class DramStore(PageStore):
         self._room_for_batches = make_policy(policy).evicts_new_pages_last
         self._index: Dict[PageKey, _Entry] = {}
         # Every page's key_digest, beside the index: a lookup of 1,024 keys (or of their packed digests) is one
-        # native call, with no Python object a key (tiers/node/page_index.py; the GIL is its lock).
+        # native call, with no Python object a key (tiers/stores/page_index.py; the GIL is its lock).
         self._held = PageIndex(ORDER_NONE)
         self._tenants: Dict[str, _Tenant] = {}
         self._fair = FairShare(self.capacity, quotas)
-        # Fairness's plan of victims for the last writer (tiers/node/fairness.py VictimPlan), good while the
+        # Fairness's plan of victims for the last writer (tiers/stores/fairness.py VictimPlan), good while the
         # usage changed only by its victims and the writer's own batch: (usage version, writer, over quota,
         # plan, the writer's pending bytes it knows of).  Evicting page after page walks the namespaces once.
         self._victim_plan = None
@@ -478,7 +479,7 @@ def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> D
                      quotas=quotas, evictions=evictions)
 
 
-# The dram kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["dram"]).
+# The dram kind, as tiers/plugins.py finds it (options: tiers/stores/kind_options.py KIND_OPTIONS["dram"]).
 KIND = StoreKind("dram", _build, description="pages in a sealed memfd arena of fixed blocks")
 
 

@@ -1,6 +1,6 @@
 """A daemon's arena as an engine maps it: read-only, and the copy of leased pages out of it.
 
-The engine's half of a leased read (tiers/node/arena.py is the daemon's): the
+The engine's half of a leased read (tiers/shm/arena.py is the daemon's): the
 engine copies the pages into its own host pool, in one call without the GIL,
 and keeps them only if that copy ended by the lease's expiry, after which
 the daemon may reuse the blocks.
@@ -12,8 +12,8 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from tiers.node.buffers import address_of, populate
-from tiers.node.page_runs import PageRuns, copy_pages
+from tiers.shm.buffers import address_of, populate
+from tiers.shm.page_runs import PageRuns, copy_pages
 
 
 class ArenaMap:
@@ -75,7 +75,7 @@ class ArenaMap:
         """Copy found page i (extents: offsets in this arena, one a found page, in order) into page i of dst
         (addresses of this process); the found flags when the copy ended by expiry (time.monotonic()), else
         all False.  copied, when given, gets the checksum of each page as it lies in dst after the copy
-        (0: not copied), each page hashed right after its copy (tiers/node/page_runs.py).
+        (0: not copied), each page hashed right after its copy (tiers/shm/page_runs.py).
 
         MemoryFault or ValueError (a page of another size) propagate to the caller.
         """

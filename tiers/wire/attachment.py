@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Optional
 
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.arena_map import ArenaMap

@@ -8,7 +8,7 @@ waits on a tier that was down.  A ``no_session`` reply (the daemon
 restarted) re-opens the session and retries once.
 
 Engine clients attach (``attach=True``): they map the daemon's arena
-read-only and copy leased pages out of it themselves (tiers/node/arena.py);
+read-only and copy leased pages out of it themselves (tiers/shm/arena.py);
 the registration of host pools and the arena's mapping live in
 tiers/wire/attachment.py.
 """
@@ -30,9 +30,9 @@ from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
-from tiers.node.buffers import MemoryFault
-from tiers.node.page_runs import PageRuns
-from tiers.ops.logs import RateLimitedLog
+from tiers.shm.buffers import MemoryFault
+from tiers.shm.page_runs import PageRuns
+from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
 

@@ -46,7 +46,7 @@ daemon's arena, which the engine mapped read-only when it attached, until
 ``release`` or that time: the reply's ``desc``/``regions_per_page`` are
 (offset, length) extents into the arena of each found page, ``arena`` the id
 of the arena they refer to.  The engine copies a page only before the lease
-ends and keeps it only if the copy ended by then (tiers/node/arena.py).  ``done``
+ends and keeps it only if the copy ended by then (tiers/shm/arena.py).  ``done``
 (at most ``MAX_DONE_LEASES`` lease ids, on a get, put or lookup) releases the
 leases of earlier reads the engine has copied out, in the same round trip.
 
@@ -117,7 +117,7 @@ ERROR_CODES = (
     "bad_version",  # protocol version mismatch
     "unknown_op",
     "no_session",  # session unknown (daemon restarted): say hello again
-    "forbidden",  # the connection's tenant may not do this (tiers/ops/tenants.py)
+    "forbidden",  # the connection's tenant may not do this (tiers/node/tenants.py)
     "deadline",  # the deadline passed before the work was done
     "too_large",  # page or message over the configured bound
     "full",  # no room even after eviction
@@ -298,7 +298,7 @@ def encode_descriptor_arrays(offsets: np.ndarray, lengths: np.ndarray) -> Tuple[
 def decode_descriptor_arrays(desc, counts, n_pages: int,
                              region_size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate descriptors; (offsets uint64, lengths uint64, runs a page int64), each region inside the mapping
-    (the arrays of tiers/node/page_runs.py PageRuns: no Python object a page)."""
+    (the arrays of tiers/shm/page_runs.py PageRuns: no Python object a page)."""
     if not isinstance(desc, bytes) or not isinstance(counts, bytes):
         raise ProtocolError("bad_request", "desc and regions_per_page must be bytes")
     if len(desc) % 16 or len(counts) != 4 * n_pages:

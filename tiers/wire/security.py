@@ -30,7 +30,7 @@ from typing import FrozenSet, List, Optional, Tuple
 
 import zmq
 
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.security")
 _warn = RateLimitedLog(log)

@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from hicache_ext.host_pool import HostPoolView
-from tiers.node.buffers import copy_runs
+from tiers.shm.buffers import copy_runs
 
 BACKEND_NAME = "memory_reference"
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from tiers.node.buffers import copy_runs
+from tiers.shm.buffers import copy_runs
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):

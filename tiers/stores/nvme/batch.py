@@ -7,7 +7,7 @@ holding a put's pages, each as the chunk record a file of its own holds
 (tiers/stores/nvme/chunkfile.py: a 4 KiB header naming namespace, key, sizes
 and checksums, then the payload), each record starting at a 4 KiB boundary.
 So a page is read, verified and identified exactly as before, at its record's
-offset; the index row says which file and block (tiers/node/page_index.py).
+offset; the index row says which file and block (tiers/stores/page_index.py).
 
 The file is written under a temporary name and renamed into place after its
 one fdatasync: a crash leaves either the whole batch or a temporary file the

@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from tiers.node.buffers import as_bytes_view
+from tiers.shm.buffers import as_bytes_view
 from tiers.stores.base import Buffers, PageKey, total_size
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.layout import key_digest

@@ -18,7 +18,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import as_bytes_view
+from tiers.shm.buffers import as_bytes_view
 from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
                                StoreIOError, total_size)
 from tiers.stores.nvme import batch, chunkfile as cf

@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence
 
 import xxhash
 
-from tiers.node.buffers import address_of
+from tiers.shm.buffers import address_of
 
 MAGIC = b"HCKVCHNK"
 VERSION = 1

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import zstandard
 
-from tiers.node.buffers import scatter_copy
+from tiers.shm.buffers import scatter_copy
 
 CODEC_IDS = {"none": 0, "zstd": 1, "zstd-shuffle": 2}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}

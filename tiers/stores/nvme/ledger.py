@@ -7,7 +7,7 @@ as needed) and then commits or releases; the victims it gets back are already
 out of the index and their bytes already freed, so the caller deletes their
 files before writing its own and the disk never holds more than capacity.
 
-The index is native (tiers/node/page_index.py): a 48-byte row and a 4-byte
+The index is native (tiers/stores/page_index.py): a 48-byte row and a 4-byte
 slot a chunk, the LRU or FIFO order in the rows; a chunk's path is worked
 out from its digest and namespace hash, never stored.  Any other policy
 orders the digests itself (a Python EvictionPolicy a namespace).
@@ -22,9 +22,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from tiers.node.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
-from tiers.node.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
-from tiers.policies import EvictionPolicy, make_policy
+from tiers.stores.fairness import FairShare, GroupUsage, VictimPlan, bounded_top
+from tiers.stores.page_index import MAX_TENANTS, ORDER_NONE, PageIndex, Row, order_for
+from tiers.policies import EvictionPolicy
+from tiers.plugins import make_policy
 from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.index import digests_of
 from tiers.stores.nvme.batch import batch_path
@@ -92,7 +93,7 @@ class Ledger:
         self._tenants: Dict[int, _Tenant] = {}  # by namespace hash: each namespace evicts by its own order
         self._numbered: Dict[int, _Tenant] = {}  # the same, by their number in the index
         self._fair = FairShare(capacity, quotas)
-        # Fairness's plan of victims for the last writer (tiers/node/fairness.py VictimPlan), good while the
+        # Fairness's plan of victims for the last writer (tiers/stores/fairness.py VictimPlan), good while the
         # usage changed only by its own victims: (usage version, writer, over quota, plan).  A put that evicts
         # page after page walks the namespaces once, not once a page.
         self._victim_plan: Optional[Tuple[int, Optional[int], bool, VictimPlan]] = None
@@ -118,7 +119,7 @@ class Ledger:
         return self._order
 
     def assign_tenant(self, ns_hash: int, tenant: str, quota: Optional[int] = None) -> None:
-        """The namespace of ns_hash counts toward tenant's fair share (tiers/node/fairness.py), and toward its
+        """The namespace of ns_hash counts toward tenant's fair share (tiers/stores/fairness.py), and toward its
         quota (bytes on disk all its namespaces hold together) when one is given."""
         with self.lock:
             self._fair.assign(ns_hash, ("tenant", tenant), quota)
@@ -314,7 +315,7 @@ class Ledger:
         return self._index.contains_packed(digests)
 
     def _pop_victim_locked(self, writer: Optional[int], need: int = 0, only: Optional[int] = None) -> Optional[Victim]:
-        """The next victim: of namespace only, or of the namespace tiers/node/fairness.py chooses for writer."""
+        """The next victim: of namespace only, or of the namespace tiers/stores/fairness.py chooses for writer."""
         plan = None  # the plan this victim was chosen by
         if only is None:
             own = self._tenants.get(writer) if writer is not None else None
@@ -575,7 +576,7 @@ class Ledger:
             extra = dict(self.extra)
             extra["reserved_bytes"] = self.reserved
             extra["index_building"] = float(self._build is not None)  # 1 while the restart scan runs
-            extra["index_bytes"] = index_bytes  # the native index's rows and slots (tiers/node/page_index.py)
+            extra["index_bytes"] = index_bytes  # the native index's rows and slots (tiers/stores/page_index.py)
             active = sum(1 for t in self._tenants.values() if t.bytes)
             per_ns = {(t.name or f"#{h:x}"): {"bytes": t.bytes, "pages": self._pages_locked(t), "hits": t.hits,
                                               "evictions": t.evictions, "fair_share": int(self._fair.share(active)),

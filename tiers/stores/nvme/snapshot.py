@@ -23,7 +23,7 @@ import os
 import struct
 from typing import Optional
 
-from tiers.node.page_index import MAX_TENANTS, SAVED_ROW_BYTES
+from tiers.stores.page_index import MAX_TENANTS, SAVED_ROW_BYTES
 from tiers.stores.nvme import chunkfile as cf
 from tiers.stores.nvme.layout import LeafDirs
 from tiers.stores.nvme.ledger import Ledger

@@ -20,8 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import as_bytes_view
-from tiers.ops.logs import RateLimitedLog
+from tiers.shm.buffers import as_bytes_view
+from tiers.logs import RateLimitedLog
 from tiers.stores.nvme import batch, chunkfile as cf, snapshot
 from tiers.stores.nvme.batch_reads import TOUCH_INTERVAL, BatchReadSource, BatchReads
 from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
@@ -34,6 +34,7 @@ from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 from tiers.stores.base import (Buffers, EvictionListener, FillPages, PageKey, PageStore, PageTooLarge, StoreError,
                                StoreFull, StoreIOError, StoreStats, total_size)
 from tiers.plugins import StoreKind
+from tiers.stores.kind_options import KIND_OPTIONS
 
 log = logging.getLogger("hicache.nvme")
 N_STRIPES = 64
@@ -100,7 +101,6 @@ class NvmeStore(PageStore):
     def from_config(cls, tier, quotas: Optional[dict] = None,
                     evictions: Optional[EvictionListener] = None) -> "NvmeStore":
         """Build the store a tiers.ops.config.TierConfig of kind nvme describes."""
-        from tiers.ops.config import KIND_OPTIONS
         opt = {k: tier.options[k] if k in tier.options else parser(default, k)
                for k, (parser, default, _help) in KIND_OPTIONS["nvme"].items()}
         if not opt["path"]:
@@ -559,5 +559,5 @@ def _block(entry: Entry) -> Optional[int]:
     return entry.block if entry.file else None
 
 
-# The nvme kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["nvme"]).
+# The nvme kind, as tiers/plugins.py finds it (options: tiers/stores/kind_options.py KIND_OPTIONS["nvme"]).
 KIND = StoreKind("nvme", NvmeStore.from_config, description="a put's pages in one checksummed file, fsync'd")

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import line_up_runs
+from tiers.shm.buffers import line_up_runs
 
 log = logging.getLogger("hicache.remote.engine")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import scatter_copy
+from tiers.shm.buffers import scatter_copy
 from tiers.stores.remote.engine import Engine, batches_by_page, pair_extents
 from tiers.stores.remote.staging import Landing
 

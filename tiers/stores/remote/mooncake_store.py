@@ -22,7 +22,7 @@ import os
 import re
 from typing import Iterable, List, Optional, Tuple
 
-from tiers.node.buffers import address_of, as_bytes_view, scatter_copy
+from tiers.shm.buffers import address_of, as_bytes_view, scatter_copy
 from tiers.stores.remote.engine import EngineError
 from tiers.stores.remote.staging import Counters, Registrations, Staging, page_views
 from tiers.stores.base import Buffers, PageKey, PageStore, StoreError, StoreIOError, StoreStats, total_size
@@ -174,6 +174,6 @@ class MooncakeStoreTier(PageStore):
         self._client.close()
 
 
-# The mooncake_store kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS).
+# The mooncake_store kind, as tiers/plugins.py finds it (options: tiers/stores/kind_options.py KIND_OPTIONS).
 KIND = StoreKind("mooncake_store", lambda tier, quotas=None, evictions=None: MooncakeStoreTier.from_config(tier),
                  description="a Mooncake Store cluster (master and store nodes)")

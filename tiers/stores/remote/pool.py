@@ -1,6 +1,6 @@
 """A pool daemon's arena: pages written and read one-sided by remote engines.
 
-The arena is the node's fixed-block arena (tiers/node/arena.py, as in the DRAM
+The arena is the node's fixed-block arena (tiers/shm/arena.py, as in the DRAM
 tier) of ``capacity`` bytes, registered with the Transfer Engine; its own read
 leases are not used here: a pool pins pages for remote sessions instead.  A remote writer
 ``allocate``s (blocks reserved under a write lease, invisible to lookups),
@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from tiers.node.arena import Alloc, BlockArena
-from tiers.node.buffers import address_of, as_bytes_view, scatter_copy
-from tiers.policies import make_policy
+from tiers.shm.arena import Alloc, BlockArena
+from tiers.shm.buffers import address_of, as_bytes_view, scatter_copy
+from tiers.plugins import make_policy
 from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreStats, total_size
 
 Extents = List[Tuple[int, int]]

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tiers.ops.logs import RateLimitedLog
+from tiers.logs import RateLimitedLog
 from tiers.wire.security import CurveSettings
 
 log = logging.getLogger("hicache.remote.pool_client")

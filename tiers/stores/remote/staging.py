@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import address_of, as_bytes_view, block_extents, scatter_copy
+from tiers.shm.buffers import address_of, as_bytes_view, block_extents, scatter_copy
 from tiers.stores.base import Buffers, PageTooLarge, StoreIOError, StoreStats, total_size
 
 log = logging.getLogger("hicache.remote.staging")

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from tiers.node.buffers import as_bytes_view
+from tiers.shm.buffers import as_bytes_view
 from tiers.stores.remote.engine import Engine, EngineConfig, batches_by_page, pair_extents
 from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.placement import Rendezvous
@@ -454,6 +454,6 @@ class RemoteStore(PageStore):
                    curve=tier.curve)
 
 
-# The remote kind, as tiers/plugins.py finds it (options: tiers/ops/config.py KIND_OPTIONS["remote"]).
+# The remote kind, as tiers/plugins.py finds it (options: tiers/stores/kind_options.py KIND_OPTIONS["remote"]).
 KIND = StoreKind("remote", lambda tier, quotas=None, evictions=None: RemoteStore.from_config(tier),
                  description="memory pools of other nodes through the Mooncake Transfer Engine")

@@ -16,9 +16,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import xxhash
 
-from tiers.ops.config_values import _str
+from tiers.config_values import _str
 from tiers.plugins import StoreKind
-from tiers.policies import make_policy
+from tiers.plugins import make_policy
 from tiers.stores.base import Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreStats, total_size
 
 CHECKSUM = 8

@@ -2,7 +2,7 @@
 
 Every engine of a node shares its tiers.  Each namespace (one model's pages of
 one shard and format) has its own eviction policy; namespaces are grouped for
-fairness: the namespaces of one configured tenant (tiers/ops/tenants.py) are
+fairness: the namespaces of one configured tenant (tiers/node/tenants.py) are
 one group, so spreading pages over many namespaces gains a tenant nothing; the
 operator's namespaces are a group each (the daemon says which is which:
 ``assign``).  When space is needed the victim comes from:

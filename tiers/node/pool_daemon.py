@@ -10,13 +10,12 @@ tier daemon's own.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import Optional
 
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
-from tiers.ops.config import NodeConfig, TierConfig
 from tiers.node.daemon import TierDaemon
-from tiers.stores.remote.engine import Engine, EngineConfig
+from tiers.stores.remote.engine import Engine
 from tiers.stores.remote.pool import PoolStore
 from tiers.wire.security import CurveSettings
 
@@ -88,24 +87,3 @@ class PoolDaemon(TierDaemon):
     def handle_release(self, msg: M.Release, frames) -> list:
         self._namespace(msg)
         return [P.reply_ok(msg.id, released=self.pool.release(msg.s, msg.lease))]
-
-
-def endpoint_host(endpoint: str) -> str:
-    """The host of a tcp:// endpoint ('' for ipc:// or a wildcard)."""
-    if not endpoint.startswith("tcp://"):
-        return ""
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return "" if host in ("*", "0.0.0.0", "::") else host
-
-
-def build_pool_daemon(node: NodeConfig, tier: TierConfig) -> PoolDaemon:
-    """A pool daemon for a tier of kind pool: arena, engine, registration (EngineError when it cannot start)."""
-    options = tier.options
-    host = options.get("te_hostname") or endpoint_host(tier.endpoint)
-    if not host:
-        raise ValueError(f"tier {tier.name}: te_hostname is needed when the endpoint {tier.endpoint} names no host")
-    engine = Engine(EngineConfig.from_options(options, default_host=host))
-    store = PoolStore(tier.capacity, tier.policy, block_size=options["block_size"],
-                      max_page_bytes=tier.max_page_bytes, max_lease=options["max_lease_ms"] / 1000.0,
-                      prefault=options["prefault"])
-    return PoolDaemon(tier.name, store, tier.endpoint, engine, max_page_bytes=tier.max_page_bytes, curve=tier.curve)

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from tiers.node.buffers import block_extents, populate
+from tiers.shm.buffers import block_extents, populate
 
 log = logging.getLogger("hicache.arena")
 

@@ -33,7 +33,7 @@ import pwd
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-from tiers.ops.config_values import ConfigError, parse_size
+from tiers.config_values import ConfigError, parse_size
 
 TENANT_KEY_HELP = {  # the README's reference is written from this (scripts/readme_reference.py)
     "name": "the tenant's name in refusals and logs",

@@ -9,6 +9,8 @@ import os
 import re
 from typing import Any, Callable, List, Optional
 
+from tiers.plugins import POLICY_FILE, PluginError, policy_class, policy_names
+
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
               "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
 WRITE_POLICIES = ("write_through", "write_back", "selective")
@@ -115,8 +117,6 @@ def _weight(value: Any, where: str) -> float:
 
 def _policy(value: Any, where: str) -> str:
     """An installed policy's name, or an absolute "/path/file.py:Class" that loads."""
-    from tiers.plugins import POLICY_FILE, PluginError, policy_class
-    from tiers.policies import policy_names
     if isinstance(value, str) and POLICY_FILE.match(value):
         if not os.path.isabs(value):
             raise ConfigError(f"{where}: a policy file must be an absolute path, got {value!r}")

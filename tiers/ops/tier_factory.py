@@ -5,12 +5,15 @@ import os
 from typing import Optional
 
 from tiers.ops.config import NodeConfig, TierConfig
-from tiers.ops.tenants import TenantTable
+from tiers.node.tenants import TenantTable
 from tiers.node.daemon import TierDaemon
 from tiers.node.demotion import Demoter, DemotionLink
 from tiers.node.faults import CorruptReads
+from tiers.node.pool_daemon import PoolDaemon
 from tiers.plugins import store_kind
 from tiers.stores.base import EvictionListener, PageStore
+from tiers.stores.remote.engine import Engine, EngineConfig
+from tiers.stores.remote.pool import PoolStore
 
 
 def build_store(tier: TierConfig, quotas=None, evictions: Optional[EvictionListener] = None) -> PageStore:
@@ -29,7 +32,6 @@ def build_store(tier: TierConfig, quotas=None, evictions: Optional[EvictionListe
 def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
     """A daemon serving tier on its endpoint (and its fd socket for ipc endpoints)."""
     if tier.kind == "pool":  # a remote memory pool: no tier below, no host pool of its own
-        from tiers.stores.remote.pool_daemon import build_pool_daemon
         return build_pool_daemon(node, tier)
     position = [t.name for t in node.tiers].index(tier.name)
     below = node.tiers[position + 1] if position + 1 < len(node.tiers) else None
@@ -54,3 +56,24 @@ def build_daemon(node: NodeConfig, tier: TierConfig) -> TierDaemon:
                       curve=tier.curve, corrupt_reads=CorruptReads.from_environ(tier.name, os.environ),
                       tenants=TenantTable(node.tenants), socket_gid=node.socket_gid,
                       connection_idle_s=node.connection_idle_s)
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a tcp:// endpoint ('' for ipc:// or a wildcard)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return "" if host in ("*", "0.0.0.0", "::") else host
+
+
+def build_pool_daemon(node: NodeConfig, tier: TierConfig) -> PoolDaemon:
+    """A pool daemon for a tier of kind pool: arena, engine, registration (EngineError when it cannot start)."""
+    options = tier.options
+    host = options.get("te_hostname") or endpoint_host(tier.endpoint)
+    if not host:
+        raise ValueError(f"tier {tier.name}: te_hostname is needed when the endpoint {tier.endpoint} names no host")
+    engine = Engine(EngineConfig.from_options(options, default_host=host))
+    store = PoolStore(tier.capacity, tier.policy, block_size=options["block_size"],
+                      max_page_bytes=tier.max_page_bytes, max_lease=options["max_lease_ms"] / 1000.0,
+                      prefault=options["prefault"])
+    return PoolDaemon(tier.name, store, tier.endpoint, engine, max_page_bytes=tier.max_page_bytes, curve=tier.curve)

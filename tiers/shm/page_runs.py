@@ -15,8 +15,8 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from tiers.node.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs, view_at
-from tiers.node.checksums import page_sums, sums_flat
+from tiers.shm.buffers import MemoryFault, copy_runs, guarded, in_halves, scatter_runs, view_at
+from tiers.shm.checksums import page_sums, sums_flat
 
 
 class PageRuns(NamedTuple):

@@ -4,7 +4,7 @@ Writers send it, tiers keep it, readers check it.  A batch is hashed in one C
 call without the GIL (tiers/_guardcopy.c, built where xxhash.h was found),
 given as addresses and lengths; a copy between a host pool and an arena
 hashes each page right after copying it, while it is still in the cache
-(tiers/node/page_runs.py).  Hashing page by
+(tiers/shm/page_runs.py).  Hashing page by
 page from Python costs a GIL hand-over a page: in a serving engine, whose
 scheduler thread spins on the GIL, that was 0.4-2.9 ms for 128 pages.  Where
 the C functions are not built, the same sums come from python-xxhash.
@@ -16,7 +16,7 @@ from typing import List, Sequence
 import numpy as np
 import xxhash
 
-from tiers.node.buffers import MemoryFault, guarded, in_halves, view_at
+from tiers.shm.buffers import MemoryFault, guarded, in_halves, view_at
 
 __all__ = ["page_sums", "page_sums_at", "native"]
 
