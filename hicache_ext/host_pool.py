@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -34,9 +34,6 @@ class PageBatch:
     @property
     def nbytes(self) -> int:
         return int(self.lengths.sum())
-
-    def page_nbytes(self, i: int) -> int:
-        return int(self.lengths[i].sum())
 
     def subset(self, indices: Sequence[int]) -> "PageBatch":
         idx = np.asarray(indices, dtype=np.int64)

@@ -3,7 +3,7 @@
 The daemon-only suite: with only the node's dependencies installed (``pip install
 -e .[test]``, no torch or sglang), the engine-side test modules are left out and
 named at the end of the run.  A module is engine-side when it imports torch,
-sglang, hicache_ext or tests.backend_env, or says ``ENGINE_SIDE = True`` (it runs
+sglang, hicache_ext or tests.support.backend_env, or says ``ENGINE_SIDE = True`` (it runs
 the engine in a subprocess).
 """
 import ast
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-ENGINE_MODULES = ("torch", "sglang", "hicache_ext", "tests.backend_env")
+ENGINE_MODULES = ("torch", "sglang", "hicache_ext", "tests.support.backend_env")
 HAVE_ENGINE = all(importlib.util.find_spec(m) is not None for m in ("torch", "sglang"))
 
 

@@ -6,7 +6,7 @@ while the watcher thread is asking the engine about the very entries it counts.
 """
 import threading
 
-from tests.nodes import eventually
+from tests.support.nodes import eventually
 from tiers.stores.remote.staging import Abandoned
 
 

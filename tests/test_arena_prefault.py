@@ -8,7 +8,7 @@ import time
 from tiers.shm.arena import BlockArena
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import TierClient
-from tests.nodes import eventually
+from tests.support.nodes import eventually
 
 
 def test_an_arena_says_when_it_is_faulted_in():

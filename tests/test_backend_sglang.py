@@ -2,8 +2,8 @@
 import pytest
 
 from hicache_ext import TieredHiCacheStorage
-from tests.backend_env import Engine, make_keys
-from tests.nodes import dram_config, start_node
+from tests.support.backend_env import Engine, make_keys
+from tests.support.nodes import dram_config, start_node
 
 
 @pytest.fixture(scope="module")

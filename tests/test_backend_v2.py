@@ -10,8 +10,8 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 
 from hicache_ext.lab.sglang_harness import (build_mha_host_pool, create_backend, fill_pages, host_indices_for_pages,
                                         make_keys, make_storage_config, page_checksums, zero_pages)
-from tests.backend_env import backend_extra
-from tests.nodes import dram_config, start_node
+from tests.support.backend_env import backend_extra
+from tests.support.nodes import dram_config, start_node
 
 PAGE = 16
 N = 10

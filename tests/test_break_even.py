@@ -77,8 +77,8 @@ def test_a_tier_that_reads_slower_than_recompute_stops_giving_hits_until_it_is_f
     import signal
     import threading
 
-    from tests.backend_env import Engine, make_keys
-    from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node, thaw
+    from tests.support.backend_env import Engine, make_keys
+    from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node, thaw
 
     runner = start_node(tmp_path / "node", node_toml(dram_tier("8MiB"), nvme_tier(fsync=False),
                                                      write_policy="write_through"))

@@ -9,7 +9,7 @@ import sys
 import time
 
 
-from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
+from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
 from tiers.shm.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient

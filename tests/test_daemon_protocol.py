@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from tiers.wire import protocol as P
-from tests.nodes import RawPeer, dram_config, start_node
+from tests.support.nodes import RawPeer, dram_config, start_node
 
 
 @pytest.fixture(scope="module")

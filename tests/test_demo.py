@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from tests.nodes import dram_tier, node_toml, nvme_tier
+from tests.support.nodes import dram_tier, node_toml, nvme_tier
 
 ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
 

@@ -7,7 +7,7 @@ import pytest
 from tiers.wire.client import TierClient
 from tiers.stores.dram import DramStore
 from tiers.stores.base import PageTooLarge
-from tests.nodes import dram_config, rss_bytes, start_node
+from tests.support.nodes import dram_config, rss_bytes, start_node
 
 
 def page(i: int, size: int = 10_000) -> bytes:

@@ -3,7 +3,7 @@ import os
 
 from hicache_ext.engine_stats import RING
 from hicache_ext.lab.sglang_harness import build_mha_host_pool, create_backend, host_indices_for_pages, make_storage_config
-from tests.nodes import rss_bytes
+from tests.support.nodes import rss_bytes
 
 CALLS = 300_000  # a leak of a record a call (~70 bytes) grows RSS by ~20 MB: 5x the bound below
 

@@ -6,8 +6,8 @@ import signal
 import time
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node, thaw
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node, thaw
 from tiers.wire.client import TierClient
 
 PAGE_BYTES = 32 << 10  # the SMALL_SHAPE page

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, start_node, thaw
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, node_toml, start_node, thaw
 from tiers.wire import held_wait
 from tiers.wire.client import Deadlines, TierClient
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import module_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import module_node
 
 HEADS, LCM, PAGES = 4, 4, 40  # 40 pages: one 128-page batch is not the point here
 SHAPE = dict(layers=2, head_dim=32, page_size=4)

@@ -12,7 +12,7 @@ import zmq
 
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tests.nodes import RawPeer, dram_config, eventually, node_toml, nvme_tier, rss_bytes, start_node
+from tests.support.nodes import RawPeer, dram_config, eventually, node_toml, nvme_tier, rss_bytes, start_node
 from tiers.ops.node_runner import NodeRunner
 
 NVME = node_toml(nvme_tier(staging_bytes="16MiB"))

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
-from tests.backend_env import Engine, make_keys
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tests.support.backend_env import Engine, make_keys
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.ops.node_runner import NodeRunner
 from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config
 

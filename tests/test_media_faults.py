@@ -20,7 +20,7 @@ import time
 import pytest
 import zmq
 
-from tests.nodes import RawPeer, node_toml, nvme_tier
+from tests.support.nodes import RawPeer, node_toml, nvme_tier
 from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.node_runner import NodeRunner
 

@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 import pytest
 
-from tests.nodes import dram_config, start_node
+from tests.support.nodes import dram_config, start_node
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient

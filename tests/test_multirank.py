@@ -4,7 +4,7 @@ import traceback
 
 import pytest
 
-from tests.nodes import dram_config, start_node
+from tests.support.nodes import dram_config, start_node
 
 RANKS = 4
 PAGES = 24

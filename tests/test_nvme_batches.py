@@ -251,7 +251,7 @@ def test_a_put_the_daemon_hashes_is_filled_in_parts_and_keeps_each_pages_xxh3(tm
     tier keeps and returns with the page."""
     import mmap
     import xxhash
-    from tests.nodes import node_toml, nvme_tier, start_node
+    from tests.support.nodes import node_toml, nvme_tier, start_node
     from tiers.shm.buffers import address_of
     from tiers.stores.nvme import batch_writes
     from tiers.wire import protocol as P

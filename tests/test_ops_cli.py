@@ -8,8 +8,8 @@ import pytest
 
 from tiers.cli import main
 from tiers.ops.config import parse_config
-from tests.nodes import RawPeer, dram_tier, node_toml
-from tests.test_ops_support import REPO
+from tests.support.nodes import RawPeer, dram_tier, node_toml
+from tests.support.ops import REPO
 from tiers.ops.node_runner import NodeRunner
 
 NODE = node_toml(dram_tier(name="spare"), dram_tier(), write_policy="write_through")  # dram, the last, demotes nowhere

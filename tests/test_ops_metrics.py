@@ -4,8 +4,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.nodes import RawPeer, dram_tier, node_toml
-from tests.test_ops_support import DaemonProcess, free_port
+from tests.support.nodes import RawPeer, dram_tier, node_toml
+from tests.support.ops import DaemonProcess, free_port
 
 
 def scrape(port: int) -> dict:

@@ -16,8 +16,8 @@ from tiers.wire import protocol as P
 from tiers.cli import main
 from tiers.ops.node_runner import ping
 from tiers.node.regions import MAX_CONNECTIONS
-from tests.nodes import node_toml, nvme_tier
-from tests.test_ops_support import REPO, DaemonProcess, dram_node
+from tests.support.nodes import node_toml, nvme_tier
+from tests.support.ops import REPO, DaemonProcess, dram_node
 
 UNITS = os.path.join(REPO, "scripts", "systemd")
 

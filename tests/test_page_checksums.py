@@ -8,8 +8,8 @@ still read every other page exactly.
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys, page_checksums, zero_pages
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, eventually, node_toml, nvme_tier
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier
 from tiers.node.faults import ENV
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import TierClient

@@ -13,8 +13,8 @@ import tomllib
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, start_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, node_toml, start_node
 from tiers import plugins
 from tiers.wire.client import TierClient
 from tiers.ops.config import ConfigError, parse_config

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys, page_bytes
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.wire.client import TierClient
 
 CHAIN = node_toml(dram_tier("16MiB"), nvme_tier(), write_policy="write_through")

@@ -8,8 +8,8 @@ it is lost to the prefix match.
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import dram_config, start_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_config, start_node
 
 PAGE = 32 * 1024  # SMALL_SHAPE pages
 FIRST, SECOND, OTHER = 200, 100, 150  # request 1 (two batches), its continuation, an unrelated prompt

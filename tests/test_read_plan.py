@@ -12,8 +12,8 @@ import time
 
 from hicache_ext.lab.sglang_harness import make_keys
 from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node
 
 
 def test_a_read_of_a_run_of_looked_up_keys_gets_each_keys_fastest_tier():

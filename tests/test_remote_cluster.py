@@ -21,7 +21,7 @@ from tiers.wire.client import Deadlines, TierClient
 from tiers.ops.node_runner import NodeRunner
 from tiers.stores.remote.placement import Rendezvous
 from tiers.stores.remote.loopback import free_ports, pool_config, pool_endpoints, remote_node_config
-from tests.nodes import eventually
+from tests.support.nodes import eventually
 
 PAGE = 256 << 10
 HOST_POOL = 32 << 20  # 128 pages: writes from slot 0, reads into slot 64 on
@@ -218,7 +218,7 @@ def test_a_lost_pool_costs_only_its_keys_and_rejoins(cluster, fault):
     (dict(op="release", lease=None), "bad_request"),
 ])
 def test_pools_answer_malformed_requests_with_errors(cluster, fields, code):
-    from tests.nodes import RawPeer
+    from tests.support.nodes import RawPeer
     _pools, _nodes, _placement, endpoints = cluster
     peer = RawPeer(endpoints[0])
     try:
@@ -233,7 +233,7 @@ def test_pools_answer_malformed_requests_with_errors(cluster, fields, code):
 
 
 def test_pools_refuse_oversized_pages_one_by_one(cluster):
-    from tests.nodes import RawPeer
+    from tests.support.nodes import RawPeer
     _pools, _nodes, _placement, endpoints = cluster
     peer = RawPeer(endpoints[0])
     try:
@@ -246,7 +246,7 @@ def test_pools_refuse_oversized_pages_one_by_one(cluster):
 
 
 def test_pool_operations_sent_to_a_node_tier_are_unknown(cluster):
-    from tests.nodes import RawPeer
+    from tests.support.nodes import RawPeer
     _pools, (a, _b), _placement, _endpoints = cluster
     peer = RawPeer(a.runner.config.tier("remote").endpoint)
     try:

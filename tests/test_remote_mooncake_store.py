@@ -14,7 +14,7 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 from tiers.wire import protocol as P
 from tiers.shm.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
-from tests.nodes import node_toml
+from tests.support.nodes import node_toml
 from tiers.ops.node_runner import NodeRunner, stop_process
 from tiers.stores.remote.loopback import free_ports
 

@@ -27,7 +27,7 @@ from tiers.shm.buffers import address_of
 from tiers.stores.remote.engine import Engine, EngineConfig
 from tiers.stores.remote.loopback import free_ports, pool_config
 from tiers.stores.remote.store import RemoteStore
-from tests.nodes import eventually
+from tests.support.nodes import eventually
 
 PAGE = 1 << 20
 PAGES = 16  # host pool: pages written from slots 0-7, read into slots 8-15

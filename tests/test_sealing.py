@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hicache_ext.lab.sglang_harness import host_indices_for_pages, page_bytes
 from hicache_ext.sealing import NONCE, OVERHEAD, KeyFileError, PageSealer, read_key_file
-from tests.backend_env import Engine, make_keys
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tests.support.backend_env import Engine, make_keys
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.cli import main as cli
 from tiers.wire.client import Deadlines, TierClient
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from tests.nodes import RawPeer, dram_config, node_toml, nvme_tier, start_node
+from tests.support.nodes import RawPeer, dram_config, node_toml, nvme_tier, start_node
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.client import Deadlines, TierClient

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="the SGLang HTTP server's packages are not installed (scripts/install.sh)")
 
 from hicache_ext.lab.server import ModelSpec, ServerOptions, SGLangServer, random_llama  # noqa: E402
-from tests.nodes import eventually, node_toml, nvme_tier, start_node, thaw  # noqa: E402
+from tests.support.nodes import eventually, node_toml, nvme_tier, start_node, thaw  # noqa: E402
 
 pytestmark = pytest.mark.server
 

@@ -5,7 +5,7 @@ came from (``cached_tokens_details``: device, host, storage = our L3), and the
 generated tokens, which must equal the prompt's cold output (the random models
 make the next token depend on the whole context, so a wrong page shows).
 
-Servers (launched at module setup, shared by the tests; hicache_ext/lab/server.py, tests/server_support.py):
+Servers (launched at module setup, shared by the tests; hicache_ext/lab/server.py, tests/support/server.py):
   a, b  the Llama, write_through, page_first_direct, node 1 (DRAM + NVMe); b runs beside a
   c     another Llama (seed 1, same shapes), selective, page_first_direct, node 1
   d     the Llama, write_back, layer_first, node 2 (DRAM + NVMe)
@@ -27,8 +27,8 @@ pytest.importorskip("uvicorn", reason="sglang.launch_server's HTTP server (uvico
 pytest.importorskip("fastapi", reason="sglang.launch_server's HTTP server (fastapi) is not installed")
 
 from hicache_ext.lab.server import ModelSpec, random_llama  # noqa: E402
-from tests.nodes import dram_tier, eventually, nvme_tier, thaw  # noqa: E402
-from tests.server_support import (NEW_TOKENS, Fleet, Node, cold, hit_tokens, models_dir, namespace,  # noqa: E402
+from tests.support.nodes import dram_tier, eventually, nvme_tier, thaw  # noqa: E402
+from tests.support.server import (NEW_TOKENS, Fleet, Node, cold, hit_tokens, models_dir, namespace,  # noqa: E402
                                   page_keys, prompt, random_mla, server_options, storage_hit)
 
 pytestmark = pytest.mark.server

@@ -17,8 +17,8 @@ from sglang.srt.server_args import ServerArgs
 
 from hicache_ext.settings import BackendSettings
 from hicache_ext.lab.sglang_harness import build_mha_host_pool, create_backend, make_storage_config
-from tests.backend_env import backend_extra
-from tests.nodes import dram_config, module_node
+from tests.support.backend_env import backend_extra
+from tests.support.nodes import dram_config, module_node
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 ODD_DIR = "dir with space*and[glob]?"

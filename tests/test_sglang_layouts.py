@@ -12,8 +12,8 @@ import pytest
 from hicache_ext.lab.sglang_harness import (PageDriver, build_mha_host_pool, build_mla_host_pool, create_backend,
                                         fill_pages, host_indices_for_pages, make_keys, make_storage_config,
                                         page_checksums, zero_pages)
-from tests.backend_env import backend_extra
-from tests.nodes import module_node
+from tests.support.backend_env import backend_extra
+from tests.support.nodes import module_node
 
 N, PAGE_SIZE = 6, 4
 MHA = dict(layers=2, kv_heads=2, head_dim=32, page_size=PAGE_SIZE)

@@ -3,8 +3,8 @@ from sglang.srt.mem_cache.buffer_mode.storage_existence_cache import ChainPagesP
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName
 
 from hicache_ext.lab.sglang_harness import make_keys, page_checksums
-from tests.backend_env import Engine
-from tests.nodes import module_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import module_node
 from tiers.wire.client import TierClient
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import zmq
 
-from tests.nodes import dram_tier, node_toml, nvme_tier
+from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
@@ -276,7 +276,7 @@ def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node)
     got = run_as(NOBODY, NOBODY, churn_with_sessions)
     assert got.get("done"), got
     admin = TierClient("tier", endpoint, "_admin", "test")
-    time.sleep(1.2)  # two housekeeping ticks
+    eventually(lambda: admin.stats()["namespaces"] == 0)  # housekeeping prunes them (a tick every 0.5 s)
     began = time.perf_counter()
     stats = admin.stats()
     took = time.perf_counter() - began
@@ -288,7 +288,7 @@ def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node)
 def test_replies_a_peer_never_reads_are_dropped_and_counted(tmp_path):
     """Attack 8: a peer that asks and never reads loses its own replies, each one counted (they were dropped
     silently before); other clients are served meanwhile."""
-    from tests.nodes import dram_config, eventually, start_node
+    from tests.support.nodes import dram_config, eventually, start_node
     runner = start_node(tmp_path, dram_config(capacity="16MiB"))
     endpoint = runner.config.tier("dram").endpoint
     ctx = zmq.Context.instance()
@@ -318,7 +318,7 @@ def test_replies_a_peer_never_reads_are_dropped_and_counted(tmp_path):
 def test_peers_that_never_read_their_replies_do_not_grow_the_daemon(tmp_path):
     """Attack 3: peers that ask for pages as frames and never read the replies grew the daemon by every reply
     (8 peers x 64 reads of 4 MiB: 2,034 MiB); now each may leave PEER_UNREAD_BYTES unread, then gets busy."""
-    from tests.nodes import dram_config, eventually, rss_bytes, start_node
+    from tests.support.nodes import dram_config, eventually, rss_bytes, start_node
     from tiers.node.peers import PEER_UNREAD_BYTES
     runner = start_node(tmp_path, dram_config(capacity="64MiB"))
     endpoint = runner.config.tier("dram").endpoint
@@ -637,8 +637,10 @@ def test_an_attachment_lives_only_as_long_as_its_session(node):
             sock.send(P.request("hello", i, ns="guest-2", client="more"))
             P.unpack(sock.recv())
         sock.close(linger=0)
-        time.sleep(1.5)  # a housekeeping tick closes the attachment of the forgotten session
-        out["expired"] = TierClient("dram", endpoint, "guest-3", "guest", context=ctx).stats()["attach_expired"]
+        # A housekeeping tick closes the attachment of the forgotten session.
+        watcher = TierClient("dram", endpoint, "guest-3", "guest", context=ctx)
+        out["expired"] = eventually(lambda: watcher.stats()["attach_expired"])
+        watcher.close()
         client.connect()
         out["second_put"] = client.put_region(["g1"], desc, counts, PAGE)
         out["second_region"] = client.region_id

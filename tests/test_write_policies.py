@@ -7,8 +7,8 @@ import time
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
-from tests.backend_env import Engine
-from tests.nodes import dram_tier, node_toml, nvme_tier, start_node
+from tests.support.backend_env import Engine
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import TierClient
 

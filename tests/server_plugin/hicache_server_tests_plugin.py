@@ -1,6 +1,6 @@
 """An SGLang plug-in for the real-server tests only (tests/test_server_e2e.py): MLA on the CPU route.
 
-tests/server_support.py puts this directory on the servers' PYTHONPATH, after the
+tests/support/server.py puts this directory on the servers' PYTHONPATH, after the
 CPU stand-ins (tests/cpu_server/stand_ins); SGLang loads the plug-in through its
 ``sglang.srt.plugins`` entry point in every server process.  The stand-ins make
 SGLang's MHA host pool work on CPU; this does the same for MLA models:

@@ -529,6 +529,7 @@ class TierDaemon:
         stats["source_gone"] = self.transfers.source_gone
         stats["sum_refused"] = self.transfers.sum_refused
         stats["in_place_puts"] = self.transfers.in_place_puts
+        stats["replies_unread_bytes"] = self._peer_replies.unread_bytes()  # pages libzmq holds for peers
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
         guard = self._guard

@@ -236,11 +236,6 @@ def block_extents(blocks: Sequence[int], block_size: int, size: int) -> List[Tup
     return extents
 
 
-def split_extents(views: Sequence[memoryview]) -> List[memoryview]:
-    """Drop empty views (they would stall the copy loop)."""
-    return [v for v in views if v.nbytes]
-
-
 def populate(mapping: mmap.mmap, write: bool = True, step: int = 0) -> bool:
     """Fault a whole shared mapping in (for writing, or for reading), without holding the GIL.
 

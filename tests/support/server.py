@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 from hicache_ext.lab.server import Generation, SGLangServer, ServerOptions
 from hicache_ext.settings import derive_namespace
-from tests.nodes import eventually, node_toml
+from tests.support.nodes import eventually, node_toml
 from tiers.ops.node_runner import NodeRunner
 from tiers.wire.client import Deadlines, TierClient
 
@@ -25,7 +25,7 @@ PAGE = 16  # ServerOptions.page_size
 NEW_TOKENS = 8  # greedy tokens generated per request
 VOCAB = 1024  # ModelSpec.vocab
 # The test-only SGLang plug-in (tests/server_plugin): MLA models on the CPU route.
-PLUGIN_DIR = Path(__file__).resolve().parent / "server_plugin"
+PLUGIN_DIR = Path(__file__).resolve().parent.parent / "server_plugin"
 L3_WAIT = 60.0  # seconds for an asynchronous backup to reach the tiers (2 shared cores, several servers)
 
 

@@ -10,9 +10,9 @@ import time
 from typing import Dict, List, Optional
 
 from tiers.ops.node_runner import ping
-from tests.nodes import dram_tier, node_toml
+from tests.support.nodes import dram_tier, node_toml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class NotifyListener:
