@@ -160,6 +160,10 @@ class TierRouter:
             extra["sums"] = sums
         elif hash_pages:
             extra["hash_pages"] = True
+        if batch.offsets is not None and client.region_id is None:
+            # The host pool is registered by the session's hello: without this, a put that opens the session
+            # (a backup before any lookup) sent its whole batch as frames.
+            client.connect()
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
             return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)

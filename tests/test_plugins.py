@@ -60,7 +60,7 @@ def test_names_are_known_without_importing_and_unknown_names_list_what_is_instal
     assert "tmpfs" in plugins.store_targets() and "mru" in policy_names()
     with pytest.raises(ValueError, match="no eviction policy .nope.; installed: .*mru"):
         make_policy("nope")
-    with pytest.raises(ConfigError, match="'tape' is not one of dram, nvme, remote, pool, mooncake_store, tmpfs"):
+    with pytest.raises(ConfigError, match="'tape' is not one of dram, nvme, remote, pool, mooncake_store, memarena, tmpfs"):
         parse_config("[[tiers]]\nname = 'x'\nkind = 'tape'\n", "t.toml")
 
 
@@ -88,6 +88,28 @@ def test_a_plugin_tier_serves_the_real_backend(installed, tmp_path):
         assert len([f for f in os.listdir(tmp_path / "pages") if f.endswith(".key")]) == 8
         stats = TierClient("shm", runner.config.tier("shm").endpoint, "_admin").stats()
         assert stats["pages"] == 8 and stats["hits"] >= 8
+    finally:
+        engine.close()
+        runner.stop()
+
+
+def test_a_plugin_that_shares_its_memory_serves_the_real_backend(installed, tmp_path):
+    """The example memarena kind exports its arena: a put from the engine's host pool is reserved, copied by
+    the daemon and committed, and a read is a lease the engine copies out of its own mapping."""
+    runner = start_node(tmp_path, node_toml({"name": "mem", "kind": "memarena", "capacity": "16MiB",
+                                             "block_size": "4KiB"}, write_policy="write_through"))
+    engine = Engine(runner, model="plugin-arena", pages=16)
+    try:
+        keys = make_keys(8, salt=56)
+        done, sums = engine.write(keys, 0, seed=6)
+        assert done == 8
+        assert engine.read(keys, 8) == (8, sums)
+        stats = TierClient("mem", runner.config.tier("mem").endpoint, "_admin").stats()
+        print(f"\nmemarena: {stats['pages']} pages, {stats['pages_leased']} leased to the engine, "
+              f"{stats['pages_copied_in']} put as frames")
+        assert stats["pages"] == 8 and stats["inserts"] == 8
+        assert stats["pages_copied_in"] == 0  # every page came through reserve, the daemon's copy, commit
+        assert stats["pages_leased"] == 8  # and went out by lease, the engine's own copy
     finally:
         engine.close()
         runner.stop()

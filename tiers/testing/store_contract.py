@@ -19,7 +19,9 @@ refusals with nothing visible, counters, concurrent calls for stores with
 ``parallel_io``, batches and their deadlines for ``batched`` stores (a call
 past its deadline lands no byte), a restart that keeps pages for persistent
 stores, corrupt data read as a miss, and page checksums kept and returned by
-stores that declare ``keeps_checksums`` (0, unknown, from the rest).  The built-ins pass it
+stores that declare ``keeps_checksums`` (0, unknown, from the rest); and for a store that shares its
+memory (``export_arena``), writes in three steps (reserve, the daemon's copy, commit or abort) and a batch's,
+and leased reads that show each page's own bytes until the lease ends.  The built-ins pass it
 (tests/test_store_contract.py, tests/test_remote_contract.py).
 """
 from __future__ import annotations
@@ -305,6 +307,74 @@ class StoreContract:
             pytest.skip("this store keeps nothing a test can corrupt behind its back")
         assert read(store, ("ns", "k"), len(data)) is None
         assert store.contains([("ns", "k")]) == [False]
+
+
+    # ----------------------------------------- stores that share their memory (export_arena)
+    def _arena(self, store: PageStore):
+        arena = store.export_arena()
+        if arena is None:
+            pytest.skip("exports no arena (the daemon stages this store's pages in its own)")
+        return arena
+
+    def test_arena_pages_are_written_in_three_steps(self, store):
+        """reserve, the daemon's copy into the blocks, commit (or abort): what a shared-memory put does."""
+        arena = self._arena(store)
+        data = page(90, self.page_bytes)
+        free = arena.free_blocks()
+        alloc = store.reserve(("ns", "k"), len(data))
+        assert alloc is not None and store.contains([("ns", "k")]) == [False]  # reserved is not yet stored
+        _fill(arena, alloc, data)
+        store.commit(("ns", "k"), alloc, None, xxhash.xxh3_64_intdigest(data))
+        assert read(store, ("ns", "k"), len(data)) == data
+        aborted = store.reserve(("ns", "gone"), len(data))
+        _fill(arena, aborted, page(91, self.page_bytes))
+        store.abort(aborted)
+        assert store.contains([("ns", "gone")]) == [False]
+        assert arena.free_blocks() == free - arena.blocks_for(len(data))  # the aborted blocks came back
+
+    def test_arena_batches_are_reserved_and_committed_together(self, store):
+        arena = self._arena(store)
+        names = [f"b{i}" for i in range(4)]
+        pages = [page(100 + i, self.page_bytes) for i in range(4)]
+        allocs = store.reserve_many("ns", names, [self.page_bytes] * 4)
+        assert len(allocs) == 4
+        for alloc, data in zip(allocs, pages):
+            _fill(arena, alloc, data)
+        store.commit_many("ns", names, allocs, [None] * 4, [xxhash.xxh3_64_intdigest(d) for d in pages])
+        assert [read(store, ("ns", n), self.page_bytes) for n in names] == pages
+
+    def test_a_leased_page_is_what_was_written_until_its_lease_ends(self, store):
+        """lease_pages hands out each page's blocks (the engine copies from its own mapping); a page deleted
+        while leased keeps its bytes whatever is written next, until the lease is released."""
+        arena = self._arena(store)
+        data = page(110, self.page_bytes)
+        store.put_with_sum(("ns", "k"), [memoryview(data)], None, xxhash.xxh3_64_intdigest(data))
+        store.put(("ns", "k2"), [memoryview(page(111, self.page_bytes))])
+        lease, extents, sums = store.lease_pages([("ns", "k"), ("ns", "absent"), ("ns", "k2")],
+                                                 [self.page_bytes] * 3, 7, time.monotonic() + 60,
+                                                 self.page_bytes)  # room for one page only
+        assert lease is not None and extents[1] is None and extents[2] is None
+        assert sums[0] == (xxhash.xxh3_64_intdigest(data) if store.keeps_checksums else 0)
+        assert _extent_bytes(arena, extents[0]) == data
+        store.delete([("ns", "k")])
+        for i in range(2 * self.capacity // self.page_bytes):  # every other block written over, twice
+            store.put(("ns", f"f{i}"), [memoryview(page(120 + i, self.page_bytes))])
+        assert _extent_bytes(arena, extents[0]) == data
+        assert arena.release(lease, 7) and not arena.release(lease, 7)
+        assert store.lease_pages([("ns", "k")], [self.page_bytes], 7, time.monotonic() + 60,
+                                 self.page_bytes)[1] == [None]
+
+
+def _fill(arena, alloc, data: bytes) -> None:
+    """The daemon's copy into reserved blocks."""
+    at = 0
+    for view in arena.views(alloc):
+        view[:] = data[at:at + view.nbytes]
+        at += view.nbytes
+
+
+def _extent_bytes(arena, extents) -> bytes:
+    return b"".join(bytes(arena.view[offset:offset + length]) for offset, length in extents)
 
 
 def flip_bits(path: str, offset: int, mask: int = 0xFF) -> None:

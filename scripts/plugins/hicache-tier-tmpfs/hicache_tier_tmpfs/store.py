@@ -17,8 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import xxhash
 
 from tiers.config_values import _str
-from tiers.plugins import StoreKind
-from tiers.plugins import make_policy
+from tiers.plugins import StoreKind, make_policy
 from tiers.stores.base import Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreStats, total_size
 
 CHECKSUM = 8
