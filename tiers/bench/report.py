@@ -55,7 +55,7 @@ TARGETS = [
     ("NVMe write, fsync = false >= file backend (neither flushes)", "nvme_nofsync.{m}.write", "file.{m}.write", 1.0,
      "ratio"),
     ("write_through chain write >= 0.8x its slowest tier alone (NVMe)", "chain.write_through.{m}.write",
-     "nvme.{m}.write", 0.8, "ratio"),
+     "chain.nvme_alone.{m}.write", 0.8, "ratio"),  # NVMe alone written right before each chain write
     ("NVMe cold read >= file backend cold", "nvme.{m}.read", "file.{m}.read", 1.0, "ratio"),
     ("remote write >= file backend", "remote.{m}.write", "file.{m}.write", 1.0, "ratio"),
     ("remote read >= file backend (cold)", "remote.{m}.read", "file.{m}.read", 1.0, "ratio"),
@@ -158,12 +158,14 @@ def markdown(figs: Figures, sizes: List[str], meta: dict) -> str:
         for p in POLICIES:
             w, r = f"chain.{p}.{m}.write", f"chain.{p}.{m}.read"
             if figs.median(w) is not None:
+                alone = f"chain.nvme_alone.{m}.write"
                 pol.append(f"| {_human(m)} | {p} | {_cell(figs, w)} | {_cell(figs, r)} | "
-                           f"{_num(figs.ratio(w, f'limit.memcpy.{m}'))} | {_num(figs.ratio(w, f'nvme.{m}.write'))} |")
+                           f"{_num(figs.ratio(w, f'limit.memcpy.{m}'))} | {_num(figs.ratio(w, alone))} |")
     if pol:
         out += ["## Write policies, DRAM + NVMe chain (GB/s)", "",
                 "write_through acknowledges once both tiers hold the page; write_back and selective once DRAM "
-                "does. Reads come from DRAM.", "",
+                "does. Reads come from DRAM. NVMe alone: a node of NVMe only, written right before each of the "
+                "chain's write_through batches.", "",
                 "| pages | policy | write | read | write x memcpy | write x NVMe alone |", "|---|---|---|---|---|---|",
                 *pol, ""]
     lim = [f"| {label} | " + " | ".join(_cell(figs, f.format(m=m)) for m in sizes) + " |" for label, f in LIMIT_ROWS
