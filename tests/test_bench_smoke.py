@@ -25,6 +25,21 @@ def test_percentile_and_ratios():
             "yes") in report.target_rows(figs, ["1MiB"])
 
 
+def test_a_paired_limit_is_held_repetition_by_repetition():
+    """A disk that drifts between repetitions: medians of each side alone match one repetition's tier with
+    another's limit; paired, each ratio is taken at one moment."""
+    figs = Figures()
+    for limit, tier in ((1.5, 1.35), (4.0, 2.8), (2.0, 1.9)):  # 0.9x, 0.7x, 0.95x of each moment's limit
+        figs.add("limit.disk_write_batch.1MiB", limit)
+        figs.add("nvme.1MiB.write", tier)
+    assert round(figs.ratio("nvme.1MiB.write", "limit.disk_write_batch.1MiB"), 3) == 0.95  # 1.9 / 2.0
+    figs.pair("nvme.1MiB.write", "limit.disk_write_batch.1MiB")
+    assert round(figs.ratio("nvme.1MiB.write", "limit.disk_write_batch.1MiB"), 3) == 0.9  # median of the three
+    assert report.target_rows(figs, ["1MiB"])[0] == (
+        "NVMe write >= 0.8x one file and one fdatasync a batch (1 MiB pages)", "0.90x", "yes")
+    figs.add("nvme.1MiB.write", 3.0)  # a sample with no limit of its own: not one for one, the medians again
+    assert round(figs.ratio("nvme.1MiB.write", "limit.disk_write_batch.1MiB"), 3) == round(2.35 / 2.0, 3)
+
 def test_quick_run_writes_report_json_and_plot(tmp_path):
     pytest.importorskip("sglang")
     out, data, png = tmp_path / "B.md", tmp_path / "b.json", tmp_path / "b.png"

@@ -34,6 +34,7 @@ class Figures:
         self.notes: Dict[str, str] = {}
         self.failures: List[str] = []
         self.info: Dict[str, dict] = {}  # what a part measured on, described (the ttft part's server and model)
+        self._pairs: set = set()  # (figure, limit): the limit sampled right before each sample of the figure
 
     def add(self, name: str, value: float, unit: str = "GB/s") -> None:
         self.series.setdefault(name, {"unit": unit, "samples": []})["samples"].append(float(value))
@@ -50,7 +51,19 @@ class Figures:
         s = self.series.get(name)
         return (min(s["samples"]), max(s["samples"])) if s and s["samples"] else None
 
+    def pair(self, name: str, limit: str) -> None:
+        """Say that limit is sampled right before each sample of name, one for one (pair), so ratio takes the
+        median of the per-sample ratios: a limit that drifts between repetitions (this machine's disk moved
+        between 1.5 and 4 GB/s from one minute to the next) then moves both sides of each ratio alike."""
+        self._pairs.add((name, limit))
+
     def ratio(self, name: str, limit: str) -> Optional[float]:
+        """name over limit: the median of per-sample ratios where they are paired and as many, else the ratio of
+        the medians."""
+        if (name, limit) in self._pairs:
+            a, b = self.series.get(name), self.series.get(limit)
+            if a and b and len(a["samples"]) == len(b["samples"]) and all(b["samples"]):
+                return statistics.median(x / y for x, y in zip(a["samples"], b["samples"]))
         a, b = self.median(name), self.median(limit)
         return None if a is None or not b else a / b
 

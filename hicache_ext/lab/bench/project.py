@@ -111,6 +111,9 @@ def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:
         settle()
     before = {"write": sample_writes,
               "read": lambda: figs.add(f"limit.disk_read_direct.{label}", disk.read(args.pages))}
+    figs.pair(f"nvme.{label}.write", f"limit.disk_write.{label}")  # each limit right before each repetition
+    figs.pair(f"nvme.{label}.write", f"limit.disk_write_batch.{label}")
+    figs.pair(f"nvme.{label}.read", f"limit.disk_read_direct.{label}")
     try:
         _through_node(figs, args, progress, "nvme", node_toml([tier_toml("nvme", args.pages * size, size)]),
                       size, f"nvme.{label}", 2000, cold_tier="nvme", before=before, warm=True)
@@ -184,6 +187,7 @@ def run_policies(figs: Figures, args, progress: Progress, size: int) -> None:
             figs.add(f"chain.nvme_alone.{label}.write", gbps(rank.nbytes, seconds))
             rank.clear()
             settle()
+        figs.pair(f"chain.write_through.{label}.write", f"chain.nvme_alone.{label}.write")
         for policy in WRITE_POLICIES:
             _through_node(figs, args, progress, "chain", chain, size, f"chain.{policy}.{label}", 4000,
                           write_policy=policy, before={"write": nvme_alone if policy == "write_through" else settle})
