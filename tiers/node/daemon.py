@@ -16,7 +16,6 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -37,6 +36,7 @@ from tiers.node.metrics import DaemonMetrics
 from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
+from tiers.node.replies import Replies
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.transfers import PageTransfers
@@ -50,11 +50,9 @@ _warn = RateLimitedLog(log)
 
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
-ZERO_COPY_BYTES = 64 << 10  # a reply part this large is sent from its buffer, not copied (pyzmq's advice)
 # Flags as plain ints: pyzmq's enum arithmetic costs ~1-2 us an operation, a tenth of a lookup's own work.
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
 
 class TierDaemon:
@@ -104,11 +102,8 @@ class TierDaemon:
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
                                        socket_gid) if fd_socket else None
-        self._done: deque = deque()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._replies = Replies(self.metrics, self._peer_replies, self._error_reply)  # tiers/node/replies.py
         self._stopping = threading.Event()
-        self._in_flight = 0
-        self._inflight_bytes = 0
         self.ready = threading.Event()
         # Write-back and selective pages go to the next tier down (if there is one), through a queue;
         # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
@@ -125,7 +120,7 @@ class TierDaemon:
         """
         router, self._zap = bind_router(self._ctx, self.endpoint, self.name, self.curve,
                                         self.max_page_bytes + P.MAX_HEADER_BYTES, HWM, self.socket_gid)
-        self._router = router
+        self._router = self._replies.router = router
         if self.endpoint.startswith("ipc://"):  # each tenant's share of the descriptors (tiers/node/connections.py)
             self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
                                           self.name, self.connection_idle_s)
@@ -136,17 +131,14 @@ class TierDaemon:
     def stop(self) -> None:
         """Ask the loop to finish in-flight work and return."""
         self._stopping.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._replies.wake()
 
     def serve_forever(self, tick: float = 0.5, on_tick: Optional[Callable[[], None]] = None) -> None:
         if self._router is None:
             self.bind()
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._replies.wake_fd, zmq.POLLIN)
         if self._regions is not None:
             self._regions.register(poller)
         zap_monitor = self._zap.monitor if self._zap is not None else None
@@ -157,15 +149,15 @@ class TierDaemon:
             poller.register(guard_monitor, zmq.POLLIN)
         next_tick = 0.0
         try:
-            while not self._stopping.is_set() or self._in_flight:
+            while not self._stopping.is_set() or self._replies.in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
                 if zap_monitor is not None and zap_monitor in events:
                     self._zap.handle_monitor()
                 if guard_monitor is not None and guard_monitor in events:
                     self._guard.handle_monitor()
-                if self._wake_r in events:
-                    self._drain_wake()
-                self._send_done()
+                if self._replies.wake_fd in events:
+                    self._replies.drain_wake()
+                self._replies.send_done()
                 if self._router in events and not self._stopping.is_set():
                     for _ in range(64):  # bounded burst, then look at the rest
                         try:
@@ -189,7 +181,7 @@ class TierDaemon:
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self.transfers.close()
-        self._send_done()
+        self._replies.send_done()
         if self.demoter is not None:
             self.demoter.close(self.store)
         if self._regions is not None:
@@ -200,8 +192,7 @@ class TierDaemon:
             self._router.close(linger=1000)  # let the last replies of a graceful stop out
         if self._zap is not None:
             self._zap.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._replies.close()
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://"):])
@@ -237,7 +228,7 @@ class TierDaemon:
             msg = M.decode_request(raw_header)
             op, req_id = type(msg).__struct_config__.tag, msg.id
             nbytes = sum(len(f) for f in frames) if frames else 0
-            if nbytes and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+            if nbytes and self._replies.inflight_bytes + nbytes > self.max_inflight_bytes:
                 nbytes = 0
                 raise P.ProtocolError("busy", f"over {self.max_inflight_bytes} bytes in flight; try again")
             self._peer_tenant = self.sessions.tenant_of(peer)  # read by _namespace: a session is its own tenant's only
@@ -254,20 +245,14 @@ class TierDaemon:
                 if handler is None:  # a pool operation sent to a tier daemon
                     raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
                 result = handler(msg, frames)
-            if isinstance(result, Future):
-                self._in_flight += 1
-                self._inflight_bytes += nbytes
-                if counted:
-                    self._peer_replies.started(ident)
-                result.add_done_callback(
-                    lambda fut, i=ident, r=req_id, o=op, t=started, n=nbytes, f=counted:
-                    self._finish(fut, i, r, o, t, n, f))
+            if isinstance(result, Future):  # work in the pool: its reply leaves when it is done
+                self._replies.later(result, ident, req_id, op, started, nbytes, counted)
                 return
             reply = result
         except Exception as exc:
             reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
-        self._send(ident, reply)
+        self._replies.send(ident, reply)
 
     def _error_reply(self, req_id: int, op: str, exc: Exception) -> list:
         """The reply to a request that raised (called inside the except): refusals keep their code; a bug is
@@ -282,60 +267,6 @@ class TierDaemon:
             code, message = "internal", f"{type(exc).__name__}: {exc}"
         self.metrics.error(code)
         return [P.reply_error(req_id, code, message)]
-
-    def _send(self, ident: bytes, reply: list) -> None:
-        # Zero-copy pays for pages only: a small reply sent without copying costs a zmq.Frame a part and a
-        # message to pyzmq's garbage-collector thread, ~20 us of a 60 us lookup.
-        # The ROUTER is mandatory (tiers/node/endpoint.py): a reply it cannot queue raises instead of
-        # vanishing, and is counted.
-        router = self._router
-        try:
-            if len(reply) == 1 and len(reply[0]) < ZERO_COPY_BYTES:  # a header alone (lookups, puts): the common reply
-                router.send(ident, _MORE_NOBLOCK)
-                router.send(reply[0], _NOBLOCK)
-                return
-            big = sum(memoryview(part).nbytes for part in reply)
-            if big < ZERO_COPY_BYTES:
-                router.send_multipart([ident, *reply], flags=_NOBLOCK)
-                return
-            # Pages leave without a copy; libzmq holds them until the peer reads them: counted until then.
-            self._peer_replies.sent(ident, router.send_multipart([ident, *reply], copy=False, track=True,
-                                                                  flags=_NOBLOCK), big)
-        except zmq.Again:  # the peer does not read its replies (its queue is full): it loses this one, nobody waits
-            self.metrics.error("reply_dropped")
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.metrics.error("reply_unroutable")  # the peer left before its reply was ready
-
-    def _finish(self, fut: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int,
-                counted: bool = False) -> None:
-        try:
-            reply = fut.result()
-        except Exception as exc:
-            reply = self._error_reply(req_id, op, exc)
-        self.metrics.observe(op, time.perf_counter() - started)
-        self._done.append((ident, reply, nbytes, counted))
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _send_done(self) -> None:
-        while self._done:
-            ident, reply, nbytes, counted = self._done.popleft()
-            self._in_flight -= 1
-            self._inflight_bytes -= nbytes
-            if counted:
-                self._peer_replies.finished(ident)
-            self._send(ident, reply)
 
     def _housekeeping(self, poller) -> None:
         self.arena.expire()
