@@ -1,8 +1,8 @@
 """A client of one tier daemon that never raises and never waits past a deadline.
 
-Lazy-pirate style: each calling thread has its own DEALER socket; a call that
-times out closes that socket (dropping anything still queued) and marks the
-tier down.  While it is down, calls fail at once, and a thread of the
+Lazy-pirate style: each calling thread has its own DEALER socket (the
+client's channel, tiers/wire/channel.py); a call that times out closes that
+socket (dropping anything still queued) and marks the tier down.  While it is down, calls fail at once, and a thread of the
 client's own says hello again with a growing back-off: no engine call ever
 waits on a tier that was down.  A ``no_session`` reply (the daemon
 restarted) re-opens the session and retries once.
@@ -14,7 +14,6 @@ tiers/wire/attachment.py.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
+from tiers.wire.channel import Channel, Reply, Sent  # noqa: F401  (Reply: public here too)
 from tiers.shm.buffers import MemoryFault
 from tiers.shm.page_runs import PageRuns
 from tiers.logs import RateLimitedLog
@@ -60,12 +60,6 @@ class Deadlines:
         return self.base + nbytes / self.min_bandwidth
 
 
-@dataclass
-class Reply:
-    header: M.Reply  # the operation's reply Struct (tiers/wire/messages.py)
-    frames: List[zmq.Frame]
-
-
 class TierClient:
     """Calls to one tier daemon on behalf of one namespace."""
 
@@ -75,20 +69,15 @@ class TierClient:
         self.name = name
         self.endpoint = endpoint
         self.curve = curve  # CurveZMQ keys for a tcp:// endpoint (the tier's TierConfig.curve)
-        self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
         self.namespace = P.check_namespace(namespace)
         self.client_name = client_name or f"pid{os.getpid()}"
         self.deadlines = deadlines or Deadlines()
-        self._ctx = context or zmq.Context.instance()
-        self._local = threading.local()
-        self._sockets: List[zmq.Socket] = []
+        self._channel = Channel(endpoint, curve, self.deadlines, context or zmq.Context.instance(), self._lost)
         self._lock = threading.RLock()
-        self._ids = itertools.count(1)
         self._session: Optional[int] = None
         self._down = False
         self._probing = False
         self._backoff = self.deadlines.backoff_min
-        self._refused = False  # the last send found no connection (the daemon is not listening)
         self._done_leases: List[int] = []  # read leases copied out: released with the next get
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
@@ -108,27 +97,10 @@ class TierClient:
         return self._attachment.arena
 
     # ------------------------------------------------------------- plumbing
-    def _socket(self) -> zmq.Socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
-            security.apply_client(sock, self.endpoint, self.curve)  # CurveZMQ keys for a tcp:// endpoint that has them
-            sock.connect(self.endpoint)
-            self._local.sock = sock
-            with self._lock:
-                self._sockets.append(sock)
-        return sock
-
-    def _reset_socket(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is not None:
-            self._local.sock = None
-            with self._lock:
-                if sock in self._sockets:
-                    self._sockets.remove(sock)
-            sock.close(linger=0)
+    def _lost(self, why: str) -> None:
+        """The channel found no daemon, or no reply in time (a probe's own tries are its business)."""
+        if not self._down:
+            self._mark_down(why)
 
     def _mark_down(self, why: str) -> None:
         with self._lock:
@@ -162,7 +134,7 @@ class TierClient:
                     self._down = False
                     self._probing = False
                 return
-            refused = self._refused
+            refused = self._channel.refused
             wait = min(wait * 2, self.deadlines.backoff_max)
         with self._lock:
             self._probing = False
@@ -170,92 +142,12 @@ class TierClient:
     def is_down(self) -> bool:
         return self._down
 
-    def _held_wait(self, op: str, fields: dict) -> Optional[held_wait.HeldWait]:
-        """The GIL-holding send and wait, for the calls whose reply is small and quick."""
-        if self.deadlines.reply_spin <= 0 or not (op in ("hello", "lookup") or (op == "get" and "lease" in fields)):
-            return None
-        return held_wait.shared()
-
-    def _send(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
-              session: Optional[int] = None,
-              held: Optional[held_wait.HeldWait] = None) -> Optional[Tuple[zmq.Socket, int, float]]:
-        """Send one request (a single-part one by held when given); (socket, id, give-up time) or None when
-        the tier is unreachable."""
-        req_id = next(self._ids)
-        daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
-        header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
-        sock = self._socket()
-        if held is not None and not frames and held.send(sock, header):
-            self._refused = False
-            return sock, req_id, time.monotonic() + timeout
-        parts = [header, *frames]
-        big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
-        try:
-            try:  # a connected socket takes the message at once: no poll on the hot path
-                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
-            except zmq.Again:
-                # A fresh socket needs a moment to connect (longer on a loaded machine); an ipc
-                # daemon whose socket file is gone fails at once instead of waiting.
-                if self._ipc_path and not os.path.exists(self._ipc_path):
-                    raise
-                if not sock.poll(int(min(timeout / 2, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
-                    raise
-                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
-        except zmq.Again:
-            self._reset_socket()
-            self._refused = True
-            self._mark_down("not connected")
-            return None
-        self._refused = False
-        return sock, req_id, time.monotonic() + timeout
-
-    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held: held_wait.HeldWait,
-                   op: str = "lookup") -> Optional[Reply]:
-        """The reply to req_id if it comes within the reply spin (or give_up), waited for holding the GIL."""
-        until = min(give_up, time.monotonic() + self.deadlines.reply_spin)
-        while True:
-            parts = held.receive(sock, until - time.monotonic())
-            if parts is None:
-                return None
-            try:
-                reply = M.decode_reply(op, parts[0])
-            except P.ProtocolError:
-                continue
-            if reply.id == req_id:
-                return Reply(reply, [zmq.Frame(part) for part in parts[1:]])
-
-    def _receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str,
-                 held: Optional[held_wait.HeldWait] = None) -> Optional[Reply]:
-        """The reply to req_id, or None after give_up (the socket is then reset)."""
-        if held is not None:
-            reply = self.held_reply(sock, req_id, give_up, held, op)
-            if reply is not None:
-                return reply
-        while True:
-            left = give_up - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self._reset_socket()  # drop the late reply and anything queued
-                if not self._down:
-                    self._mark_down(f"{op} got no reply in time")
-                return None
-            parts = sock.recv_multipart(copy=False)
-            try:
-                reply = M.decode_reply(op, parts[0].buffer)
-            except P.ProtocolError:
-                continue
-            if reply.id == req_id:
-                return Reply(reply, parts[1:])
-            # A reply to an earlier call that timed out: ignore it.
-
-    def _roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
-                   session: Optional[int] = None) -> Optional[Reply]:
-        """One request and its reply, or None (timeout, no daemon)."""
-        held = self._held_wait(op, fields) if not frames else None
-        sent = self._send(op, timeout, fields, frames, session, held)
-        return None if sent is None else self._receive(*sent, op, held)
+    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held, op: str = "lookup") -> Optional[Reply]:
+        """The reply to req_id if it comes within the reply spin (tiers/wire/channel.py)."""
+        return self._channel.held_reply(sock, req_id, give_up, held, op)
 
     def _hello_locked(self) -> bool:
-        reply = self._roundtrip("hello", self.deadlines.lookup,
+        reply = self._channel.roundtrip("hello", self.deadlines.lookup,
                                 {"ns": self.namespace, "client": self.client_name})
         if reply is None or not reply.header.ok:
             if reply is not None:
@@ -297,7 +189,7 @@ class TierClient:
                 if region is None:
                     return None  # not registered in this session: the caller falls back to frames
                 fields["region"] = region
-            reply = self._roundtrip(op, timeout, fields, frames, session=session)
+            reply = self._channel.roundtrip(op, timeout, fields, frames, session=session)
             if reply is None:
                 return None
             if reply.header.ok or reply.header.code != "no_session":
@@ -336,8 +228,8 @@ class TierClient:
             return None
         fields = self._lookup_fields(keys, digests)
         self._add_done(fields)
-        return self._send("lookup", self.deadlines.lookup, fields, session=session,
-                          held=self._held_wait("lookup", fields))
+        return self._channel.send("lookup", self.deadlines.lookup, fields, session=session,
+                                  held=self._channel.held_wait("lookup", fields))
 
     def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
         """The reply to the lookup req_id if it is the next message waiting (None: a stale one was skipped)."""
@@ -350,15 +242,13 @@ class TierClient:
 
     def give_up(self, sock: zmq.Socket, op: str) -> None:
         """A call on this thread's socket got no reply in time."""
-        self._reset_socket()
-        if not self._down:
-            self._mark_down(f"{op} got no reply in time")
+        self._channel.give_up(op)
 
-    def quick_lookup_reply(self, sent: Tuple[zmq.Socket, int, float]) -> Optional[Reply]:
+    def quick_lookup_reply(self, sent: Sent) -> Optional[Reply]:
         """The reply to a start_lookup if it comes within the reply spin (waited for holding the GIL);
         None: not yet, and the caller waits for it as for any other."""
-        held = self._held_wait("lookup", {})
-        return None if held is None else self.held_reply(*sent, held)
+        held = self._channel.held_wait("lookup", {})
+        return None if held is None else self._channel.held_reply(*sent, held)
 
     def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
         if reply.header.code == "no_session":
@@ -516,9 +406,7 @@ class TierClient:
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            for sock in self._sockets:
-                sock.close(linger=0)
-            self._sockets.clear()
+            self._channel.close()
             self._attachment.close()
 
 
