@@ -2,6 +2,7 @@
 import mmap
 import os
 import shutil
+import socket
 import subprocess
 import time
 
@@ -14,7 +15,7 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 from tiers.wire import protocol as P
 from tiers.shm.buffers import address_of
 from tiers.wire.client import Deadlines, TierClient
-from tests.support.nodes import node_toml
+from tests.support.nodes import eventually, node_toml
 from tiers.ops.node_runner import NodeRunner, stop_process
 from tiers.stores.remote.loopback import free_ports
 
@@ -40,7 +41,7 @@ def cluster(tmp_path_factory):
     master = subprocess.Popen([MASTER, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
                                f"--metrics_port={metrics}", "--enable_metric_reporting=false"],
                               stdout=log, stderr=log, env={**os.environ, "MC_FORCE_TCP": "1"})
-    time.sleep(1.0)
+    assert eventually(lambda: _listening(rpc) or master.poll() is not None, within=30), "the master never listened"
     nodes = []
     try:
         for name, segment in (("a", "32MiB"), ("b", "0")):
@@ -105,3 +106,12 @@ def test_pages_move_between_nodes_through_the_cluster(cluster):
             client.close()
             host.close()
             os.close(fd)
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port (the master, once it serves)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
