@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from tiers.config_values import parse_size
 from tiers.plugins import StoreKind, make_policy
 from tiers.shm.arena import Alloc, BlockArena
+from tiers.shm.buffers import as_bytes_view, scatter_copy
 from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, StoreFull, StoreStats,
                                total_size)
 
@@ -79,7 +80,7 @@ class ArenaStore(PageStore):
 
     def put_with_sum(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         alloc = self.reserve(key, total_size(buffers))
-        _scatter(self.arena.views(alloc), buffers)
+        scatter_copy(self.arena.views(alloc), [as_bytes_view(b) for b in buffers])
         self.commit(key, alloc, parent, checksum)
         with self._lock:
             self._copied_in += 1
@@ -126,7 +127,7 @@ class ArenaStore(PageStore):
                 self._stats.misses += 1
                 return None
             self._hit_locked(key, page)
-            _scatter(buffers, self.arena.views(page.alloc))
+            scatter_copy([as_bytes_view(b) for b in buffers], self.arena.views(page.alloc))
             return page.checksum
 
     def get_bytes(self, key: PageKey) -> Optional[bytes]:
@@ -218,15 +219,6 @@ class ArenaStore(PageStore):
         self._stats.used_bytes -= page.alloc.size
         self._stats.evictions += 1
         return True
-
-
-def _scatter(dst: Sequence[memoryview], src: Sequence[memoryview]) -> None:
-    """src's bytes, in order, into dst's views (the same total size, cut differently)."""
-    whole = b"".join(src) if len(src) != 1 else src[0]
-    at = 0
-    for view in dst:
-        view[:] = whole[at:at + view.nbytes]
-        at += view.nbytes
 
 
 def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> ArenaStore:
