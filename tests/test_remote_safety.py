@@ -196,7 +196,7 @@ def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node)
     """Staging blocks the daemon holds on request (hold_blocks): reads land in them directly, no landing copy;
     a read given up at its deadline holds its blocks out of use until the engine says the transfer ended."""
     from tiers.shm.arena import BlockArena
-    from tiers.node.transfers import hold_blocks
+    from tiers.node.reads import hold_blocks
     pool, store, view = node
     store.direct_reads = False
     keys = [f"held-{i}" for i in range(2)]

@@ -3,7 +3,7 @@
 Majordomo-style: poll, decode each request into its Struct (tiers/wire/messages.py), dispatch it
 to the handler its type names (``handlers``), housekeeping per tick.
 Lookups, stats, deletes and leased DRAM reads run on the loop thread; page
-transfers run in a small I/O pool (tiers/node/transfers.py) so a long batch never
+transfers run in a small I/O pool (tiers/node/transfers.py, reads.py) so a long batch never
 stalls a lookup, and their replies come back through a wake pipe.  Engines
 attach over AF_UNIX (tiers/node/regions.py).  Pages evicted dirty go down through
 a bounded queue with a thread of its own (tiers/node/demotion.py).  Every failure
@@ -39,6 +39,7 @@ from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
+from tiers.node.reads import PageReads
 from tiers.node.transfers import PageTransfers
 
 # Requests whose work runs in the I/O pool where the store touches a disk (parallel_io): each counts as its
@@ -83,8 +84,9 @@ class TierDaemon:
         self.arena = store.export_arena() or BlockArena(max(staging_bytes, 64 << 10), 64 << 10, f"{name}-staging",
                                                         prefault=staging_bytes >= 64 << 20, background=True)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
-        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes,
-                                       corrupt_reads=corrupt_reads)  # a test hook (tiers/node/faults.py)
+        self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)  # puts
+        self.reads = PageReads(store, self.arena, self._pool, self.transfers.each,
+                               corrupt_reads=corrupt_reads)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
@@ -359,7 +361,7 @@ class TierDaemon:
             raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
         if msg.lease is None:
             def frame_work() -> list:
-                found, out, sums = self.transfers.frame_reads(ns, keys, msg.dl)
+                found, out, sums = self.reads.frame_reads(ns, keys, msg.dl)
                 self.metrics.pages("get", sum(found), sum(len(f) for f in out))
                 return [P.reply_ok(req_id, found=P.flags(found), sums=sums), *out]
             return self._pool.submit(frame_work)
@@ -367,7 +369,7 @@ class TierDaemon:
         sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
         self._release_done(msg)
         owner, budget = self._lease_owner(msg)
-        result = self.transfers.lease_reads(ns, keys, sizes, owner, expiry, budget)
+        result = self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget)
         if isinstance(result, Future):
             out: Future = Future()
 
@@ -456,7 +458,7 @@ class TierDaemon:
         # 1 once the daemon's arena and the store's own (a pool's) are faulted in: copies run at full speed
         stats["arena_prefaulted"] = float(self.arena.prefaulted.is_set() and stats.get("store_prefaulted", 1.0) == 1.0)
         stats["leases_expired"] = self.arena.leases_expired
-        stats["staging_full"] = self.transfers.staging_full
+        stats["staging_full"] = self.transfers.staging_full + self.reads.staging_full
         stats["source_gone"] = self.transfers.source_gone
         stats["sum_refused"] = self.transfers.sum_refused
         stats["in_place_puts"] = self.transfers.in_place_puts

@@ -25,7 +25,6 @@ from tiers.shm.arena import Alloc, BlockArena
 from tiers.shm.buffers import MemoryFault, address_of
 from tiers.shm.page_runs import PageRuns, copy_pages
 from tiers.shm.checksums import page_sums
-from tiers.node.faults import CorruptReads
 from tiers.logs import RateLimitedLog
 from tiers.stores.base import FillFailed, PageStore, StoreError
 
@@ -37,18 +36,15 @@ log = logging.getLogger("hicache.daemon")
 _warn = RateLimitedLog(log)
 
 Refusal = Optional[Tuple[str, str]]
-STAGING_HOLD_OWNER = -2  # arena lease owner of staging blocks a transfer given up may still write
 _SUM_REFUSAL = ("checksum", "a page's bytes did not match its checksum")
 
 
 class PageTransfers:
-    """handle_put / handle_get / handle_release and the per-page work behind them."""
+    """The page work behind a put (its reads: tiers/node/reads.py)."""
 
     def __init__(self, name: str, store: PageStore, arena: BlockArena, pool: ThreadPoolExecutor,
-                 page_workers: int, max_page_bytes: int, lease_share: float = 0.5,
-                 corrupt_reads: Optional[CorruptReads] = None):
+                 page_workers: int, max_page_bytes: int):
         self.name = name
-        self.corrupt_reads = corrupt_reads  # the test hook of tiers/node/faults.py, None in service
         self.store = store
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
@@ -56,12 +52,7 @@ class PageTransfers:
         self._pool = pool
         self._page_pool = ThreadPoolExecutor(max_workers=max(2, page_workers), thread_name_prefix=f"{name}-page")
         self.max_page_bytes = max_page_bytes
-        # One session may pin at most this much: pinning DRAM pages costs no memory (only eviction
-        # choices, for milliseconds); staging blocks are memory every tenant shares.
-        # At least one whole SGLang batch (128 pages of 8 MiB) when the arena holds it.
-        self.max_lease_bytes = int(arena.size if not self.stages else min(arena.size, max(arena.size * lease_share,
-                                                                                         1 << 30)))
-        self.staging_full = 0
+        self.staging_full = 0  # pages of a put told busy: no staging blocks left
         self.source_gone = 0
         self.sum_refused = 0  # pages of a checked put whose bytes did not match their checksum
         self.in_place_puts = 0  # puts written straight out of a host pool (_put_in_place)
@@ -100,10 +91,10 @@ class PageTransfers:
             sums[:] = page_sums(sources.views)
         if check is not None:
             good = check(list(range(len(keys))), [sources.views[i] for i in range(len(keys))], sums)
-            return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i],
+            return _outcomes(self.each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i],
                                                                              parents[i], sums[i])
                                         if good[i] else (False, _SUM_REFUSAL)))
-        return _outcomes(self._each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i],
+        return _outcomes(self.each(len(keys), lambda i: self._put_owned(ns, keys[i], sources.views[i], parents[i],
                                                                          sums[i])))
 
     def _check_sums(self, idx: List[int], pages: List[List[memoryview]], sums: List[int],
@@ -262,7 +253,7 @@ class PageTransfers:
                                                     None if copied is None else [copied[i] for i in idx])
                 results = _results(len(keys), idx, out)
             else:
-                results = self._each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i], sums[i])
+                results = self.each(len(keys), lambda i: self._put_owned(ns, keys[i], views[i], parents[i], sums[i])
                                      if views[i] is not None else (False, None))
         finally:
             self.arena.give_many([alloc for _i, alloc in group])
@@ -318,74 +309,8 @@ class PageTransfers:
                                          None if hashed else list(sums), fill, aligned=True)
         return _outcomes(_results(len(keys), list(range(len(keys))), out))
 
-    # ------------------------------------------------------------------ gets
-    def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
-                    max_bytes: Optional[int] = None):
-        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them.
-        The owner's pinned bytes stay within max_bytes (default: this tier's bound a session)."""
-        limit = self.max_lease_bytes if max_bytes is None else min(max_bytes, self.max_lease_bytes)
-        budget = max(0, limit - self.arena.leased_bytes(owner))
-        if not self.stages:
-            lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
-            return self._lease_reply(lease, extents, sums)
-        return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
-
-    def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
-        allocs: List[Optional[Alloc]] = []
-        for size in sizes:
-            got = self.arena.take(size) if 0 < size <= budget else None
-            if got is None and 0 < size <= budget:
-                self.staging_full += 1
-            budget -= size if got is not None else 0
-            allocs.append(got)
-        views = [self.arena.views(a) if a is not None else None for a in allocs]
-        sums: List[Optional[int]] = [None] * len(keys)  # each page's checksum; None: not read
-        if self.store.batched:
-            idx = [i for i, v in enumerate(views) if v is not None]
-            got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None,
-                                                     lambda position: hold_blocks(self.arena, allocs[idx[position]]))
-            for i, checksum in zip(idx, got):
-                sums[i] = checksum
-        else:
-            sums = self._each(len(keys), lambda i: self.store.get_into_with_sum((ns, keys[i]), views[i])
-                              if views[i] is not None and time.monotonic() < expiry else None)
-        extents: List[Optional[list]] = []
-        pinned: List[Alloc] = []
-        for checksum, alloc in zip(sums, allocs):
-            if checksum is not None and alloc is not None:
-                extents.append(alloc.extents)
-                pinned.append(alloc)
-            else:
-                extents.append(None)
-        lease = self.arena.lease(owner, pinned, expiry) if pinned else None
-        for alloc in allocs:  # given back now; the lease keeps the pinned ones out of use until it ends
-            if alloc is not None:
-                self.arena.give(alloc)
-        return self._lease_reply(lease, extents, [s or 0 for s in sums])
-
-    def _lease_reply(self, lease: Optional[int], extents: List[Optional[list]], sums: List[int]) -> list:
-        if self.corrupt_reads is not None:  # the test hook: after the tier's own checks, before the engine's
-            self.corrupt_reads.damage_extents(self.arena.view, extents)
-        found = [e is not None for e in extents]
-        desc, counts = P.encode_descriptors([e for e in extents if e is not None])
-        return (dict(found=P.flags(found), lease=lease or 0, desc=desc, regions_per_page=counts,
-                     sums=P.encode_sums([s for s, ok in zip(sums, found) if ok])),
-                sum(found), sum(n for e in extents if e for _o, n in e))
-
-    def frame_reads(self, ns: str, keys: list, deadline: Optional[float]) -> Tuple[List[bool], List[bytes], bytes]:
-        """Pages as frames (engines without an attachment, or tcp:// peers), the engine copies them:
-        (found flags, a frame a found page, their checksums as the reply's sums)."""
-        def get_one(i: int):
-            return (None, 0) if _late(deadline) else self.store.get_bytes_with_sum((ns, keys[i]))
-        results = self._each(len(keys), get_one)
-        frames = [d for d, _s in results if d is not None]
-        if self.corrupt_reads is not None:  # the test hook, as for leased reads
-            frames = self.corrupt_reads.damage_frames(frames)
-        return ([d is not None for d, _s in results], frames,
-                P.encode_sums([s for d, s in results if d is not None]))
-
     # --------------------------------------------------------------- helpers
-    def _each(self, n: int, work: Callable[[int], object]) -> list:
+    def each(self, n: int, work: Callable[[int], object]) -> list:
         """work(i) for every page; several in flight for stores that take concurrent calls (disk)."""
         if n > 1 and self.store.parallel_io:
             return list(self._page_pool.map(work, range(n)))
@@ -414,14 +339,6 @@ class Sources:
             return self.frame_views
         view = self.region_view
         return [[view[off:off + n] for off, n in page] for page in self.runs.as_lists()]
-
-
-def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:
-    """Keep alloc's blocks out of use until the returned function runs: a transfer given up may still write
-    them (tiers/stores/base.py get_many_into_with_sums' hold).  A lease that never expires; an alloc given
-    back meanwhile is parked until it ends."""
-    lease = arena.lease(STAGING_HOLD_OWNER, [alloc], float("inf"))
-    return lambda: arena.release(lease, STAGING_HOLD_OWNER)
 
 
 def _late(deadline: Optional[float]) -> bool:
