@@ -37,8 +37,7 @@ NODE_KEY_HELP = {
                     "daemon's account only. Members are served only as a [[tenants]] entry says",
     "demotion_queue_bytes": "pages on their way to the tier below, per daemon (default 256MiB); when the queue "
                             "is full an evicted selective page is dropped and counted (demotion_dropped); "
-                            "write-back pages are queued whatever the bound (max_dirty_pages bounds them); "
-                            "pages pinned in a DRAM arena for it are held to a quarter of that arena besides",
+                            "write-back pages are queued whatever the bound (max_dirty_pages bounds them)",
     "connection_idle_s": "seconds after which a connection of a configured tenant (or of an account in none) "
                          "that sent nothing may be shut to make room for a new one past its share or the node's "
                          "connection budget (default 60); its client reconnects at its next call. The operator's "

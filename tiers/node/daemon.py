@@ -277,8 +277,6 @@ class TierDaemon:
         self.sessions.expire(time.monotonic())
         if self._regions is not None:
             self._regions.tick(poller)
-        if self.demoter is not None:
-            self.demoter.tick(self.store, self._pool.submit)
 
     # ------------------------------------------------------------- sessions
     def _namespace(self, msg: M.Request, write: bool = False) -> str:

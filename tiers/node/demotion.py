@@ -42,9 +42,6 @@ log = logging.getLogger("hicache.demotion")
 _warn = RateLimitedLog(log)
 
 DEMOTION_OWNER = -1  # owner of the leases pinning pages on their way down (engine sessions are positive)
-# At most this share of the upper arena stays pinned for the tier below, whatever the queue's bound: with
-# that tier frozen, writers of the upper tier still find the rest of its arena to evict into.
-PINNED_SHARE = 0.25
 
 
 class DemotionLink:
@@ -118,8 +115,6 @@ class _Pending:
     key: PageKey
     views: List[memoryview]
     nbytes: int
-    extents: Optional[list] = None  # runs in the upper arena, pinned by lease until pushed
-    lease: Optional[int] = None
     checksum: int = 0  # the writer's, kept below
     promised: bool = False  # an acknowledged write-back page (Demoter.admit_write_back counts it until pushed)
 
@@ -149,9 +144,7 @@ class DemotionQueue:
         self._cond = threading.Condition()
         self._closed = False
         self.dropped = 0
-        self.arena = None  # the upper store's BlockArena, when pages are pinned in it (offer_pinned)
-        self.max_pinned: Optional[int] = None  # bytes of that arena pinned at once (set with the arena)
-        self.pinned_bytes = 0
+        self.arena = None  # the upper store's BlockArena, when it shares one (Demoter.write_down pins in it)
         self._thread = threading.Thread(target=self._run, name=f"demote-{link.name}", daemon=True)
         self._thread.start()
 
@@ -176,22 +169,6 @@ class DemotionQueue:
         with self._cond:
             self._items.append(item)
             self._cond.notify()
-
-    def offer_pinned(self, key: PageKey, extents: list, lease: int, checksum: int = 0, promised: bool = False) -> bool:
-        """Queue a page of self.arena by its runs, pinned by lease (released once pushed).  Pinned memory is
-        bounded by the queue's bytes and by PINNED_SHARE of the arena.  Never waits; False when full (counted
-        when the queue is): the caller keeps the lease."""
-        nbytes = sum(n for _o, n in extents)
-        with self._cond:  # the arena's share: refused quietly, the page stays in this tier (dirty) for later
-            if self.max_pinned is not None and self.pinned_bytes + nbytes > self.max_pinned:
-                return False
-            self.pinned_bytes += nbytes
-        if not self._admit(key, nbytes, promised):
-            with self._cond:
-                self.pinned_bytes -= nbytes
-            return False
-        self._append(_Pending(key, self.arena.extent_views(extents), nbytes, extents, lease, checksum, promised))
-        return True
 
     def offer(self, key: PageKey, views: Sequence[memoryview], copy: bool = False, checksum: int = 0,
               promised: bool = False) -> bool:
@@ -241,25 +218,19 @@ class DemotionQueue:
                         break  # stopping and the tier is down: these count as failures below
                     self._cond.wait(self.RETRY)
                 continue
-            extents = [i.extents for i in items] if all(i.extents is not None for i in items) else None
             try:
                 stored = self.link.push_many(namespace, [i.key[1] for i in items], [i.views for i in items],
-                                             extents, [i.checksum for i in items])
+                                             None, [i.checksum for i in items])
             except Exception:  # a bug here must not stop demotion for good
                 log.exception("demotion to %s failed", self.link.name)
                 break
             if any(stored) or not self.link.is_down():
                 break  # the tier answered (refused pages are counted by the link)
             # The call found the tier down: the pages wait for it to come back.
-        for item in items:
-            if item.lease is not None:  # the call returned: the lower daemon copies no more (its deadline)
-                item.views = []
-                self.arena.release(item.lease, DEMOTION_OWNER)
         with self._cond:
             self._bytes -= sum(i.nbytes for i in items)
             self._pages -= len(items)
             self.promised -= sum(i.promised for i in items)
-            self.pinned_bytes -= sum(i.nbytes for i in items if i.lease is not None)
 
     def close(self) -> None:
         with self._cond:
@@ -269,18 +240,18 @@ class DemotionQueue:
 
 
 class Demoter(EvictionListener):
-    """A daemon's duty to the tier below: evicted dirty pages and dirty pages over the bound go down
-    through the queue; at a graceful stop every eligible dirty page goes straight down.
+    """A daemon's duty to the tier below: evicted dirty pages go down through the queue; write-back pages
+    past max_dirty_pages go straight down before the put that made them so is answered (admit_write_back);
+    at a graceful stop every eligible dirty page goes straight down.
 
     Built before the store (tiers/ops/tier_factory.py) and handed to it as its
-    EvictionListener, then to the daemon, which calls tick and close with the store.
+    EvictionListener, then to the daemon, which calls admit_write_back and close with the store.
     """
 
     def __init__(self, link: DemotionLink, max_dirty_pages: int, queue_bytes: int):
         self.dirty = DirtySet(max_dirty_pages)
         self.link = link
         self.queue = DemotionQueue(link, queue_bytes)
-        self._flushing = False
         self._admission = threading.Lock()  # one write-back put at a time weighs the bound
         self.written_down = 0  # write-back pages a put wrote below before it was acknowledged
         self.refused = 0  # write-back pages not acknowledged: the bound was reached and the tier below failed
@@ -288,7 +259,6 @@ class Demoter(EvictionListener):
     def share_arena(self, arena) -> None:
         """The store keeps its pages in arena (a BlockArena): pages go down by (offset, length) in it."""
         self.queue.arena = arena
-        self.queue.max_pinned = int(arena.size * PINNED_SHARE)
         self.link.attach_arena(arena.export_fd(), arena.size)
 
     def page_evicted(self, key: PageKey, views: Sequence[memoryview], reads: int, checksum: int = 0) -> None:
@@ -356,42 +326,6 @@ class Demoter(EvictionListener):
                         arena.release(pin[0], DEMOTION_OWNER)
             done.update(zip(group, stored))
         return [done.get(key, False) for key in keys]
-
-    def tick(self, store: PageStore, submit) -> None:
-        """Housekeeping: queue the dirty pages over the bound, off the loop thread (submit runs it)."""
-        if not self._flushing and self.dirty.oldest_over_limit():
-            self._flushing = True
-            submit(self._flush_over_limit, store)
-
-    def _flush_over_limit(self, store: PageStore) -> None:
-        """Queue the oldest write-back pages beyond max_dirty_pages (copies: they stay in this tier)."""
-        try:
-            for key in self.dirty.oldest_over_limit():
-                if self.queue.arena is not None:
-                    queued = self._offer_stored(store, key)
-                else:
-                    data, checksum = store.peek_with_sum(key)
-                    queued = None if data is None else self.queue.offer(key, [memoryview(data)], checksum=checksum,
-                                                                        promised=True)
-                if queued is None:
-                    self.dirty.pop(key)
-                elif queued:
-                    self.dirty.pop(key)
-                else:
-                    break  # the queue is full: the lower tier is slow or down; try again next tick
-        finally:
-            self._flushing = False
-
-    def _offer_stored(self, store: PageStore, key: PageKey) -> Optional[bool]:
-        """Queue a page still stored, pinned in the arena: None when gone, else whether it was queued."""
-        pinned = store.pin_page(key, DEMOTION_OWNER)
-        if pinned is None:
-            return None
-        lease, extents, checksum = pinned
-        if self.queue.offer_pinned(key, extents, lease, checksum, promised=True):
-            return True
-        self.queue.arena.release(lease, DEMOTION_OWNER)
-        return False
 
     def close(self, store: PageStore) -> None:
         """Graceful stop: push what is queued, then every eligible dirty page of store straight down."""

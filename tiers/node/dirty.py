@@ -59,10 +59,6 @@ class DirtySet:
                     out.append(key)
             return out
 
-    def oldest_over_limit(self) -> List[PageKey]:
-        """Write-back pages beyond the bound, oldest first (selective pages wait for eviction)."""
-        return self.oldest_write_back(self._back - self.limit)
-
     def snapshot(self) -> List[Tuple[PageKey, str, int]]:
         with self._lock:
             return [(k, mode, n) for k, (mode, n) in self._pages.items()]
