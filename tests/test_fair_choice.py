@@ -4,7 +4,7 @@ from __future__ import annotations
 import mmap
 import random
 
-from tiers.stores.fairness import FairShare, VictimPlan, largest
+from tiers.stores.fairness import FairShare, VictimPlan
 from tiers.stores.dram import DramStore
 from tiers.stores.nvme.store import NvmeStore
 
@@ -15,6 +15,16 @@ def _usage(rng: random.Random, fair: FairShare) -> dict:
         if rng.random() < 0.4:
             fair.assign(ns, f"tenant{rng.randrange(3)}")
     return usage
+
+
+def largest(namespaces, held: dict):
+    """The namespace holding the most; of equals, the smallest name."""
+    best, most = None, -1
+    for ns in namespaces:
+        n = held[ns]
+        if n > most or (n == most and str(ns) < str(best)):
+            best, most = ns, n
+    return best
 
 
 def reference_victim(fair: FairShare, writer, usage: dict, over: bool):

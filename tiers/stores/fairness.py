@@ -89,25 +89,17 @@ class FairShare:
         limit = self.quota(namespace)
         return limit is not None and usage > limit
 
-    def victim(self, writer: Optional[Hashable], usage: Mapping[Hashable, int],
-               writer_over_quota: bool = False) -> Optional[Hashable]:
-        """The namespace that loses a page so writer can store more (None: nothing held); a tier evicting
-        page after page keeps a VictimPlan instead of asking again.
-
-        Namespaces are any hashable name (the NVMe tier knows some only by a hash of it).
-        """
-        return VictimPlan(self, writer, usage, writer_over_quota).next()
-
 
 class VictimPlan:
-    """FairShare.victim for one writer asked again and again while the namespaces it names give bytes back:
-    O(namespaces) once, then O(log namespaces) a victim.
+    """The namespaces that give way to one writer, by the rules of this module, asked again and again while
+    they give bytes back: O(namespaces) once, then O(log namespaces) a victim.
 
-    A full tier evicts page after page for each put, and victim() walks every namespace each time: a
-    128-page put of a full NVMe tier holding pages of 5,000 namespaces took 247 ms (3.8 with 100).  The
-    plan keeps the groups' and namespaces' bytes in heaps (most bytes first, then the smallest name, the
-    order victim() breaks ties in); gave() records what a victim gave.  It answers exactly as victim()
-    would on the same usage; the owner makes a new plan when anything else changes the usage."""
+    A full tier evicts page after page for each put; walking every namespace each time, a 128-page put of a
+    full NVMe tier holding pages of 5,000 namespaces took 247 ms (3.8 with 100).  The plan keeps the
+    groups' and namespaces' bytes in heaps (most bytes first, then the smallest name, the order the rules
+    break ties in); gave() records what a victim gave.  It answers exactly as the rules walked in full
+    would on the same usage (tests/test_fair_choice.py holds it to them); the owner makes a new plan when
+    anything else changes the usage."""
 
     def __init__(self, fair: "FairShare", writer: Optional[Hashable], usage: Mapping[Hashable, int],
                  writer_over_quota: bool = False):
@@ -120,7 +112,7 @@ class VictimPlan:
         self._all: Optional[List[Tuple[int, str, Hashable]]] = None  # every namespace, lazily
 
     def next(self) -> Optional[Hashable]:
-        """The namespace that gives the next page (None: nothing held), as victim() would answer now."""
+        """The namespace that gives the next page (None: nothing held), as the rules would answer now."""
         held, writer = self.held, self.writer
         if not held:
             return None
@@ -207,7 +199,7 @@ class GroupUsage:
         return self._totals.get(group)
 
     def largest(self, group: Hashable, members: Iterable[Hashable], held_of) -> Optional[Hashable]:
-        """The member holding the most (of equals the smallest name, as largest()); None: none holds any."""
+        """The member holding the most (of equals the smallest name); None: none holds any."""
         heap = self._largest.get(group)
         if heap is None:
             heap = self._largest[group] = _most_first((ns, held_of(ns)) for ns in members)
@@ -231,7 +223,7 @@ class GroupUsage:
 
 
 def _most_first(amounts: Iterable[Tuple[Hashable, int]]) -> List[Tuple[int, str, Hashable]]:
-    """A heap of (name, bytes) pairs holding bytes: most first, of equals the smallest name (largest()'s order)."""
+    """A heap of (name, bytes) pairs holding bytes: most first, of equals the smallest name (the rules' order)."""
     heap = [(-n, _name(key), key) for key, n in amounts if n > 0]
     heapq.heapify(heap)
     return heap
@@ -250,16 +242,6 @@ def _first_current(heap: List[Tuple[int, str, Hashable]], amount_of) -> Optional
 
 def _name(namespace: Hashable) -> str:
     return str(namespace)
-
-
-def largest(namespaces: Iterable[Hashable], held: Mapping[Hashable, int]) -> Optional[Hashable]:
-    """The namespace holding the most; of equals, the smallest name (an order every process agrees on)."""
-    best, most = None, -1
-    for ns in namespaces:
-        n = held[ns]
-        if n > most or (n == most and _name(ns) < _name(best)):
-            best, most = ns, n
-    return best
 
 
 def bounded_top(per_namespace: Dict[str, dict], limit: int = 32, by: str = "bytes") -> Dict[str, dict]:
