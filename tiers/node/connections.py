@@ -30,6 +30,7 @@ import os
 import socket
 import struct
 import time
+from collections import OrderedDict
 from typing import Dict, Optional
 
 import zmq
@@ -67,11 +68,9 @@ class ConnectionGuard:
         self._path = ipc_path
         self._tenants = tenants
         self._owner: Dict[int, str] = {}  # descriptor -> tenant name, for connections kept
-        self._per_tenant: Dict[str, int] = {}
-        self._seen: Dict[int, float] = {}  # descriptor -> when it last carried a request (perf_counter)
-        # A share whose connections were all younger than idle_s at the last look cannot give one way before
-        # this time: a flood of newcomers does not walk the share once each.
-        self._no_idle_until: Dict[Optional[str], float] = {}
+        # Each tenant's kept connections, least recently in use first (descriptor -> when it last carried a
+        # request, perf_counter): its count, and its longest-idle connection at once, whatever the share's size.
+        self._by_tenant: Dict[str, "OrderedDict[int, float]"] = {}
         self.refused = 0
         self.reclaimed = 0
         self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(_EVENTS)
@@ -95,27 +94,43 @@ class ConnectionGuard:
 
     def active(self, fd: int, now: float) -> None:
         """A request came over connection fd (kept ones only: a number we do not hold is left alone)."""
-        if fd in self._seen:
-            self._seen[fd] = now
+        name = self._owner.get(fd)
+        if name is not None:
+            order = self._by_tenant[name]
+            order[fd] = now
+            order.move_to_end(fd)
+
+    def _held(self, name: str) -> int:
+        return len(self._by_tenant.get(name, ()))
 
     def _forget(self, fd: int) -> None:
-        self._seen.pop(fd, None)
         name = self._owner.pop(fd, None)
         if name is not None:
-            left = self._per_tenant[name] - 1
-            if left:
-                self._per_tenant[name] = left
-            else:
-                del self._per_tenant[name]
+            order = self._by_tenant[name]
+            del order[fd]
+            if not order:
+                del self._by_tenant[name]
 
-    def _accepted(self, fd: int) -> None:
+    def _duplicate(self, fd: int) -> Optional[socket.socket]:
+        """A duplicate of fd while it is still a connection to our ipc socket (None: libzmq closed it, and the
+        number may name another descriptor of ours by now); the caller closes it."""
         try:
             conn = socket.socket(fileno=os.dup(fd))
         except OSError:
-            return  # already closed by libzmq: nothing to count
+            return None
         try:
-            if conn.family != socket.AF_UNIX or conn.getsockname() != self._path:
-                return  # the number now names another descriptor of ours (the connection left meanwhile)
+            if conn.family == socket.AF_UNIX and conn.getsockname() == self._path:
+                return conn
+        except OSError:
+            pass
+        conn.close()
+        return None
+
+    def _accepted(self, fd: int) -> None:
+        conn = self._duplicate(fd)
+        if conn is None:
+            return  # the connection left meanwhile: nothing to count
+        try:
             uid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
             tenant = self._tenants.of_uid(uid)
             why = self._refusal(tenant)
@@ -128,8 +143,7 @@ class ConnectionGuard:
                 return
             name = tenant.name if tenant is not None else _STRANGERS
             self._owner[fd] = name
-            self._seen[fd] = time.perf_counter()
-            self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
+            self._by_tenant.setdefault(name, OrderedDict())[fd] = time.perf_counter()
         except OSError:
             return
         finally:
@@ -139,48 +153,39 @@ class ConnectionGuard:
         if len(self._owner) >= self.budget:
             return f"the node keeps {self.budget} connections at most"
         if tenant is None:
-            if self._per_tenant.get(_STRANGERS, 0) >= min(STRANGER_CONNECTIONS, self.tenant_budget):
+            if self._held(_STRANGERS) >= min(STRANGER_CONNECTIONS, self.tenant_budget):
                 return "accounts in no tenant hold their connections"
-        elif tenant is not OPERATOR and self._per_tenant.get(tenant.name, 0) >= self.tenant_budget:
+        elif tenant is not OPERATOR and self._held(tenant.name) >= self.tenant_budget:
             return f"tenant {tenant.name} holds its {self.tenant_budget} connections"
         return ""
 
     def _reclaim(self, tenant, why: str) -> bool:
         """Shut the longest-idle connection of the share a newcomer of tenant is refused by, when it has sent
         nothing for idle_s; True when one made room."""
-        if len(self._owner) >= self.budget:
-            share = None  # the node's whole budget: any connection but the operator's
+        if len(self._owner) >= self.budget:  # the node's whole budget: any connection but the operator's
+            shares = [order for name, order in self._by_tenant.items() if name != OPERATOR.name]
         elif tenant is OPERATOR:
             return False
         else:
-            share = tenant.name if tenant is not None else _STRANGERS
+            shares = [self._by_tenant.get(tenant.name if tenant is not None else _STRANGERS, {})]
+        oldest = [next(iter(order.items())) for order in shares if order]
+        if not oldest:
+            return False
+        fd, seen = min(oldest, key=lambda item: item[1])
         now = time.perf_counter()
-        if now < self._no_idle_until.get(share, 0.0):
-            return False
-        operator = OPERATOR.name
-        kept = [(self._seen[fd], fd) for fd, name in self._owner.items()
-                if (name == share if share is not None else name != operator)]
-        if not kept:
-            return False
-        seen, fd = min(kept)
         if now - seen < self.idle_s:
-            self._no_idle_until[share] = seen + self.idle_s
             return False
-        try:
-            conn = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            self._forget(fd)  # closed by libzmq already: its place is free
-            return True
-        try:
-            if conn.family == socket.AF_UNIX and conn.getsockname() == self._path:
+        conn = self._duplicate(fd)
+        if conn is not None:
+            try:
                 conn.shutdown(socket.SHUT_RDWR)  # libzmq sees end-of-file and closes its descriptor
-        except OSError:
-            pass
-        finally:
-            conn.close()
-        self._forget(fd)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+        self._forget(fd)  # shut, or closed by libzmq already: its place is free
         self.reclaimed += 1
-        _warn.warning(f"reclaim:{share}", "tier %s shut a connection idle %.0f s to make room (%s)", self.name,
+        _warn.warning(f"reclaim:{why}", "tier %s shut a connection idle %.0f s to make room (%s)", self.name,
                       now - seen, why)
         return True
 
