@@ -41,7 +41,7 @@ DEFAULT_CONFIG_TOML = ("# hicache-tiers embedded default: DRAM in front of NVMe;
 
 from tiers.plugins import PluginError, store_kind, store_targets
 from tiers.wire.security import CurveSettings
-from tiers.stores.kind_options import KIND_OPTIONS, TRANSFER_ENGINE_OPTIONS  # noqa: F401  (public here too)
+from tiers.stores.kind_options import KIND_OPTIONS  # public here too (scripts/readme_reference.py)
 from tiers.node.tenants import Tenant, parse_tenants, socket_gid
 from tiers.config_values import (  # noqa: F401  (ConfigError, parse_size, WRITE_POLICIES: public here too)
     WRITE_POLICIES,

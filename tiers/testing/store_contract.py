@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pytest
 import xxhash
 
+from tiers.shm.buffers import scatter_copy
 from tiers.stores.base import EvictionListener, PageKey, PageStore, StoreError
 
 
@@ -367,10 +368,7 @@ class StoreContract:
 
 def _fill(arena, alloc, data: bytes) -> None:
     """The daemon's copy into reserved blocks."""
-    at = 0
-    for view in arena.views(alloc):
-        view[:] = data[at:at + view.nbytes]
-        at += view.nbytes
+    scatter_copy(arena.views(alloc), [memoryview(data)])
 
 
 def _extent_bytes(arena, extents) -> bytes:
