@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hicache_ext.break_even import BreakEven
@@ -30,6 +29,7 @@ from tiers.wire import protocol as P
 from tiers.shm.buffers import scatter_copy
 from tiers.shm.checksums import page_sums, page_sums_at
 from tiers.wire.client import TierClient
+from tiers.wire.fanout import Call, FanOut
 from tiers.wire.lookup import merge_held, per_tier_held
 from tiers.logs import RateLimitedLog
 
@@ -61,15 +61,6 @@ class TierRouter:
             self.sealed.attach(clients)
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
-        # write_through's puts to the tiers below the first, beside the caller's own put to the first.
-        # Each thread has its own socket to each tier (TierClient); every put is bounded by its deadline.
-        self._writers: Optional[ThreadPoolExecutor] = None
-        if write_policy == "write_through" and len(clients) > 1:
-            self._writers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-write")
-        # Reads of the keys each lower tier said it holds, beside the caller's own read of the top tier's.
-        self._readers: Optional[ThreadPoolExecutor] = None
-        if len(clients) > 1:
-            self._readers = ThreadPoolExecutor(max_workers=len(clients) - 1, thread_name_prefix="hicache-read")
 
     # ---------------------------------------------------------------- lookup
     def held(self, keys: List[str], key_bytes: float = 0, key_tokens: float = 0, first_token: int = 0) -> bytes:
@@ -124,13 +115,19 @@ class TierRouter:
                 return [client]
         return self.clients[:1]
 
-    def _acknowledged(self, put: Callable[[TierClient], List[bool]]) -> List[bool]:
-        """A page is acknowledged when every target tier of the write policy stored it (all asked at once)."""
-        first, *below = self._write_targets()  # more than one only under write_through, which has _writers
-        pending = [self._writers.submit(put, client) for client in below]
-        result = list(put(first))
-        for future in pending:
-            result = [a and b for a, b in zip(result, future.result())]
+    def _acknowledged(self, start_put: Callable[[TierClient, Callable[[List[bool]], None]], Optional[Call]]
+                      ) -> List[bool]:
+        """A page is acknowledged when every target tier of the write policy stored it (all asked at once:
+        start_put(client, on_stored) sends one tier's put, and the replies are gathered together)."""
+        targets = self._write_targets()
+        stored: List[List[bool]] = [[] for _ in targets]
+        fan = FanOut()
+        for i, client in enumerate(targets):
+            fan.add(start_put(client, stored[i].extend))
+        fan.wait()
+        result = stored[0]
+        for flags in stored[1:]:
+            result = [a and b for a, b in zip(result, flags)]
         return result
 
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
@@ -139,10 +136,11 @@ class TierRouter:
         if self.checks.enabled and len(self._write_targets()) == 1:
             # The one tier hashes each page in its copy's pass, while the page is in the cache: one pass over
             # the batch instead of two (tiers/wire/protocol.py hash_pages).
-            return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode,
-                                                               hash_pages=True))
+            return self._acknowledged(lambda client, on_stored: self._put(client, batch, parents, on_stored,
+                                                                          mode=self._mode, hash_pages=True))
         sums = self.checks.sums_at(batch.pointers, batch.lengths)  # hashed once for every tier: each keeps it
-        return self._acknowledged(lambda client: self._put(client, batch, parents, mode=self._mode, sums=sums))
+        return self._acknowledged(lambda client, on_stored: self._put(client, batch, parents, on_stored,
+                                                                      mode=self._mode, sums=sums))
 
     def _put_fields(self, mode: str, promote: bool = False) -> dict:
         """What the daemon is told with a put: demote later or not, and the selective threshold."""
@@ -153,8 +151,10 @@ class TierRouter:
             extra["promote"] = True
         return extra
 
-    def _put(self, client: TierClient, batch: PageBatch, parents, mode: str = "through",
-             promote: bool = False, sums: bytes = b"", hash_pages: bool = False) -> List[bool]:
+    def _put(self, client: TierClient, batch: PageBatch, parents, on_stored: Callable[[List[bool]], None],
+             mode: str = "through", promote: bool = False, sums: bytes = b"", hash_pages: bool = False
+             ) -> Optional[Call]:
+        """One tier's put of batch, sent; on_stored gets a flag a page."""
         extra = self._put_fields(mode, promote)
         if sums:
             extra["sums"] = sums
@@ -166,8 +166,8 @@ class TierRouter:
             client.connect()
         if batch.offsets is not None and client.region_id is not None:
             desc, counts = batch.descriptors()
-            return client.put_region(batch.keys, desc, counts, batch.nbytes, parents, **extra)
-        return client.put_frames(batch.keys, batch.views(), batch.nbytes, parents, **extra)
+            return client.start_put_region(batch.keys, desc, counts, batch.nbytes, parents, on_stored, **extra)
+        return client.start_put_frames(batch.keys, batch.views(), batch.nbytes, parents, on_stored, **extra)
 
     def write_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]],
                       parents: Optional[List[Optional[str]]] = None) -> List[bool]:
@@ -175,12 +175,13 @@ class TierRouter:
         if self.sealed is not None:
             fields = self._put_fields(self._mode)
             return self.sealed.write(keys, pages, parents, self._acknowledged,
-                                     lambda client, part, part_parents, extents, views, nbytes, sums: put_sealed(
-                                         client, part, part_parents, extents, views, nbytes,
-                                         {**fields, "sums": sums} if sums else fields))
+                                     lambda client, part, part_parents, extents, views, nbytes, sums, on_stored:
+                                     put_sealed(client, part, part_parents, extents, views, nbytes,
+                                                {**fields, "sums": sums} if sums else fields, on_stored))
         nbytes = sum(v.nbytes for page in pages for v in page)
         extra = {**self._put_fields(self._mode), "sums": self.checks.sums_of(pages)}
-        return self._acknowledged(lambda client: client.put_frames(keys, pages, nbytes, parents, **extra))
+        return self._acknowledged(lambda client, on_stored: client.start_put_frames(keys, pages, nbytes, parents,
+                                                                                    on_stored, **extra))
 
     # ---------------------------------------------------------------- reads
     def read(self, batch: PageBatch) -> List[bool]:
@@ -190,26 +191,47 @@ class TierRouter:
 
     def _read(self, batch: PageBatch) -> List[bool]:
         n = len(batch.keys)
-        plan = self.hints.plan(batch.keys) if self._readers is not None else None
-        starts: Dict[int, List[int]] = {}  # first tier to ask -> pages
+        plan = self.hints.plan(batch.keys) if len(self.clients) > 1 else None
+        asks: Dict[int, List[int]] = {}  # tier -> pages to ask it for
         if plan is None:
-            starts[0] = list(range(n))
+            asks[0] = list(range(n))
         else:
             for i, tier in enumerate(plan):
-                starts.setdefault(0 if tier == UNKNOWN else tier, []).append(i)
-        walks = sorted(starts.items())
-        # The top group on this thread, the others on the reader threads: every tier moves at once.
+                asks.setdefault(0 if tier == UNKNOWN else tier, []).append(i)
         sums = [0] * n  # each page's checksum, as the tier that served it returned it (promotions keep it)
-        pending = [self._readers.submit(self._walk_batch, batch, idx, first, sums) for first, idx in walks[1:]]
-        first, idx = walks[0]
-        served = [self._walk_batch(batch, idx, first, sums)] + [future.result() for future in pending]
         found = [False] * n
         below: List[int] = []  # pages a lower tier served
-        for hits in served:
-            for i, depth in hits:
-                found[i] = True
-                if depth > 0:
-                    below.append(i)
+        page_bytes = batch.nbytes / n
+        # Rounds: every tier with pages to give is asked at once; what a tier missed goes to the next
+        # tier in the round after (one call a tier a round: a tier's socket carries one call at a time).
+        while asks:
+            served: Dict[int, List[bool]] = {}
+            took: Dict[int, float] = {}
+            began = time.perf_counter()
+            fan = FanOut()
+            for tier, idx in sorted(asks.items()):
+                def got(flags: List[bool], tier: int = tier) -> None:
+                    served[tier] = flags
+                    took[tier] = time.perf_counter() - began
+                fan.add(self._get(self.clients[tier], batch if len(idx) == n else batch.subset(idx), sums, idx,
+                                  got))
+            fan.wait()
+            following: Dict[int, List[int]] = {}
+            for tier, idx in sorted(asks.items()):
+                flags = served[tier]
+                if self.break_even is not None:  # each tier's read speed, kept current for the break-even rule
+                    self.break_even.speeds.observe(tier, int(sum(flags) * page_bytes), took[tier])
+                missed = []
+                for i, ok in zip(idx, flags):
+                    if not ok:
+                        missed.append(i)
+                    else:
+                        found[i] = True
+                        if tier > 0:
+                            below.append(i)
+                if missed and tier + 1 < len(self.clients):
+                    following.setdefault(tier + 1, []).extend(missed)
+            asks = {tier: sorted(idx) for tier, idx in following.items()}
         if below and self.promote and not self.clients[0].is_down():
             self._promote(batch.subset(sorted(below)), [sums[i] for i in sorted(below)])
         return found
@@ -229,12 +251,6 @@ class TierRouter:
             hits += [(i, depth) for i, ok in zip(missing, got) if ok]
             missing = [i for i, ok in zip(missing, got) if not ok]
         return hits
-
-    def _walk_batch(self, batch: PageBatch, idx: List[int], first: int, sums: List[int]) -> List[Tuple[int, int]]:
-        n = len(batch.keys)
-        return self._walk(idx, lambda client, missing: self._get(client, batch if len(missing) == n
-                                                                  else batch.subset(missing), sums, missing), first,
-                          batch.nbytes / n)
 
     def _promote(self, pages: PageBatch, sums: List[int]) -> None:
         """Queue copies of pages into the top tier (they are below already: the top tier holds them clean).
@@ -271,28 +287,34 @@ class TierRouter:
         return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages,
                 "sealed_refused": self.sealed.sealer.refused if self.sealed is not None else 0}
 
-    def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int]) -> List[bool]:
-        """Pages of batch from one tier, each checked after our own copy; sums[positions[i]] gets page i's sum."""
+    def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int],
+             on_found: Callable[[List[bool]], None]) -> Optional[Call]:
+        """Pages of batch from one tier, sent for; each page is checked after our own copy, sums[positions[i]]
+        gets page i's sum, and on_found a flag a page."""
         got: List[int] = []
-        if self.sealed is not None:
-            found = self.sealed.read(client, batch.keys, batch.views(), got)  # checked before it is opened
-        else:
-            if client.can_lease():
-                # The daemon leases the pages in its arena and this process copies them in: a frozen
-                # daemon can never write into host memory the engine has reused.  Each page is hashed
-                # as it is copied, so the check reads nothing again.
-                copied: Optional[List[int]] = [] if self.checks.enabled else None
-                found = client.get_leased(batch.keys, batch.page_runs(), got, copied)
-                sums_of = (lambda idx: [copied[i] for i in idx])
-            else:
-                found, frames = client.get_frames(batch.keys, batch.nbytes, got)
-                found = _fill(found, frames, batch.views) if any(found) else found
-                sums_of = (lambda idx: page_sums_at(batch.pointers[idx], batch.lengths[idx]))
-            found = self.checks.verify(client.name, batch.keys, found, got, sums_of)
-        for position, ok, checksum in zip(positions, found, got):
-            if ok:
-                sums[position] = checksum
-        return found
+
+        def served(found: List[bool]) -> None:
+            for position, ok, checksum in zip(positions, found, got):
+                if ok:
+                    sums[position] = checksum
+            on_found(found)
+        if self.sealed is not None:  # checked before it is opened
+            return self.sealed.start_read(client, batch.keys, batch.views(), got, served)
+        if client.can_lease():
+            # The daemon leases the pages in its arena and this process copies them in: a frozen
+            # daemon can never write into host memory the engine has reused.  Each page is hashed
+            # as it is copied, so the check reads nothing again.
+            copied: Optional[List[int]] = [] if self.checks.enabled else None
+            return client.start_get_leased(
+                batch.keys, batch.page_runs(), got, copied,
+                lambda found: served(self.checks.verify(client.name, batch.keys, found, got,
+                                                        lambda idx: [copied[i] for i in idx])))
+
+        def framed(found: List[bool], frames) -> None:
+            found = _fill(found, frames, batch.views) if any(found) else found
+            served(self.checks.verify(client.name, batch.keys, found, got,
+                                      lambda idx: page_sums_at(batch.pointers[idx], batch.lengths[idx])))
+        return client.start_get_frames(batch.keys, batch.nbytes, got, framed)
 
     def read_buffers(self, keys: List[str], pages: Sequence[Sequence[memoryview]]) -> List[bool]:
         """Legacy path: fill buffers of this process from the fastest tier."""
@@ -313,9 +335,6 @@ class TierRouter:
 
     def close(self) -> None:
         self.promoter.close()
-        for pool in (self._writers, self._readers):
-            if pool is not None:
-                pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
         if self.sealed is not None:

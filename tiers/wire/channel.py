@@ -1,13 +1,12 @@
-"""A client's way to one daemon: a DEALER socket for each calling thread, and one request's send and receive.
+"""A client's way to one daemon: a DEALER socket for each calling thread, and the send of one request.
 
 A request is sent without blocking (a socket that cannot take it yet gets a
 short wait to connect, never one on an ipc daemon whose socket file is
-gone); its reply is waited for until the caller's give-up time, the small
-quick ones first holding the GIL for up to ``Deadlines.reply_spin``
-(tiers/wire/held_wait.py).  A request nobody can take, or a reply that does
-not come in time, resets that thread's socket (dropping anything late) and
-tells the owner the daemon is lost (``on_lost``): its client then serves
-misses until a probe of its own finds the daemon again (tiers/wire/client.py).
+gone); its reply is gathered by a FanOut (tiers/wire/fanout.py) until the
+caller's give-up time.  A request nobody can take, or a reply that does not
+come in time, resets that thread's socket (dropping anything late) and tells
+the owner the daemon is lost (``on_lost``): its client then serves misses
+until a probe of its own finds the daemon again (tiers/wire/client.py).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import zmq
 
@@ -25,7 +24,19 @@ from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 
-Sent = Tuple[zmq.Socket, int, float]  # the socket, the request id, the give-up time (time.monotonic)
+class Sent:
+    """A request handed to this thread's socket, or waiting for the socket to connect (unsent: its parts)."""
+
+    __slots__ = ("sock", "req_id", "give_up", "unsent", "connect_by", "big")
+
+    def __init__(self, sock: zmq.Socket, req_id: int, give_up: float, unsent: Optional[list] = None,
+                 connect_by: float = 0.0, big: bool = False):
+        self.sock = sock
+        self.req_id = req_id
+        self.give_up = give_up  # time.monotonic() after which its reply is not waited for
+        self.unsent = unsent
+        self.connect_by = connect_by  # an unsent request's daemon is lost if the socket is not up by then
+        self.big = big  # frames sent without a copy
 
 
 @dataclass
@@ -90,79 +101,43 @@ class Channel:
     def send(self, op: str, timeout: float, fields: dict, frames: Sequence = (), session: Optional[int] = None,
              held: Optional[held_wait.HeldWait] = None) -> Optional[Sent]:
         """Send one request (a single-part one by held when given); where to wait for its reply, or None when
-        the daemon is unreachable."""
+        the daemon is unreachable.  A fresh socket that cannot take it yet (connecting; longer on a loaded
+        machine) keeps it unsent: push() sends it once the socket is up, so a caller asking several daemons
+        at once never waits for one's connection before asking the next (tiers/wire/fanout.py)."""
         req_id = next(self._ids)
         daemon_deadline = time.time() + max(0.01, timeout - self.deadlines.margin)
         header = P.request(op, req_id, deadline=daemon_deadline, session=session, **fields)
         sock = self.socket()
+        now = time.monotonic()
         if held is not None and not frames and held.send(sock, header):
             self.refused = False
-            return sock, req_id, time.monotonic() + timeout
-        parts = [header, *frames]
-        big = any(getattr(f, "nbytes", 0) >= 65536 for f in frames)
-        try:
-            try:  # a connected socket takes the message at once: no poll on the hot path
-                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
-            except zmq.Again:
-                # A fresh socket needs a moment to connect (longer on a loaded machine); an ipc
-                # daemon whose socket file is gone fails at once instead of waiting.
-                if self._ipc_path and not os.path.exists(self._ipc_path):
-                    raise
-                if not sock.poll(int(min(timeout / 2, self.deadlines.connect_wait) * 1000), zmq.POLLOUT):
-                    raise
-                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
-        except zmq.Again:
-            self.reset_socket()
-            self.refused = True
-            self._on_lost("not connected")
+            return Sent(sock, req_id, now + timeout)
+        sent = Sent(sock, req_id, now + timeout, [header, *frames], now + min(timeout / 2, self.deadlines.connect_wait),
+                    any(getattr(f, "nbytes", 0) >= 65536 for f in frames))
+        if self.push(sent):  # a connected socket takes the message at once: no poll on the hot path
+            return sent
+        if self._ipc_path and not os.path.exists(self._ipc_path):
+            self.refuse()  # an ipc daemon whose socket file is gone: no connection to wait for
             return None
+        return sent
+
+    def push(self, sent: Sent) -> bool:
+        """Send an unsent request if its socket takes it now; True once it is sent."""
+        try:
+            sent.sock.send_multipart(sent.unsent, flags=zmq.NOBLOCK, copy=not sent.big)
+        except zmq.Again:
+            return False
+        sent.unsent = None
         self.refused = False
-        return sock, req_id, time.monotonic() + timeout
+        return True
 
-    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held: held_wait.HeldWait,
-                   op: str = "lookup") -> Optional[Reply]:
-        """The reply to req_id if it comes within the reply spin (or give_up), waited for holding the GIL."""
-        until = min(give_up, time.monotonic() + self.deadlines.reply_spin)
-        while True:
-            parts = held.receive(sock, until - time.monotonic())
-            if parts is None:
-                return None
-            try:
-                reply = M.decode_reply(op, parts[0])
-            except P.ProtocolError:
-                continue
-            if reply.id == req_id:
-                return Reply(reply, [zmq.Frame(part) for part in parts[1:]])
-
-    def receive(self, sock: zmq.Socket, req_id: int, give_up: float, op: str,
-                held: Optional[held_wait.HeldWait] = None) -> Optional[Reply]:
-        """The reply to req_id, or None after give_up (the socket is then reset and the daemon lost)."""
-        if held is not None:
-            reply = self.held_reply(sock, req_id, give_up, held, op)
-            if reply is not None:
-                return reply
-        while True:
-            left = give_up - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self.give_up(op)
-                return None
-            parts = sock.recv_multipart(copy=False)
-            try:
-                reply = M.decode_reply(op, parts[0].buffer)
-            except P.ProtocolError:
-                continue
-            if reply.id == req_id:
-                return Reply(reply, parts[1:])
-            # A reply to an earlier call that timed out: ignore it.
+    def refuse(self) -> None:
+        """This thread's socket did not connect in time: the daemon is not listening."""
+        self.reset_socket()
+        self.refused = True
+        self._on_lost("not connected")
 
     def give_up(self, op: str) -> None:
         """A call on this thread's socket got no reply in time: drop the late reply and anything queued."""
         self.reset_socket()
         self._on_lost(f"{op} got no reply in time")
-
-    def roundtrip(self, op: str, timeout: float, fields: dict, frames: Sequence = (),
-                  session: Optional[int] = None) -> Optional[Reply]:
-        """One request and its reply, or None (timeout, no daemon)."""
-        held = self.held_wait(op, fields) if not frames else None
-        sent = self.send(op, timeout, fields, frames, session, held)
-        return None if sent is None else self.receive(*sent, op, held)

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
@@ -30,6 +30,7 @@ from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
 from tiers.wire.channel import Channel, Reply, Sent  # noqa: F401  (Reply: public here too)
+from tiers.wire.fanout import Call, FanOut
 from tiers.shm.buffers import MemoryFault
 from tiers.shm.page_runs import PageRuns
 from tiers.logs import RateLimitedLog
@@ -142,13 +143,13 @@ class TierClient:
     def is_down(self) -> bool:
         return self._down
 
-    def held_reply(self, sock: zmq.Socket, req_id: int, give_up: float, held, op: str = "lookup") -> Optional[Reply]:
-        """The reply to req_id if it comes within the reply spin (tiers/wire/channel.py)."""
-        return self._channel.held_reply(sock, req_id, give_up, held, op)
-
     def _hello_locked(self) -> bool:
-        reply = self._channel.roundtrip("hello", self.deadlines.lookup,
-                                {"ns": self.namespace, "client": self.client_name})
+        fields = {"ns": self.namespace, "client": self.client_name}
+        held = self._channel.held_wait("hello", fields)
+        sent = self._channel.send("hello", self.deadlines.lookup, fields, held=held)
+        # Not through start(): a hello opens the session start() would need.
+        reply = None if sent is None else _wait_for(
+            lambda done: Call("hello", sent, held, self._channel, lambda got: done(got)))
         if reply is None or not reply.header.ok:
             if reply is not None:
                 self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.msg)
@@ -176,28 +177,41 @@ class TierClient:
         """Open the session now (hello, and the region's registration); False when the tier cannot answer."""
         return self._ensure_session() is not None
 
+    def start(self, op: str, timeout: float, on_reply: Callable[[Optional[Reply]], None], frames: Sequence = (),
+              retried: bool = False, **fields) -> Optional[Call]:
+        """Send a request in this client's session without waiting for its reply (tiers/wire/fanout.py).
+
+        on_reply is called exactly once: with the reply when a FanOut gathers it, or with None (no
+        reply in time, or, before this returns None, a tier that cannot be asked).  A ``no_session``
+        reply (the daemon restarted) opens a new session and sends the request once more."""
+        session = self._ensure_session()
+        sent, held = None, None
+        if session is not None and "region" in fields:
+            # A region belongs to the session that registered it: after a new hello
+            # (daemon restart) name the region registered with it, never the old one.
+            fields["region"] = self.region_id  # None: not registered in this session (the caller sends frames)
+        if session is not None and fields.get("region", 0) is not None:
+            held = self._channel.held_wait(op, fields) if not frames else None
+            sent = self._channel.send(op, timeout, fields, frames, session, held)
+        if sent is None:
+            on_reply(None)
+            return None
+
+        def settle(reply: Optional[Reply]) -> Optional[Call]:
+            if reply is not None and not reply.header.ok and reply.header.code == "no_session":
+                with self._lock:
+                    if self._session == session:
+                        self._session = None
+                if not retried:
+                    return self.start(op, timeout, on_reply, frames, retried=True, **fields)
+                reply = None
+            on_reply(reply)
+            return None
+        return Call(op, sent, held, self._channel, settle)
+
     def call(self, op: str, timeout: float, frames: Sequence = (), **fields) -> Optional[Reply]:
-        """A request in this client's session; None when the tier cannot answer."""
-        for _attempt in range(2):
-            session = self._ensure_session()
-            if session is None:
-                return None
-            if "region" in fields:
-                # A region belongs to the session that registered it: after a new hello
-                # (daemon restart) name the region registered with it, never the old one.
-                region = self.region_id
-                if region is None:
-                    return None  # not registered in this session: the caller falls back to frames
-                fields["region"] = region
-            reply = self._channel.roundtrip(op, timeout, fields, frames, session=session)
-            if reply is None:
-                return None
-            if reply.header.ok or reply.header.code != "no_session":
-                return reply
-            with self._lock:
-                if self._session == session:
-                    self._session = None
-        return None
+        """A request in this client's session and its reply; None when the tier cannot answer."""
+        return _wait_for(lambda done: self.start(op, timeout, done, frames, **fields))
 
     # ---------------------------------------------------- shared memory
     def attach_region(self, fd: int, size: int) -> None:
@@ -208,6 +222,10 @@ class TierClient:
                 self._attachment.register(self.fd_socket, self._session, self.deadlines.lookup)
 
     # ------------------------------------------------------- operations
+    # Each operation comes twice: start_<op> sends it and hands its outcome to a callback once a FanOut
+    # gathered the reply (the node's tiers asked at once: tiers/wire/lookup.py, hicache_ext/router.py);
+    # <op> is the same call waited for at once.
+
     def _lookup_fields(self, keys: List[str], digests: Optional[bytes]) -> dict:
         """The keys as the tier takes them: packed digests (one field, one native call there) or the list."""
         if not self.answers_digests:
@@ -217,61 +235,47 @@ class TierClient:
     def lookup(self, keys: List[str], digests: Optional[bytes] = None) -> Optional[bytes]:
         """One byte per key (1 held), or None when the tier cannot answer.  digests: the keys' packed
         digests in this client's namespace (P.pack_key_digests), when the caller has them already."""
-        if self._ensure_session() is None:
-            return None
-        return _held(self.call("lookup", self.deadlines.lookup, **self._lookup_fields(keys, digests)), len(keys))
+        return _wait_for(lambda done: self.start_lookup(keys, digests, done))
 
-    def start_lookup(self, keys: List[str], digests: Optional[bytes] = None):
-        """Send a lookup without waiting (tiers/wire/lookup.py); None when the tier is unreachable."""
-        session = self._ensure_session()
-        if session is None:
+    def start_lookup(self, keys: List[str], digests: Optional[bytes],
+                     on_held: Callable[[Optional[bytes]], None]) -> Optional[Call]:
+        """lookup, sent; on_held gets its flags (None: the tier did not answer)."""
+        if self._ensure_session() is None:
+            on_held(None)
             return None
         fields = self._lookup_fields(keys, digests)
         self._add_done(fields)
-        return self._channel.send("lookup", self.deadlines.lookup, fields, session=session,
-                                  held=self._channel.held_wait("lookup", fields))
-
-    def poll_reply(self, sock: zmq.Socket, req_id: int) -> Optional[Reply]:
-        """The reply to the lookup req_id if it is the next message waiting (None: a stale one was skipped)."""
-        parts = sock.recv_multipart(copy=False)
-        try:
-            reply = M.decode_reply("lookup", parts[0].buffer)
-        except P.ProtocolError:
-            return None
-        return Reply(reply, parts[1:]) if reply.id == req_id else None
-
-    def give_up(self, sock: zmq.Socket, op: str) -> None:
-        """A call on this thread's socket got no reply in time."""
-        self._channel.give_up(op)
-
-    def quick_lookup_reply(self, sent: Sent) -> Optional[Reply]:
-        """The reply to a start_lookup if it comes within the reply spin (waited for holding the GIL);
-        None: not yet, and the caller waits for it as for any other."""
-        held = self._channel.held_wait("lookup", {})
-        return None if held is None else self._channel.held_reply(*sent, held)
-
-    def lookup_reply(self, reply: Reply, keys: List[str]) -> Optional[bytes]:
-        if reply.header.code == "no_session":
-            with self._lock:
-                self._session = None
-            return self.lookup(keys)  # the daemon restarted: one ordinary retry
-        return _held(reply, len(keys))
+        return self.start("lookup", self.deadlines.lookup, lambda reply: on_held(_held(reply, len(keys))), **fields)
 
     def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
         """Pages from the registered host pool; extra: mode, min_reads, promote, sums (P.encode_sums)."""
+        return _wait_for(lambda done: self.start_put_region(keys, desc, counts, nbytes, parents, done, **extra))
+
+    def start_put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
+                         parents: Optional[List[Optional[str]]], on_stored: Callable[[List[bool]], None],
+                         **extra) -> Optional[Call]:
+        """put_region, sent; on_stored gets a flag a page."""
         region = self.region_id
         if region is None:
-            return [False] * len(keys)
+            on_stored([False] * len(keys))
+            return None
         fields = dict(keys=keys, region=region, desc=desc, regions_per_page=counts, **extra)
         if parents:
             fields["parents"] = parents
         self._add_done(fields)
-        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), **fields), len(keys))
+        return self.start("put", self.deadlines.for_bytes(nbytes),
+                          lambda reply: on_stored(self._flags(reply, len(keys))), **fields)
 
     def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
         """Pages as lists of buffers, sent as one frame per buffer; extra as for put_region."""
+        return _wait_for(lambda done: self.start_put_frames(keys, pages, nbytes, parents, done, **extra))
+
+    def start_put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
+                         parents: Optional[List[Optional[str]]], on_stored: Callable[[List[bool]], None],
+                         **extra) -> Optional[Call]:
+        """put_frames, sent; on_stored gets a flag a page."""
         frames, counts = [], []
         for page in pages:
             frames.extend(page)
@@ -282,7 +286,8 @@ class TierClient:
         if parents:
             fields["parents"] = parents
         self._add_done(fields)
-        return self._flags(self.call("put", self.deadlines.for_bytes(nbytes), frames=frames, **fields), len(keys))
+        return self.start("put", self.deadlines.for_bytes(nbytes),
+                          lambda reply: on_stored(self._flags(reply, len(keys))), frames=frames, **fields)
 
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
@@ -298,6 +303,12 @@ class TierClient:
         (0: unknown or not found) for the caller to verify what it copied; copied, when given,
         the checksum of each page as copied into dst (0: not copied), hashed in the same call.
         """
+        return _wait_for(lambda done: self.start_get_leased(keys, dst, sums, copied, done))
+
+    def start_get_leased(self, keys: List[str], dst: Union[PageRuns, Sequence[Sequence[Tuple[int, int]]]],
+                         sums: Optional[List[int]], copied: Optional[List[int]],
+                         on_found: Callable[[List[bool]], None]) -> Optional[Call]:
+        """get_leased, sent; the pages are copied when the reply is gathered, then on_found gets a flag a page."""
         arena = self.arena
         n = len(keys)
         if sums is not None:
@@ -305,16 +316,21 @@ class TierClient:
         if not isinstance(dst, PageRuns):
             dst = PageRuns.of_lists(dst)
         sizes = dst.sizes()
-        nbytes = sum(sizes)
-        timeout = self.deadlines.for_bytes(nbytes)
+        timeout = self.deadlines.for_bytes(sum(sizes))
         # CLOCK_MONOTONIC is one clock for the whole machine; a daemon refuses a lease past MAX_LEASE_SECONDS.
         timeout = min(timeout, P.MAX_LEASE_SECONDS - 1.0)
         expiry = time.monotonic() + timeout
         if arena is None:
-            return [False] * n
+            on_found([False] * n)
+            return None
         fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
         self._add_done(fields)
-        reply = self.call("get", timeout, **fields)
+        return self.start("get", timeout, lambda reply: on_found(self._copy_leased(reply, arena, n, dst, expiry,
+                                                                                   sums, copied)), **fields)
+
+    def _copy_leased(self, reply: Optional[Reply], arena: ArenaMap, n: int, dst: PageRuns, expiry: float,
+                     sums: Optional[List[int]], copied: Optional[List[int]]) -> List[bool]:
+        """The pages a get's reply leased us, copied out of the arena into dst while the lease holds."""
         found = self._flags(reply, n)
         if not any(found):
             return found
@@ -359,10 +375,20 @@ class TierClient:
     def get_frames(self, keys: List[str], nbytes: int,
                    sums: Optional[List[int]] = None) -> Tuple[List[bool], List[zmq.Frame]]:
         """(found flags, one frame per found page in key order); sums as for get_leased."""
+        return _wait_for(lambda done: self.start_get_frames(keys, nbytes, sums,
+                                                            lambda found, frames: done((found, frames))))
+
+    def start_get_frames(self, keys: List[str], nbytes: int, sums: Optional[List[int]],
+                         on_got: Callable[[List[bool], List[zmq.Frame]], None]) -> Optional[Call]:
+        """get_frames, sent; on_got gets the found flags and the found pages' frames."""
         if sums is not None:
             sums[:] = [0] * len(keys)
-        reply = self.call("get", self.deadlines.for_bytes(nbytes), keys=keys)
-        found = self._flags(reply, len(keys))
+        return self.start("get", self.deadlines.for_bytes(nbytes),
+                          lambda reply: on_got(*self._framed_pages(reply, len(keys), sums)), keys=keys)
+
+    def _framed_pages(self, reply: Optional[Reply], n: int,
+                      sums: Optional[List[int]]) -> Tuple[List[bool], List[zmq.Frame]]:
+        found = self._flags(reply, n)
         frames = reply.frames if reply is not None else []
         try:
             found_sums = P.decode_sums(reply.header.sums if reply is not None else None, sum(found))
@@ -370,7 +396,7 @@ class TierClient:
             self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
             frames = []
         if len(frames) != sum(found):
-            return [False] * len(keys), []
+            return [False] * n, []
         if sums is not None:
             sums[:] = _spread(found, found_sums)
         return found, frames
@@ -408,6 +434,15 @@ class TierClient:
         with self._lock:
             self._channel.close()
             self._attachment.close()
+
+
+def _wait_for(start: Callable[[Callable], Optional[Call]]):
+    """What a call started by start(done) hands to done, waited for at once (done is called exactly once)."""
+    outcome = []
+    fan = FanOut()
+    fan.add(start(outcome.append))
+    fan.wait()
+    return outcome[0]
 
 
 def _spread(found: List[bool], found_sums: List[int]) -> List[int]:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence
 
-import zmq
-
-from tiers.wire import held_wait
 from tiers.wire import protocol as P
 from tiers.wire.client import TierClient
+from tiers.wire.fanout import FanOut
 
 
 # How long a lookup covered by lower tiers waits for the replies of faster tiers still out.  Their
@@ -35,32 +33,42 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     above answer alone (its late reply is skipped by id on that socket's next
     call).
     """
+    n = len(keys)
     results: List[Optional[bytes]] = [None] * len(clients)
-    waiting = {}
-    full = b"\x01" * len(keys)
+    out = set()  # tiers asked that have not answered
+    fan = FanOut()
     digests = _packed_digests(clients, keys)
-    sent = clients[0].start_lookup(keys, digests.get(clients[0].namespace))
-    reply = clients[0].quick_lookup_reply(sent) if sent is not None else None
-    if reply is not None:  # the top tier answered within the reply spin (tiers/wire/held_wait.py)
-        results[0] = clients[0].lookup_reply(reply, keys)
-        if len(clients) == 1 or results[0] == full:
+
+    def ask(i: int) -> None:
+        def answered(flags: Optional[bytes]) -> None:
+            out.discard(i)
+            results[i] = flags
+        out.add(i)
+        fan.add(clients[i].start_lookup(keys, digests.get(clients[i].namespace), answered))
+
+    def covered() -> bool:
+        return merge_held(results, n) == b"\x01" * n
+
+    def settled() -> bool:
+        """The tiers that replied hold every key and no faster tier is still out."""
+        if not covered():
+            return False
+        deepest = max(i for i, flags in enumerate(results) if flags is not None)
+        return not any(i < deepest for i in out)
+
+    ask(0)
+    if len(clients) == 1:
+        fan.wait()
+        return results
+    if head_start > 0:
+        fan.wait(stop_at=time.monotonic() + head_start)
+        if results[0] == b"\x01" * n:
             return results
-    elif sent is not None:
-        waiting[0] = sent
-        if len(clients) == 1:
-            _gather(clients, keys, results, waiting, None)
-            return results
-        if head_start > 0:
-            _gather(clients, keys, results, waiting, time.monotonic() + head_start)
-            if results[0] == full:
-                return results
-    for i, client in enumerate(clients[1:], start=1):
-        sent = client.start_lookup(keys, digests.get(client.namespace))
-        if sent is not None:
-            waiting[i] = sent
-    _held_gather(clients, keys, results, waiting)
-    if waiting and not _answered(results, waiting, len(keys)):
-        _gather(clients, keys, results, waiting, None)
+    for i in range(1, len(clients)):
+        ask(i)
+    fan.wait(done=covered)
+    if not settled():  # covered, and a faster tier is still out: its answer decides where each page is read
+        fan.wait(done=settled, stop_at=time.monotonic() + FASTER_TIER_GRACE_S)
     return results
 
 
@@ -72,76 +80,6 @@ def _packed_digests(clients: Sequence[TierClient], keys: List[str]) -> Dict[str,
         if client.answers_digests and client.namespace not in out:
             out[client.namespace] = P.pack_key_digests(client.namespace, keys)
     return out
-
-
-def _answered(results: List[Optional[bytes]], waiting: dict, n: int) -> bool:
-    """The tiers that replied hold every key and no faster tier is still out."""
-    if merge_held(results, n) != b"\x01" * n:
-        return False
-    deepest = max(i for i, r in enumerate(results) if r is not None)
-    return not any(i < deepest for i in waiting)
-
-
-def _held_gather(clients: Sequence[TierClient], keys: List[str], results: List[Optional[bytes]],
-                 waiting: dict) -> None:
-    """The replies of the tiers in waiting that come within the reply spin, waited for holding the GIL
-    (tiers/wire/held_wait.py: in a busy engine each release of the GIL costs a scheduler iteration);
-    stops early once the keys are answered.  What is still out stays in waiting."""
-    spin = min((clients[i].deadlines.reply_spin for i in waiting), default=0.0)
-    held = held_wait.shared() if spin > 0 else None
-    if held is None:
-        return
-    until = time.monotonic() + spin
-    while waiting and time.monotonic() < until:
-        for i in list(waiting):
-            sock, req_id, _end = waiting[i]
-            reply = clients[i].held_reply(sock, req_id, time.monotonic(), held)  # one look, no wait
-            if reply is not None:
-                del waiting[i]
-                results[i] = clients[i].lookup_reply(reply, keys)
-        if _answered(results, waiting, len(keys)):
-            return
-
-
-def _gather(clients: Sequence[TierClient], keys: List[str], results: List[Optional[bytes]], waiting: dict,
-            stop_at: Optional[float]) -> None:
-    """Collect replies of the tiers in waiting into results until none is out, the keys are covered
-    (with the grace for faster tiers), or stop_at (time.monotonic()) when given; waiting keeps what
-    is still out."""
-    full = b"\x01" * len(keys)
-    covered_until: Optional[float] = None  # the grace for faster tiers' replies, once the keys are covered
-    while waiting:
-        now = time.monotonic()
-        give_up = min(p[2] for p in waiting.values())
-        if covered_until is not None:
-            give_up = min(give_up, covered_until)
-        if stop_at is not None:
-            if now >= stop_at:
-                return
-            give_up = min(give_up, stop_at)
-        poller = zmq.Poller()
-        for i, (sock, _id, _end) in waiting.items():
-            poller.register(sock, zmq.POLLIN)
-        ready = dict(poller.poll(max(0, int((give_up - now) * 1000)) + 1))
-        for i in list(waiting):
-            sock, req_id, end = waiting[i]
-            if sock in ready:
-                reply = clients[i].poll_reply(sock, req_id)
-                if reply is None:
-                    continue  # a stale reply to an earlier call was skipped
-                del waiting[i]
-                results[i] = clients[i].lookup_reply(reply, keys)
-            elif time.monotonic() >= end:
-                del waiting[i]
-                clients[i].give_up(sock, "lookup")
-        if merge_held(results, len(keys)) == full:  # the tiers that replied cover every key
-            deepest = max(i for i, r in enumerate(results) if r is not None)
-            if not any(i < deepest for i in waiting):
-                return
-            if covered_until is None:
-                covered_until = time.monotonic() + FASTER_TIER_GRACE_S
-            elif time.monotonic() >= covered_until:
-                return
 
 
 def per_tier_held(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
