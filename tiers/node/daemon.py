@@ -2,9 +2,10 @@
 
 Majordomo-style: poll, decode each request into its Struct (tiers/wire/messages.py), dispatch it
 to the handler its type names (``handlers``), housekeeping per tick.
-Lookups, stats, deletes and leased DRAM reads run on the loop thread; page
-transfers run in a small I/O pool (tiers/node/transfers.py, reads.py) so a long batch never
-stalls a lookup, and their replies come back through a wake pipe.  Engines
+Each handler's route says where its work runs (tiers/node/routes.py): lookups, stats,
+releases and leased DRAM reads on the loop thread; page transfers in a small I/O pool
+(tiers/node/transfers.py, reads.py) so a long batch never stalls a lookup, their replies
+coming back through a wake pipe.  Engines
 attach over AF_UNIX (tiers/node/regions.py).  Pages evicted dirty go down through
 a bounded queue with a thread of its own (tiers/node/demotion.py).  Every failure
 becomes an error reply: the loop only ends when asked to.
@@ -16,7 +17,7 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import zmq
@@ -37,6 +38,7 @@ from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
+from tiers.node.routes import Route, Where, in_pool
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore, StoreError
 from tiers.node.reads import PageReads
@@ -85,17 +87,19 @@ class TierDaemon:
                                                         prefault=staging_bytes >= 64 << 20, background=True)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
         self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)  # puts
-        self.reads = PageReads(store, self.arena, self._pool, self.transfers.each,
+        self.reads = PageReads(store, self.arena, self.transfers.each,
                                corrupt_reads=corrupt_reads)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
-        # The operations this daemon serves, by request type (a pool daemon adds its own); hello, which
-        # every daemon serves, is dispatched with the peer's tenant (_dispatch).
-        self.handlers: Dict[type, Callable] = {
-            M.Lookup: self.handle_lookup, M.Put: self.handle_put, M.Get: self.handle_get,
-            M.Release: self.handle_release, M.Delete: self.handle_delete, M.Clear: self.handle_clear,
-            M.Evict: self.handle_evict, M.Stats: self.handle_stats}
+        # The operations this daemon serves, by request type (a pool daemon adds its own), and where each
+        # one's work runs (tiers/node/routes.py).
+        self.handlers: Dict[type, Route] = {
+            M.Hello: Route(self.handle_hello, Where.LOOP), M.Lookup: Route(self.handle_lookup, Where.LOOP),
+            M.Put: Route(self.handle_put, Where.POOL), M.Get: Route(self.handle_get, Where.READ),
+            M.Release: Route(self.handle_release, Where.LOOP), M.Delete: Route(self.handle_delete, Where.STORE_IO),
+            M.Clear: Route(self.handle_clear, Where.STORE_IO), M.Evict: Route(self.handle_evict, Where.STORE_IO),
+            M.Stats: Route(self.handle_stats, Where.LOOP)}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
         self.sessions = Sessions(self.tenants, endpoint.startswith("ipc://"), curve is not None and curve.enabled)
         self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
@@ -240,17 +244,18 @@ class TierDaemon:
                        or (type(msg) in _POOL_WORK and self.store.parallel_io))
             if counted:
                 self._peer_replies.admit(ident)
-            if type(msg) is M.Hello:
-                result = self.handle_hello(msg, self._peer_tenant)
-            else:
-                handler = self.handlers.get(type(msg))
-                if handler is None:  # a pool operation sent to a tier daemon
-                    raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
-                result = handler(msg, frames)
-            if isinstance(result, Future):  # work in the pool: its reply leaves when it is done
-                self._replies.later(result, ident, req_id, op, started, nbytes, counted)
+            route = self.handlers.get(type(msg))
+            if route is None:  # a pool operation sent to a tier daemon
+                raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
+            result = route.handler(msg, frames)  # checks the request here, on the loop
+            if route.where is Where.LOOP:
+                reply = result
+            elif in_pool(route.where, msg, self.store.parallel_io, self.reads.stages):
+                # Its reply leaves when the pool has done the work (tiers/node/replies.py).
+                self._replies.later(self._pool.submit(result), ident, req_id, op, started, nbytes, counted)
                 return
-            reply = result
+            else:
+                reply = result()
         except Exception as exc:
             reply = self._error_reply(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
@@ -286,8 +291,9 @@ class TierDaemon:
     def _lease_owner(self, msg: M.Request) -> Tuple[int, Optional[int]]:
         return self.sessions.lease_owner(msg.s, self.arena.size)
 
-    def handle_hello(self, msg: M.Hello, tenant: Optional[Tenant]) -> list:
+    def handle_hello(self, msg: M.Hello, frames) -> list:
         ns = P.check_namespace(msg.ns)
+        tenant = self._peer_tenant
         client = msg.client[:200]
         session = self.sessions.open(ns, client, tenant)
         if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
@@ -349,9 +355,9 @@ class TierDaemon:
                 _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
                               len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
             return [P.reply_ok(req_id, **fields)]
-        return self._pool.submit(work)
+        return work
 
-    def handle_get(self, msg: M.Get, frames):
+    def handle_get(self, msg: M.Get, frames) -> Callable[[], list]:
         ns = self._namespace(msg)
         keys = P.check_keys(msg.keys)
         req_id = msg.id
@@ -362,23 +368,12 @@ class TierDaemon:
                 found, out, sums = self.reads.frame_reads(ns, keys, msg.dl)
                 self.metrics.pages("get", sum(found), sum(len(f) for f in out))
                 return [P.reply_ok(req_id, found=P.flags(found), sums=sums), *out]
-            return self._pool.submit(frame_work)
+            return frame_work
         expiry = P.check_lease_expiry(msg.lease)
         sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
         self._release_done(msg)
         owner, budget = self._lease_owner(msg)
-        result = self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget)
-        if isinstance(result, Future):
-            out: Future = Future()
-
-            def finished(fut: Future) -> None:
-                try:
-                    out.set_result(self._lease_reply(req_id, fut.result()))
-                except Exception as exc:  # handed to _finish as the reply's failure
-                    out.set_exception(exc)
-            result.add_done_callback(finished)
-            return out
-        return self._lease_reply(req_id, result)
+        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget))
 
     def _release_done(self, msg: M.Request) -> None:
         """Leases of earlier reads the session copied out, released on the way (before any new work)."""
@@ -400,12 +395,7 @@ class TierDaemon:
         keys = P.check_keys(msg.keys)
         for key in keys:
             self.dirty.pop((ns, key))
-        return self._store_work(lambda: [P.reply_ok(msg.id, deleted=self.store.delete([(ns, k) for k in keys]))])
-
-    def _store_work(self, work: Callable[[], list]):
-        """Admin work on the store: in the I/O pool where the store touches a disk (a clear of a million
-        pages punches and unlinks for seconds; the loop serves everyone else meanwhile), else at once."""
-        return self._pool.submit(work) if self.store.parallel_io else work()
+        return lambda: [P.reply_ok(msg.id, deleted=self.store.delete([(ns, k) for k in keys]))]
 
     def _target_namespace(self, everything: bool, target: Optional[str], own: str) -> Optional[str]:
         """The namespace an admin operation acts on (None: every namespace)."""
@@ -419,7 +409,7 @@ class TierDaemon:
         own = self._namespace(msg, write=True)
         namespace = self._target_namespace(msg.everything, msg.ns, own)
         self.dirty.discard_namespace(namespace)
-        return self._store_work(lambda: [P.reply_ok(msg.id, cleared=self.store.clear(namespace))])
+        return lambda: [P.reply_ok(msg.id, cleared=self.store.clear(namespace))]
 
     def handle_evict(self, msg: M.Evict, frames) -> list:
         own = self._namespace(msg, write=True)
@@ -432,7 +422,7 @@ class TierDaemon:
         def work() -> list:
             pages, freed = self.store.evict(msg.nbytes, namespace)
             return [P.reply_ok(msg.id, evicted_pages=pages, evicted_bytes=freed)]
-        return self._store_work(work)
+        return work
 
     def handle_stats(self, msg: M.Stats, frames) -> list:
         own = self._namespace(msg)

@@ -15,6 +15,7 @@ from typing import Optional
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.node.daemon import TierDaemon
+from tiers.node.routes import Route, Where
 from tiers.stores.remote.engine import Engine
 from tiers.stores.remote.pool import PoolStore
 from tiers.wire.security import CurveSettings
@@ -32,8 +33,10 @@ class PoolDaemon(TierDaemon):
         super().__init__(name, store, endpoint, fd_socket=None, max_page_bytes=max_page_bytes, io_threads=1,
                          staging_bytes=1 << 20, curve=curve)  # no engine attaches to a pool: no staging needed
         self.pool: PoolStore = store
-        self.handlers.update({M.Alloc: self.handle_alloc, M.Commit: self.handle_commit, M.Locate: self.handle_locate,
-                              M.Release: self.handle_release})
+        self.handlers.update({M.Alloc: Route(self.handle_alloc, Where.LOOP),
+                              M.Commit: Route(self.handle_commit, Where.LOOP),
+                              M.Locate: Route(self.handle_locate, Where.LOOP),
+                              M.Release: Route(self.handle_release, Where.LOOP)})
         self.engine = engine
         engine.register(store.base, store.capacity)
         log.info("pool %s: %d bytes registered with the transfer engine as segment %s", name, store.capacity,

@@ -10,7 +10,6 @@ byte lands in engine memory after the engine stopped waiting; a reader may pin a
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
@@ -23,12 +22,11 @@ Each = Callable[[int, Callable[[int], object]], list]  # work(i) for every page,
 
 
 class PageReads:
-    def __init__(self, store: PageStore, arena: BlockArena, pool: ThreadPoolExecutor, each: Each,
+    def __init__(self, store: PageStore, arena: BlockArena, each: Each,
                  lease_share: float = 0.5, corrupt_reads: Optional[CorruptReads] = None):
         self.store = store
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
-        self._pool = pool
         self.each = each
         self.corrupt_reads = corrupt_reads  # the test hook of tiers/node/faults.py, None in service
         # One session may pin at most this much: pinning DRAM pages costs no memory (only eviction
@@ -40,14 +38,15 @@ class PageReads:
 
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
                     max_bytes: Optional[int] = None):
-        """A leased read: (reply fields, pages, bytes) at once for an arena store, else a Future of them.
+        """A leased read: (reply fields, pages, bytes).  An arena store's pages are leased where they lie (on
+        the loop); any other's are read into staging first (in the I/O pool: tiers/node/routes.py).
         The owner's pinned bytes stay within max_bytes (default: this tier's bound a session)."""
         limit = self.max_lease_bytes if max_bytes is None else min(max_bytes, self.max_lease_bytes)
         budget = max(0, limit - self.arena.leased_bytes(owner))
         if not self.stages:
             lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
             return self._lease_reply(lease, extents, sums)
-        return self._pool.submit(self._staged_reads, ns, keys, sizes, owner, expiry, budget)
+        return self._staged_reads(ns, keys, sizes, owner, expiry, budget)
 
     def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
         allocs: List[Optional[Alloc]] = []
