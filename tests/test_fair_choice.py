@@ -91,9 +91,9 @@ def test_a_full_tier_of_many_namespaces_walks_them_once_a_put_not_once_a_page(tm
         for start in range(0, namespaces, pages):
             part = keys[start:start + pages]
             assert store.put_many(part, views[:len(part)], [None] * len(part), None) == [None] * len(part)
-        from tiers.stores.nvme import ledger
+        from tiers.stores.nvme import tenants
         planned = []
-        monkeypatch.setattr(ledger, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
+        monkeypatch.setattr(tenants, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
         writer = [("writer", f"w{i}") for i in range(pages)]
         assert store.put_many(writer, views, [None] * pages, None) == [None] * pages
         assert store.stats().evictions >= pages
@@ -143,7 +143,7 @@ def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypat
         for start in range(0, namespaces, pages):
             part = keys[start:start + pages]
             assert store.put_many(part, views[:len(part)], [None] * len(part), None) == [None] * len(part)
-        walks = _count_group_walks(monkeypatch, ledger._fair)
+        walks = _count_group_walks(monkeypatch, ledger.tenants.fair)
         for r in range(3):  # under the quota
             batch = [("ns0", f"w{r}-{i}") for i in range(pages)]
             assert store.put_many(batch, views, [None] * pages, None) == [None] * pages
@@ -160,10 +160,11 @@ def test_a_quota_group_sum_is_kept_current_not_summed_a_page(tmp_path, monkeypat
         assert (held0, held1) == (129, 257)
         store.delete([(f"ns{i}", "k") for i in range(5, 50)])
         store.clear("ns7")
-        group = ledger._fair.group(namespace_hash("ns0"))
+        tenants = ledger.tenants
+        group = tenants.fair.group(namespace_hash("ns0"))
         with ledger.lock:
-            kept = ledger._groups.known(group)
-            fresh = sum(t.bytes + t.reserved for h, t in ledger._tenants.items() if ledger._fair.group(h) == group)
+            kept = tenants.groups.known(group)
+            fresh = sum(t.bytes + t.reserved for h, t in tenants.by_hash.items() if tenants.fair.group(h) == group)
         assert kept == fresh and fresh <= quota
     finally:
         store.close()

@@ -351,21 +351,21 @@ def test_what_the_store_does_while_the_eviction_order_is_rebuilt_is_replayed_ont
     seconds under it, stalling writes and stats); writes, deletes and evictions made meanwhile are journaled
     and replayed, so the order ends holding exactly the indexed pages, the ones written meanwhile last.
     (LRU and FIFO keep their order in the native index, which places the scanned chunks itself.)"""
-    from tiers.stores.nvme import ledger as ledger_mod, rebuild
+    from tiers.stores.nvme import ledger_rebuild, rebuild
     store = make_store(capacity=64 * CHUNK)
     for i in range(6):
         store.put(("a", f"old{i}"), [memoryview(page(i))])
     store.close()
 
     reached, release = threading.Event(), threading.Event()
-    real = ledger_mod.Ledger.begin_reorder
+    real = ledger_rebuild.begin_reorder
 
-    def held(self):
-        fresh = real(self)
+    def held(ledger):
+        fresh = real(ledger)
         reached.set()
         release.wait(30)
         return fresh
-    monkeypatch.setattr(ledger_mod.Ledger, "begin_reorder", held)
+    monkeypatch.setattr(ledger_rebuild, "begin_reorder", held)
     monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
     store = make_store(capacity=64 * CHUNK, policy="lfu", index_snapshot=False)  # ordered in Python
     try:
@@ -381,7 +381,7 @@ def test_what_the_store_does_while_the_eviction_order_is_rebuilt_is_replayed_ont
     assert store._build.done.wait(30)
     st = store.stats()
     assert st.extra["index_building"] == 0.0 and st.pages == 7
-    tenants = store._ledger._tenants.values()
+    tenants = store._ledger.tenants.by_hash.values()
     assert sum(len(t.policy) for t in tenants) == 7  # no deleted page left in an order, none missing
     evicted, _ = store.evict(5 * CHUNK, namespace="a")
     assert evicted == 5

@@ -7,7 +7,7 @@ small directory to be indexed exactly as before) while a thread scans the
 fan-out directories and adds what it finds.  Until the scan ends, a chunk it
 has not reached yet reads as a miss: a cache may miss, it may not serve a
 stale page.  Scanned chunks wait at the cold end of their namespace's order.  What the serving store does meanwhile wins over the scan
-(tiers/stores/nvme/ledger.py ``_Build``): a page written since is not
+(tiers/stores/nvme/build_log.py ``BuildLog``): a page written since is not
 replaced by its older file, a page deleted, evicted or cleared since is not
 brought back (its file is removed when the scan meets it).  At the end the
 scanned chunks nothing touched meanwhile are placed oldest mtime first (in
@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from tiers.stores.nvme import batch, index
+from tiers.stores.nvme import batch, index, ledger_rebuild
 from tiers.stores.nvme.index import ScanResult
 from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.layout import LeafDirs
@@ -51,7 +51,7 @@ class IndexBuild:
 
     def start(self, wait: Optional[float] = None) -> bool:
         """Begin; True when the index was complete within wait seconds (default START_WAIT_S)."""
-        self._ledger.start_build()
+        ledger_rebuild.start_build(self._ledger)
         self._thread.start()
         return self.done.wait(START_WAIT_S if wait is None else wait)
 
@@ -75,9 +75,10 @@ class IndexBuild:
                     # index takes its full size now, while it holds little, instead of rehashing ever
                     # larger tables under the GIL as it grows (30 ms at a million, 0.3 s at ten).
                     sized = True
-                    self._ledger.reserve_rows(int((files + len(records)) * part.parts / done_parts * 1.05))
+                    ledger_rebuild.reserve_rows(self._ledger,
+                                                int((files + len(records)) * part.parts / done_parts * 1.05))
                 for start in range(0, len(records), ADD_SLICE):
-                    for digest, entry in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
+                    for digest, entry in ledger_rebuild.add_scanned(self._ledger, records[start:start + ADD_SLICE]):
                         self._unlink_stale(digest, entry)
                         stale += 1
                     time.sleep(0)  # let the serving loop have the GIL and the ledger between slices
@@ -92,7 +93,7 @@ class IndexBuild:
                     return
                 totals.temps_removed += temps
                 for start in range(0, len(records), ADD_SLICE):
-                    for digest, entry in self._ledger.add_scanned(records[start:start + ADD_SLICE]):
+                    for digest, entry in ledger_rebuild.add_scanned(self._ledger, records[start:start + ADD_SLICE]):
                         self._unlink_stale(digest, entry)
                         stale += 1
                 files += len(records)
@@ -119,16 +120,16 @@ class IndexBuild:
 
     def _finish(self, order: List[np.ndarray]) -> List[Victim]:
         if self._ledger.native_order:
-            return self._ledger.place_scanned()
+            return ledger_rebuild.place_scanned(self._ledger)
         records = np.concatenate(order) if order else np.empty(0, dtype=index.RECORD)
-        return self._ledger.finish_build(self._eviction_order(index.oldest_first(records)))
+        return ledger_rebuild.finish_build(self._ledger, self._eviction_order(index.oldest_first(records)))
 
     def _eviction_order(self, records: np.ndarray) -> Dict[int, EvictionPolicy]:
         """Each namespace's policy rebuilt oldest first, outside the ledger lock (1,000,000 chunks take
         seconds; under the lock they stalled every write and stats call): the scanned chunks still
         indexed by mtime, then the pages committed during the scan in order.  The ledger replays
         what happens from begin_reorder on."""
-        fresh = self._ledger.begin_reorder()
+        fresh = ledger_rebuild.begin_reorder(self._ledger)
         skip = set(fresh)
         policies: Dict[int, EvictionPolicy] = {}
         ledger = self._ledger
@@ -146,7 +147,7 @@ class IndexBuild:
     def _policy(self, policies: Dict[int, EvictionPolicy], ns_hash: int) -> EvictionPolicy:
         policy = policies.get(ns_hash)
         if policy is None:
-            policy = policies[ns_hash] = self._ledger.new_policy()
+            policy = policies[ns_hash] = self._ledger.tenants.new_policy()
         return policy
 
     def stop(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from tiers.stores.page_index import MAX_TENANTS, SAVED_ROW_BYTES
 from tiers.stores.nvme import chunkfile as cf
@@ -48,7 +48,8 @@ def save(root: str, ledger: Ledger, dirs: LeafDirs) -> Optional[int]:
         return None
     path = path_of(root)
     tmp = path + ".tmp"
-    tenants = ledger.tenant_table()
+    with ledger.lock:
+        tenants = ledger.tenants.table()  # (namespace hash, name) of each tenant number, in number order
     with open(tmp, "wb") as f:
         f.write(b"\0" * _HEAD.size)  # the header, once the rows and their checksum are known
         for ns_hash, name in tenants:
@@ -56,7 +57,8 @@ def save(root: str, ledger: Ledger, dirs: LeafDirs) -> Optional[int]:
             f.write(_TENANT.pack(ns_hash, len(raw)) + raw)
         f.write(dirs.to_bytes())
         f.flush()
-        rows, checksum = ledger.save_rows(f.fileno())
+        with ledger.lock:
+            rows, checksum = ledger.index.save(f.fileno())
         f.seek(0)
         f.write(_HEAD.pack(MAGIC, VERSION, ledger.order_code, rows, checksum, len(tenants), len(dirs.to_bytes())))
         f.flush()
@@ -106,4 +108,25 @@ def _read(f, ledger: Ledger, dirs: LeafDirs) -> int:
     offset = f.tell()
     if os.fstat(f.fileno()).st_size - offset != rows * SAVED_ROW_BYTES:  # before a single row is allocated
         raise ValueError(f"the header says {rows} rows, the file holds another size")
-    return ledger.load_rows(f.fileno(), offset, rows, checksum, tenants)
+    return _load_rows(ledger, f.fileno(), offset, rows, checksum, tenants)
+
+
+def _load_rows(ledger: Ledger, fd: int, offset: int, rows: int, checksum: int,
+               tenants: List[Tuple[int, Optional[str]]]) -> int:
+    """Fill the empty ledger from a snapshot's rows at offset of fd (ValueError when they are not sound)."""
+    with ledger.lock:
+        if len(ledger.index) or ledger.tenants.by_hash:
+            raise ValueError("load into an empty ledger only")
+        for ns_hash, name in tenants:
+            ledger.tenants.tenant(ns_hash, ledger.index, name)
+        if len(ledger.tenants.by_hash) != len(tenants):
+            raise ValueError("a namespace hash listed twice")
+        os.lseek(fd, offset, os.SEEK_SET)
+        loaded = ledger.index.load(fd, rows, checksum)
+        for number, (count, nbytes) in ledger.index.totals().items():
+            if number >= len(tenants):
+                raise ValueError("a row of a namespace the snapshot does not list")
+            ledger.tenants.numbered[number].bytes = nbytes
+            ledger.used += nbytes
+        ledger.tenants.regrouped()
+        return loaded

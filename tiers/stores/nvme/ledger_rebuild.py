@@ -1,0 +1,117 @@
+"""The ledger's side of an index rebuilt behind a store that already serves (tiers/stores/nvme/rebuild.py).
+
+Scanned chunks are indexed unless the serving store decided about them
+meanwhile (the ledger's BuildLog, tiers/stores/nvme/build_log.py); at the end
+they are placed oldest mtime first in the native index (LRU, FIFO), or each
+namespace's Python policy, ordered outside the lock, is installed with what
+the store did meanwhile replayed onto it; then capacity is enforced.  Every
+function takes the ledger's lock itself.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from tiers.policies import EvictionPolicy
+from tiers.stores.nvme.build_log import BuildLog
+from tiers.stores.nvme.index import digests_of
+from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+
+PLACE_SLICE = 65536  # scanned chunks placed in order under one hold of the lock (~5 ms)
+
+
+def start_build(ledger: Ledger) -> None:
+    with ledger.lock:
+        ledger.build = BuildLog()
+
+
+def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
+    """Index chunks the scan found (tiers/stores/nvme/index.py RECORD), unless the serving store decided
+    about them meanwhile: a digest written since wins; one deleted, evicted or of a cleared namespace is
+    stale ((digest, path) returned, for the caller to unlink).  They go to the cold end of their
+    namespace's order, placed by mtime at the end of the scan (place_scanned)."""
+    stale: List[Victim] = []
+    with ledger.lock:
+        build, index, tenants = ledger.build, ledger.index, ledger.tenants
+        if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
+            keep = np.ones(len(records), dtype=bool)
+            for i, (digest, ns_hash) in enumerate(zip(digests_of(records), records["ns"].tolist())):
+                if digest not in index and build.stale(digest, ns_hash):
+                    keep[i] = False
+                    file, block = int(records["file"][i]), int(records["block"][i])
+                    stale.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash,
+                                                int(records["size"][i]), file=file, block=block)))
+            records = records[keep]
+        numbers = {ns: tenants.tenant(ns, index).number for ns in np.unique(records["ns"]).tolist()}
+        for number, nbytes in index.insert_scanned(records.tobytes(), numbers).items():
+            tenants.numbered[number].bytes += nbytes
+            ledger.used += nbytes
+        tenants.regrouped()
+    return stale
+
+
+def reserve_rows(ledger: Ledger, rows: int) -> None:
+    """Room for rows chunks in the index without growing it (a scan's estimate)."""
+    with ledger.lock:
+        ledger.index.reserve(max(0, rows))
+
+
+def place_scanned(ledger: Ledger) -> List[Victim]:
+    """The scan ended (native orders): the scanned chunks no one touched since go behind everything
+    else, oldest mtime first (ties in scan order); the build ends and capacity is enforced.  In
+    batches of a quarter of the index, oldest first (their sorted keys take 2 bytes a chunk, not 8:
+    the peak RAM of a rebuild is the index's), each sorted without the GIL or the lock and placed a
+    slice at a time: nothing waits for more than one slice or one pass over the rows."""
+    index = ledger.index
+    index.start_placing()
+    bounds = index.scanned_bounds(max(PLACE_SLICE, len(index) // 4))
+    for lo, hi in zip([0] + bounds, bounds + [None]):
+        order = index.scanned_order(lo, hi)
+        for start in range(0, len(order) // 8, PLACE_SLICE):
+            with ledger.lock:
+                index.place_rows(order, start, start + PLACE_SLICE)
+            time.sleep(0)  # the serving threads' turn
+        del order
+    with ledger.lock:
+        ledger.build = None
+        return _enforce_capacity_locked(ledger)
+
+
+def begin_reorder(ledger: Ledger) -> List[int]:
+    """The scan ended (Python policies): from now on what the store does is journaled for finish_build
+    to replay.  Returns the digests committed during the scan, in order (they go after every scanned one)."""
+    with ledger.lock:
+        return ledger.build.start_journal()
+
+
+def finish_build(ledger: Ledger, policies: Dict[int, EvictionPolicy]) -> List[Victim]:
+    """Install the eviction orders built outside the lock (one a namespace hash, from begin_reorder
+    on), after replaying onto them what the store did meanwhile; end the build; evict down to
+    capacity.  The lock is held for the journal's length, not the index's."""
+    with ledger.lock:
+        ledger.index.place_scanned()  # their stamps back to "never refreshed"
+        build, ledger.build = ledger.build, None
+        for op, digest, ns_hash in build.journal or ():
+            policy = policies.get(ns_hash)
+            if policy is None:
+                policy = policies[ns_hash] = ledger.tenants.new_policy()
+            if op == "touch":
+                policy.touch(digest)
+                continue
+            policy.remove(digest)
+            if op == "fresh" and digest in ledger.index:
+                policy.insert(digest)
+        ledger.tenants.install_orders(policies)
+        return _enforce_capacity_locked(ledger)
+
+
+def _enforce_capacity_locked(ledger: Ledger) -> List[Victim]:
+    victims = []
+    while ledger.used > ledger.capacity:  # capacity lowered since the last run, or written meanwhile
+        victim = ledger.pop_victim_locked(None)
+        if victim is None:
+            break
+        victims.append(victim)
+    return victims
