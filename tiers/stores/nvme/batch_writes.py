@@ -38,7 +38,7 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 @dataclass
 class BatchTarget:
-    """What batched puts need of the store they write for."""
+    """What puts need of the store they write for (a page alone: tiers/stores/nvme/page_writes.py)."""
 
     name: str
     root: str

@@ -46,6 +46,11 @@ class Entry:
     file: int = 0  # the batch chunk holding the page (tiers/stores/nvme/batch.py); 0: a file of its own
     block: int = 0  # its record's first 4 KiB block there
 
+    @property
+    def record_block(self) -> Optional[int]:
+        """Where the chunk's record starts in its batch chunk; None for a file of its own."""
+        return self.block if self.file else None
+
 
 Victim = Tuple[int, Entry]
 
