@@ -106,7 +106,7 @@ def test_a_full_tier_of_many_namespaces_walks_them_once_a_put_not_once_a_page(tm
 def test_a_full_dram_tier_of_many_namespaces_walks_them_once_for_a_writer(monkeypatch):
     """5,000 namespaces on a full DRAM tier, 128 puts of one writer that each evict: a walk of every
     namespace for the writer, not one a put (each put walked them all: 201 ms for the 128, 3 with the plan)."""
-    from tiers.stores import dram
+    from tiers.stores import dram_tenants
     page, namespaces = 4096, 5000
     store = DramStore(namespaces * 2 * page, block_size=page, max_page_bytes=page, prefault=False)
     data = [memoryview(bytes(page))]
@@ -114,7 +114,7 @@ def test_a_full_dram_tier_of_many_namespaces_walks_them_once_for_a_writer(monkey
         for j in range(2):
             store.put((f"ns{i}", f"k{j}"), data)
     planned = []
-    monkeypatch.setattr(dram, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
+    monkeypatch.setattr(dram_tenants, "VictimPlan", lambda *a, **k: planned.append(1) or VictimPlan(*a, **k))
     for i in range(128):
         store.put(("writer", f"w{i}"), data)
     assert store.stats().evictions >= 128
@@ -205,8 +205,9 @@ def test_a_dram_tenant_of_many_namespaces_is_not_walked_a_page(monkeypatch):
         store.assign_tenant(f"ns{i}", "big", quota=(namespaces + 64) * page)
         store.put((f"ns{i}", "k"), data)
     store.put(("ns1", "extra"), data)
-    real = store._fair.group_quota
-    walks = _count_group_walks(monkeypatch, store._fair)
+    tenants = store._tenants
+    real = tenants.fair.group_quota
+    walks = _count_group_walks(monkeypatch, tenants.fair)
     for i in range(256):
         store.put(("ns0", f"w{i}"), data)
     assert len(walks) <= 2, f"{len(walks)} walks of the group's namespaces for 256 puts"
@@ -214,6 +215,6 @@ def test_a_dram_tenant_of_many_namespaces_is_not_walked_a_page(monkeypatch):
     # Past the quota the writer's namespace is the group's largest: it gives its own oldest pages.
     assert store.contains([("ns0", "k"), ("ns1", "k"), ("ns1", "extra")]) == [False, True, True]
     store.delete([(f"ns{i}", "k") for i in range(5, 50)])
-    group = store._fair.group("ns0")
-    kept = store._groups.known(group)
-    assert kept == sum(store._bytes_of(ns) for ns in real("ns0")[1])
+    group = tenants.fair.group("ns0")
+    kept = tenants.groups.known(group)
+    assert kept == sum(tenants.bytes_of(ns) for ns in real("ns0")[1])
