@@ -98,7 +98,7 @@ def test_reads_return_the_exact_bytes(node, direct):
 
 def freeze_after_locate(store, pid):
     """Freeze the pool right after it answered the next locate: the read's transfer then hangs."""
-    client = next(iter(store._clients.values()))
+    client = store._pools.clients()[0]
     original = client.locate
 
     def locate(*args, **kwargs):
@@ -157,7 +157,7 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
     pool, store, view = node
     store.direct_reads = False
     pid = pool.pid("pool0")
-    client = next(iter(store._clients.values()))
+    client = store._pools.clients()[0]
     original = client.alloc
 
     def alloc(*args, **kwargs):  # freeze the pool right after it granted the blocks

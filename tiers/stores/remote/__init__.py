@@ -7,7 +7,10 @@
 - placement.py: rendezvous hashing of keys onto pools.
 - pool_client.py: one inference node's calls to one pool.
 - staging.py: node-side registered memory, staging slots, counters.
-- store.py: RemoteStore, the PageStore of a node's remote tier daemon.
+- store.py: RemoteStore, the PageStore of a node's remote tier daemon;
+  pools.py its clients of the pools (down pools skipped, a batch grouped a
+  pool), writes.py its puts, reads.py its gets (landed_reads.py: through
+  landing chunks), transfers.py what reads and writes share.
 - mooncake_store.py: a remote tier backed by an existing Mooncake Store cluster.
 - loopback.py: pool and node configurations on 127.0.0.1 for tests and benchmarks.
 """
