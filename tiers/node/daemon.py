@@ -26,6 +26,7 @@ from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.shm.arena import BlockArena
+from tiers.node.admin_ops import StoreAdmin, target_namespace
 from tiers.node.demotion import Demoter
 from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
@@ -92,14 +93,20 @@ class TierDaemon:
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
+        # Write-back and selective pages go to the next tier down (if there is one), through a queue;
+        # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
+        self.demoter = demoter
+        self.dirty = demoter.dirty if demoter is not None else DirtySet(0)  # stays empty without a tier below
+        self.admin = StoreAdmin(store, self.dirty, self._namespace)  # deletes, clears, evictions
         # The operations this daemon serves, by request type (a pool daemon adds its own), and where each
         # one's work runs (tiers/node/routes.py).
         self.handlers: Dict[type, Route] = {
             M.Hello: Route(self.handle_hello, Where.LOOP), M.Lookup: Route(self.handle_lookup, Where.LOOP),
             M.Put: Route(self.handle_put, Where.POOL), M.Get: Route(self.handle_get, Where.READ),
-            M.Release: Route(self.handle_release, Where.LOOP), M.Delete: Route(self.handle_delete, Where.STORE_IO),
-            M.Clear: Route(self.handle_clear, Where.STORE_IO), M.Evict: Route(self.handle_evict, Where.STORE_IO),
-            M.Stats: Route(self.handle_stats, Where.LOOP)}
+            M.Release: Route(self.handle_release, Where.LOOP), M.Stats: Route(self.handle_stats, Where.LOOP),
+            M.Delete: Route(self.admin.handle_delete, Where.STORE_IO),
+            M.Clear: Route(self.admin.handle_clear, Where.STORE_IO),
+            M.Evict: Route(self.admin.handle_evict, Where.STORE_IO)}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
         self.sessions = Sessions(self.tenants, endpoint.startswith("ipc://"), curve is not None and curve.enabled)
         self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
@@ -111,10 +118,6 @@ class TierDaemon:
         self._replies = Replies(self.metrics, self._peer_replies, self._error_reply)  # tiers/node/replies.py
         self._stopping = threading.Event()
         self.ready = threading.Event()
-        # Write-back and selective pages go to the next tier down (if there is one), through a queue;
-        # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
-        self.demoter = demoter
-        self.dirty = demoter.dirty if demoter is not None else DirtySet(0)  # stays empty without a tier below
 
     # ------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -320,10 +323,10 @@ class TierDaemon:
         self.metrics.lookup(len(held), prefix)
         return [P.reply_ok(msg.id, held=held, prefix=prefix)]
 
-    def handle_put(self, msg: M.Put, frames):
+    def handle_put(self, msg: M.Put, frames) -> Callable[[], list]:
         # An _admin session may name the namespace per put: a demotion link carries every namespace's pages
         # through one session (one connection, one attach), however many namespaces the tier above holds.
-        ns = self._target_namespace(False, msg.ns, self._namespace(msg, write=True))
+        ns = target_namespace(False, msg.ns, self._namespace(msg, write=True))
         self._release_done(msg)
         keys = P.check_keys(msg.keys)
         sources = self.transfers.page_sources(msg, frames, keys, self._regions)
@@ -389,40 +392,6 @@ class TierDaemon:
     def handle_release(self, msg: M.Release, frames) -> list:
         self._namespace(msg)
         return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, self._lease_owner(msg)[0]))]
-
-    def handle_delete(self, msg: M.Delete, frames) -> list:
-        ns = self._namespace(msg, write=True)
-        keys = P.check_keys(msg.keys)
-        for key in keys:
-            self.dirty.pop((ns, key))
-        return lambda: [P.reply_ok(msg.id, deleted=self.store.delete([(ns, k) for k in keys]))]
-
-    def _target_namespace(self, everything: bool, target: Optional[str], own: str) -> Optional[str]:
-        """The namespace an admin operation acts on (None: every namespace)."""
-        if target is not None:
-            target = P.check_namespace(target)
-        if (everything or (target is not None and target != own)) and own != ADMIN_NAMESPACE:
-            raise P.ProtocolError("bad_request", "acting on other namespaces needs an _admin session")
-        return None if everything else (target or own)
-
-    def handle_clear(self, msg: M.Clear, frames) -> list:
-        own = self._namespace(msg, write=True)
-        namespace = self._target_namespace(msg.everything, msg.ns, own)
-        self.dirty.discard_namespace(namespace)
-        return lambda: [P.reply_ok(msg.id, cleared=self.store.clear(namespace))]
-
-    def handle_evict(self, msg: M.Evict, frames) -> list:
-        own = self._namespace(msg, write=True)
-        if msg.nbytes < 0:
-            raise P.ProtocolError("bad_request", "bytes must not be negative")
-        namespace = self._target_namespace(msg.everything, msg.ns, own)
-        if own == ADMIN_NAMESPACE and msg.ns is None:
-            namespace = None  # the operator evicts across every namespace by default
-
-        def work() -> list:
-            pages, freed = self.store.evict(msg.nbytes, namespace)
-            return [P.reply_ok(msg.id, evicted_pages=pages, evicted_bytes=freed)]
-        return work
 
     def handle_stats(self, msg: M.Stats, frames) -> list:
         own = self._namespace(msg)

@@ -31,7 +31,7 @@ from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
 from tiers.wire.channel import Channel, Reply, Sent  # noqa: F401  (Reply: public here too)
 from tiers.wire.fanout import Call, FanOut
-from tiers.shm.buffers import MemoryFault
+from tiers.wire.page_replies import PageReplies, held_flags
 from tiers.shm.page_runs import PageRuns
 from tiers.logs import RateLimitedLog
 
@@ -85,6 +85,7 @@ class TierClient:
         self.answers_digests = False  # the tier takes lookups by packed key digests (its hello says so)
         self._warn = RateLimitedLog(log)
         self._attachment = Attachment(name, attach, self._warn)  # host pool handed over, daemon arena mapped
+        self._replies = PageReplies(name, self._warn)  # what the daemon's page replies come to
         self._closed = False
 
     @property
@@ -245,7 +246,8 @@ class TierClient:
             return None
         fields = self._lookup_fields(keys, digests)
         self._add_done(fields)
-        return self.start("lookup", self.deadlines.lookup, lambda reply: on_held(_held(reply, len(keys))), **fields)
+        return self.start("lookup", self.deadlines.lookup, lambda reply: on_held(held_flags(reply, len(keys))),
+                          **fields)
 
     def put_region(self, keys: List[str], desc: bytes, counts: bytes, nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
@@ -265,7 +267,7 @@ class TierClient:
             fields["parents"] = parents
         self._add_done(fields)
         return self.start("put", self.deadlines.for_bytes(nbytes),
-                          lambda reply: on_stored(self._flags(reply, len(keys))), **fields)
+                          lambda reply: on_stored(self._replies.flags(reply, len(keys))), **fields)
 
     def put_frames(self, keys: List[str], pages: Sequence[Sequence], nbytes: int,
                    parents: Optional[List[Optional[str]]] = None, **extra) -> List[bool]:
@@ -287,7 +289,7 @@ class TierClient:
             fields["parents"] = parents
         self._add_done(fields)
         return self.start("put", self.deadlines.for_bytes(nbytes),
-                          lambda reply: on_stored(self._flags(reply, len(keys))), frames=frames, **fields)
+                          lambda reply: on_stored(self._replies.flags(reply, len(keys))), frames=frames, **fields)
 
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
@@ -330,37 +332,13 @@ class TierClient:
 
     def _copy_leased(self, reply: Optional[Reply], arena: ArenaMap, n: int, dst: PageRuns, expiry: float,
                      sums: Optional[List[int]], copied: Optional[List[int]]) -> List[bool]:
-        """The pages a get's reply leased us, copied out of the arena into dst while the lease holds."""
-        found = self._flags(reply, n)
-        if not any(found):
-            return found
-        got: M.GetReply = reply.header
-        lease = got.lease
-        try:
-            if got.arena != arena.arena_id:
-                raise P.ProtocolError("bad_request", "the daemon's arena changed (restart)")
-            extents = PageRuns(*P.decode_descriptor_arrays(got.desc, got.regions_per_page, sum(found), arena.size))
-        except P.ProtocolError as exc:
-            self._warn.warning(f"lease:{self.name}", "tier %s: unusable read lease: %s", self.name, exc.msg)
-            with self._lock:
-                if self.arena is arena:
-                    self._session = None  # attach again on the next call
-            return [False] * n
-        try:
-            found_sums = P.decode_sums(got.sums, sum(found))
-            if sums is not None:
-                sums[:] = _spread(found, found_sums)
-            out = arena.copy_out(extents, dst, found, expiry, copied)
-        except P.ProtocolError as exc:  # pages we cannot verify are no hits
-            self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
-            out = [False] * n
-        except (MemoryFault, ValueError) as exc:
-            self._warn.warning(f"copy:{self.name}", "tier %s: copy of leased pages failed: %s", self.name, exc)
-            out = [False] * n
-        if lease:
-            with self._lock:
-                self._done_leases.append(lease)
-        return out
+        found, lease, unusable = self._replies.copy_leased(reply, arena, n, dst, expiry, sums, copied)
+        with self._lock:
+            if unusable and self.arena is arena:
+                self._session = None  # attach again on the next call
+            if lease:
+                self._done_leases.append(lease)  # given back with the next request
+        return found
 
     def _add_done(self, fields: dict) -> None:
         """Leases of earlier reads, copied out: released by the next request of any kind (no message
@@ -384,22 +362,7 @@ class TierClient:
         if sums is not None:
             sums[:] = [0] * len(keys)
         return self.start("get", self.deadlines.for_bytes(nbytes),
-                          lambda reply: on_got(*self._framed_pages(reply, len(keys), sums)), keys=keys)
-
-    def _framed_pages(self, reply: Optional[Reply], n: int,
-                      sums: Optional[List[int]]) -> Tuple[List[bool], List[zmq.Frame]]:
-        found = self._flags(reply, n)
-        frames = reply.frames if reply is not None else []
-        try:
-            found_sums = P.decode_sums(reply.header.sums if reply is not None else None, sum(found))
-        except P.ProtocolError as exc:  # a reply we cannot verify is no hit
-            self._warn.warning(f"sums:{self.name}", "tier %s: malformed get reply: %s", self.name, exc.msg)
-            frames = []
-        if len(frames) != sum(found):
-            return [False] * n, []
-        if sums is not None:
-            sums[:] = _spread(found, found_sums)
-        return found, frames
+                          lambda reply: on_got(*self._replies.framed_pages(reply, len(keys), sums)), keys=keys)
 
     def delete(self, keys: List[str]) -> int:
         reply = self.call("delete", self.deadlines.base, keys=keys)
@@ -412,22 +375,6 @@ class TierClient:
     def stats(self) -> Optional[dict]:
         reply = self.call("stats", self.deadlines.base)
         return reply.header.stats if reply is not None and reply.header.ok else None
-
-    def _flags(self, reply: Optional[Reply], n: int) -> List[bool]:
-        if reply is None:
-            return [False] * n
-        header = reply.header
-        if not header.ok:
-            self._warn.warning(f"err:{self.name}:{header.code}", "tier %s refused a request: %s %s",
-                               self.name, header.code, header.msg)
-            return [False] * n
-        raw = header.flags()
-        if len(raw) != n:
-            return [False] * n
-        if isinstance(header, M.PutReply) and header.refusal:
-            self._warn.warning(f"refusal:{self.name}", "tier %s stored part of a batch: %s", self.name,
-                               header.refusal)
-        return [b != 0 for b in raw]
 
     def close(self) -> None:
         self._closed = True
@@ -443,17 +390,3 @@ def _wait_for(start: Callable[[Callable], Optional[Call]]):
     fan.add(start(outcome.append))
     fan.wait()
     return outcome[0]
-
-
-def _spread(found: List[bool], found_sums: List[int]) -> List[int]:
-    """One checksum a key from one a found key (0 where not found)."""
-    it = iter(found_sums)
-    return [next(it) if ok else 0 for ok in found]
-
-
-def _held(reply: Optional[Reply], n: int) -> Optional[bytes]:
-    """The held flags of a lookup reply, or None when it failed or is malformed."""
-    if reply is None or not reply.header.ok:
-        return None
-    held = reply.header.held
-    return held if len(held) == n else None
