@@ -63,8 +63,9 @@ class FanOut:
     def add(self, call: Optional[Call]) -> None:
         """A call to gather (None: a request that could not be sent, already settled by its client)."""
         if call is not None:
-            if any(other.sock is call.sock for other in self._out):
-                raise ValueError("one call a socket at a time: its replies could not be told apart by operation")
+            for other in self._out:
+                if other.sock is call.sock:
+                    raise ValueError("one call a socket at a time: its replies could not be told apart by operation")
             self._out.append(call)
 
     def __len__(self) -> int:
@@ -74,7 +75,10 @@ class FanOut:
         """Settle replies as they come until no call is out, done() holds (asked after each reply), or stop_at
         (time.monotonic()) passes.  Calls still out then stay out: a later wait may gather them, and a reply
         nobody waits for any more is skipped by its id on that socket's next call."""
-        if self._wait_held(done, stop_at):
+        if len(self._out) == 1 and done is None and stop_at is None:
+            if self._wait_one():  # the common case, a single call: no more Python than it needs
+                return
+        elif self._wait_held(done, stop_at):
             return
         while self._out:
             if done is not None and done():
@@ -111,6 +115,24 @@ class FanOut:
                     call.channel.give_up(call.op)  # resets this thread's socket: a late reply is dropped with it
                 self.add(call.settle(None))
 
+    def _wait_one(self) -> bool:
+        """The reply of the one call out, if it comes within the reply spin, waited for holding the GIL (one
+        spin in C); True when nothing is out any more."""
+        call = self._out[0]
+        held, sent = call.held, call.sent
+        if held is None or sent.unsent is not None:
+            return False
+        until = min(time.monotonic() + call.channel.deadlines.reply_spin, sent.give_up)
+        while self._out and self._out[0] is call:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            parts = held.receive(call.sock, left)
+            if parts is None:
+                return False
+            self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]])
+        return not self._out  # a call sent again in its place (no_session) is waited for as any other
+
     def _wait_held(self, done: Optional[Callable[[], bool]], stop_at: Optional[float]) -> bool:
         """The replies that come within the reply spin, waited for holding the GIL, while every call out is
         a quick one; True when the wait is over (nothing out, or done)."""
@@ -135,8 +157,12 @@ class FanOut:
 
     def _deliver(self, sock: zmq.Socket, header, frames: list) -> None:
         """Settle the call a reply on sock answers; a reply that answers none (late, malformed) is skipped."""
-        call = next((call for call in self._out if call.sock is sock), None)
-        if call is None or call.sent.unsent is not None:
+        for call in self._out:
+            if call.sock is sock:
+                break
+        else:
+            return
+        if call.sent.unsent is not None:
             return
         try:
             reply = M.decode_reply(call.op, header)
