@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from tiers.shm.buffers import as_bytes_view
+
 PageKey = Tuple[str, str]  # (namespace, key)
 # get_many_into_with_sums' hold: keep the buffers of a page (its position in the batch) out of use until
 # the returned function is called.
@@ -118,6 +120,16 @@ class StoreStats:
 def total_size(buffers: Buffers) -> int:
     """Bytes in a page given as a list of buffers."""
     return sum(b.nbytes for b in buffers)
+
+
+def accepted_page(buffers: Buffers, max_page_bytes: int) -> Tuple[List[memoryview], int]:
+    """A page's non-empty buffers as byte views, and its size; PageTooLarge for an empty page or one larger
+    than max_page_bytes."""
+    src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
+    size = total_size(src)
+    if size == 0 or size > max_page_bytes:
+        raise PageTooLarge(f"page of {size} bytes not accepted (max {max_page_bytes})")
+    return src, size
 
 
 class PageStore(ABC):

@@ -18,9 +18,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from tiers.shm.buffers import as_bytes_view
 from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
-                               StoreIOError, total_size)
+                               StoreIOError, accepted_page, total_size)
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
@@ -105,10 +104,7 @@ class BatchWrites:
         PageTooLarge, StoreIOError (bytes that do not match the writer's checksum).  page_sum: the bytes'
         checksum as the caller computed it, or None (hashed here)."""
         t = self.t
-        src = [v for v in (as_bytes_view(b) for b in page) if v.nbytes]
-        size = total_size(src)
-        if size == 0 or size > t.max_page_bytes:
-            raise PageTooLarge(f"page of {size} bytes not accepted (max {t.max_page_bytes})")
+        src, size = accepted_page(page, t.max_page_bytes)
         namespace, name = key
         encoded = t.codec.encode(src, size)
         payload = src if encoded is None else [memoryview(encoded)]

@@ -14,8 +14,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from tiers.logs import RateLimitedLog
-from tiers.shm.buffers import as_bytes_view
-from tiers.stores.base import Buffers, PageKey, PageTooLarge, StoreFull, StoreIOError, total_size
+from tiers.stores.base import Buffers, PageKey, PageTooLarge, StoreFull, StoreIOError, accepted_page, total_size
 from tiers.stores.nvme import chunkfile as cf
 from tiers.stores.nvme.batch_writes import BatchTarget
 from tiers.stores.nvme.layout import LeafDirs, chunk_path, key_digest, namespace_hash, temp_path
@@ -36,10 +35,7 @@ class PageWrites:
 
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str], checksum: int) -> None:
         t = self.t
-        src = [v for v in (as_bytes_view(b) for b in buffers) if v.nbytes]
-        size = total_size(src)
-        if size == 0 or size > t.max_page_bytes:
-            raise PageTooLarge(f"page of {size} bytes not accepted (max {t.max_page_bytes})")
+        src, size = accepted_page(buffers, t.max_page_bytes)
         namespace, name = key
         digest, ns_hash = key_digest(namespace, name), namespace_hash(namespace)
         encoded = t.codec.encode(src, size)  # CPU work before the reservation: its size is exact
