@@ -61,6 +61,12 @@ class TierRouter:
             self.sealed.attach(clients)
         # What the top tier is told about each page: demote it later or not.
         self._mode = {"write_through": "through", "write_back": "back", "selective": "selective"}[write_policy]
+        # Every tier's session now, each hello bounded by its deadline: a hello said inside a call would hold
+        # back the other tiers' requests of that fan-out while it waits (a lower tier frozen before its first
+        # lookup cost a lookup the top tier covered 0.5 s).  A tier that does not answer is down, and its
+        # client's probe says hello off every call.
+        for client in clients:
+            client.connect()
 
     # ---------------------------------------------------------------- lookup
     def held(self, keys: List[str], key_bytes: float = 0, key_tokens: float = 0, first_token: int = 0) -> bytes:

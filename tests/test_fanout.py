@@ -11,9 +11,11 @@ import time
 import pytest
 
 from hicache_ext.lab.sglang_harness import make_keys
+from tests.support.backend_env import Engine
 from tests.support.nodes import dram_tier, eventually, node_toml, nvme_tier, start_node, thaw
 from tiers.wire.client import Deadlines, TierClient
 from tiers.wire.fanout import FanOut
+from tiers.wire.lookup import lookup_all
 
 PAGE = b"\x5a" * 4096
 
@@ -118,3 +120,32 @@ def test_one_call_a_socket(node):
     with pytest.raises(ValueError, match="one call a socket"):
         fan.add(nvme.start_lookup(keys, None, lambda flags: None))
     fan.wait()
+
+
+def test_a_lower_tier_frozen_before_its_first_lookup_delays_no_covered_lookup(tmp_path):
+    """The backend opens every tier's session when it starts: a lower tier frozen before any lookup asked it
+    costs a lookup the top tier covers nothing, even asked at once from a thread of fresh sockets (its hello
+    said inside the lookup took the hello's deadline, 0.5 s)."""
+    runner = start_node(tmp_path, node_toml(dram_tier(32 * 32768), nvme_tier(), write_policy="write_back"))
+    engine = Engine(runner, pages=64, write_policy="write_back", model="frozen-first")
+    nvme = runner.pid("nvme")
+    try:
+        keys = make_keys(8, salt=11, page_size=16)
+        assert engine.write(keys, 0, seed=11)[0] == 8  # write-back: DRAM only
+        clients = engine.backend._router.clients
+        assert all(client.region_id is not None for client in clients)  # sessions open, host pool registered
+        os.kill(nvme, signal.SIGSTOP)
+        seen = {}
+
+        def fresh_thread() -> None:
+            began = time.monotonic()
+            seen["held"] = lookup_all(clients, keys, head_start=0)
+            seen["took"] = time.monotonic() - began
+        worker = threading.Thread(target=fresh_thread)
+        worker.start()
+        worker.join(10)
+        assert seen["held"][0] == b"\x01" * 8 and seen["took"] < 0.1, seen
+    finally:
+        thaw(nvme)
+        engine.close()
+        runner.stop()
