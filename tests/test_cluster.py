@@ -78,6 +78,8 @@ def test_a_pool_lost_mid_batch_costs_no_wrong_page_and_no_late_call(cluster, how
     assert got["whole_batches_again_s"] < 5.0, got  # ...within a few calls of the failure
     assert got["worst_call_s"] <= got["deadline_s"] + SCHEDULING_SLACK_S, got
     assert math.isfinite(got["recovered_s"]) and got["recovered_s"] < 20.0, got
+    # ...and every node uses it again (the next test measures on a whole cluster)
+    assert math.isfinite(got["read_whole_again_s"]) and got["read_whole_again_s"] < 20.0, got
 
 
 def test_a_rate_limited_link_moves_the_same_bytes_more_slowly(cluster):

@@ -105,11 +105,27 @@ def pool_failure(cluster: Cluster, how: str = "kill", rounds: int = 3, recover_w
         if pool_stats(cluster, 0).get("pages", 0) > before:
             recovered = time.monotonic() - back_at
             break
+    # Engine 0's node writing to pool 0 again says nothing of engine 1's: its client of pool 0 counts the
+    # pool down until its own probe (backing off up to pool_retry_max_ms) is answered, and meanwhile reads
+    # the keys pool 0 holds as misses.  The cluster is whole again when engine 1 reads a fresh batch whole.
+    read_whole = None
+    while recovered is not None and time.monotonic() - back_at < recover_within:
+        salt += 1
+        wrote = a.call(op="write", salt=salt, seed=salt)
+        read = b.call(op="read", salt=salt)
+        worst = max(worst, wrote.get("seconds", 0.0), read.get("seconds", 0.0))
+        got = _check(wrote, read)
+        wrong += got["wrong_pages"]
+        checked += got["pages_read"] * cluster.layout.page_bytes
+        if read.get("read") == cluster.layout.pages:
+            read_whole = time.monotonic() - back_at
+            break
     return {"pages_a_batch": cluster.layout.pages, "bytes_checked": checked, "wrong_pages": wrong,
             "written_while_down": written_while_down,
             "whole_batches_again_s": rehashed if rehashed is not None else float("nan"),
             "worst_call_s": worst, "deadline_s": deadline,
             "recovered_s": recovered if recovered is not None else float("nan"),
+            "read_whole_again_s": read_whole if read_whole is not None else float("nan"),
             "seconds_down": back_at - failed_at}
 
 
