@@ -156,17 +156,24 @@ class TierClient:
                 self._warn.warning(f"hello:{self.name}", "tier %s refused hello: %s", self.name, reply.header.msg)
             return False
         hello: M.HelloReply = reply.header
-        self._session = hello.session
         self.max_page_bytes = hello.max_page_bytes or self.max_page_bytes
         self.fd_socket = hello.fd_socket
         self.answers_digests = hello.digests
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
         if self._attachment.wanted:
-            self._attachment.register(self.fd_socket, self._session, self.deadlines.lookup)
+            self._attachment.register(self.fd_socket, hello.session, self.deadlines.lookup)
+        # Published last: _ensure_session reads it without the lock, and a call that sees it finds the
+        # session whole (its host pool registered, the tier's key format known).
+        self._session = hello.session
         return True
 
     def _ensure_session(self) -> Optional[int]:
+        session = self._session
+        if session is not None and not self._down and not self._closed:
+            # Read without the lock (on the path of every call): a session lost meanwhile costs this call
+            # a no_session reply or its deadline, as a daemon lost just after the lock would.
+            return session
         if self._closed or self._down:
             return None
         with self._lock:
@@ -386,7 +393,7 @@ class TierClient:
 def _wait_for(start: Callable[[Callable], Optional[Call]]):
     """What a call started by start(done) hands to done, waited for at once (done is called exactly once)."""
     outcome = []
-    fan = FanOut()
-    fan.add(start(outcome.append))
-    fan.wait()
+    call = start(outcome.append)
+    if call is not None:
+        FanOut.of(call).wait()
     return outcome[0]

@@ -60,6 +60,13 @@ class FanOut:
     def __init__(self) -> None:
         self._out: List[Call] = []
 
+    @classmethod
+    def of(cls, call: Call) -> "FanOut":
+        """A fan-out of one call (a client's single call)."""
+        fan = cls()
+        fan._out.append(call)
+        return fan
+
     def add(self, call: Optional[Call]) -> None:
         """A call to gather (None: a request that could not be sent, already settled by its client)."""
         if call is not None:
@@ -130,7 +137,7 @@ class FanOut:
             parts = held.receive(call.sock, left)
             if parts is None:
                 return False
-            self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]])
+            self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]] if len(parts) > 1 else [])
         return not self._out  # a call sent again in its place (no_session) is waited for as any other
 
     def _wait_held(self, done: Optional[Callable[[], bool]], stop_at: Optional[float]) -> bool:
