@@ -61,6 +61,11 @@ def test_quick_ttft_rows_sources_report_and_a_profile_plan_takes(tmp_path, small
     profile = Profile.load(str(prof))
     assert profile.page_tokens == 16 and profile.kv_bytes_per_token == 2048 and profile.lengths() == [512]
     assert profile.fit.compute_s > 0 and set(profile.measured) == set(CASES)
+    # each case's repetitions kept (the check says where a prediction falls among them), and the hand-over
+    # of an L3 hit between SGLang's threads measured from its own prefetch wait, transfer and query
+    low, high = profile.ranges["l3_dram"][512]
+    assert low <= profile.measured["l3_dram"][512] <= high
+    assert 0 <= profile.fit.hit_handoff_s < figures["ttft.l3_dram.512.sglang.storage_prefetch_wait"]["median"]
     # the profile and the run's figures feed the planner: its check and a plan over a trace
     assert main(["plan", "--bench", str(data), "--profile", str(prof), "--check-profile"]) in (0, 1)
     printed = capsys.readouterr().out

@@ -1,32 +1,14 @@
 """Trace reader, simulation loop, stack-distance sweep, capacities and the replay command."""
 from __future__ import annotations
 
-import csv
-import json
-
 import numpy as np
 import pytest
 
-from test_sim_fixtures import HAND_REQUESTS, conversation_like
+from tests.support.sim import HAND_REQUESTS, conversation_like, write_jsonl
 from tiers.plugins import policy_names
 from tiers.sim import simulate
 from tiers.sim.capacity import parse_capacities, parse_capacity
 from tiers.sim.trace import from_requests, read_traces
-
-
-def write_jsonl(path, requests):
-    """Write (timestamp, input_length, hash_ids) tuples as a Mooncake trace."""
-    with open(path, "w") as handle:
-        for ts, length, ids in requests:
-            handle.write(json.dumps({"timestamp": ts, "input_length": length, "output_length": 7, "hash_ids": ids}) + "\n")
-    return str(path)
-
-
-def write_trace_jsonl(path, trace):
-    """Write a Trace back as a Mooncake trace (its dense block ids as hash ids: read back, the same trace)."""
-    keys, offsets = trace.keys.tolist(), trace.offsets.tolist()
-    return write_jsonl(path, [(int(trace.timestamps[r]), int(trace.input_lengths[r]), keys[offsets[r]:offsets[r + 1]])
-                              for r in range(trace.n_requests)])
 
 
 # ------------------------------------------------------------------ trace

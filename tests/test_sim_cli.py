@@ -1,32 +1,13 @@
 """The replay and model sub-commands, and the prefill model behind model."""
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 
 import pytest
 
-from test_sim_fixtures import HAND_REQUESTS
-from tiers.cli import experiments as cli_experiments
+from tests.support.sim import hand_trace, run_experiments as run  # noqa: F401  (hand_trace is a fixture)
 from tiers.sim.prefill import PRESETS, PrefillModel
-
-
-def run(argv):
-    """Parse argv with only this module's sub-commands registered and run it."""
-    parser = argparse.ArgumentParser(prog="hicache-tiers")
-    cli_experiments.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-@pytest.fixture
-def hand_trace(tmp_path):
-    """The hand-worked five-request trace as a JSONL file."""
-    path = tmp_path / "hand.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids}) + "\n"
-                            for t, n, ids in HAND_REQUESTS))
-    return str(path)
 
 
 def test_registered_in_the_main_cli():

@@ -12,7 +12,7 @@ from array import array
 
 import pytest
 
-from test_sim_live import conversation_slice, shared_prefix_trace
+from tests.support.sim import conversation_slice, shared_prefix_trace
 from tiers.sim.radix_tree import BlockRadixTree
 
 radix_cache = pytest.importorskip("sglang.srt.mem_cache.radix_cache")

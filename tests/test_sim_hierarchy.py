@@ -6,8 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from test_sim import write_trace_jsonl
-from test_sim_live import shared_prefix_trace
+from tests.support.sim import shared_prefix_trace, write_trace_jsonl
 from tiers.sim import plan
 from tiers.sim.hierarchy import LOST_REASONS, EngineSettings, SGLangFlags, node_settings, simulate
 from tiers.sim.node_tiers import NodeTiers, TierSpec

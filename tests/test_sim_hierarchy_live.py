@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from test_sim import write_trace_jsonl
-from test_sim_live import shared_prefix_trace
+from tests.support.sim import shared_prefix_trace, write_trace_jsonl
 from tiers.sim.hierarchy import EngineSettings, SGLangFlags, node_settings, simulate
 from tiers.sim.node_tiers import TierSpec
 from tiers.sim.timing import TimeModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_sim_fixtures import conversation_like, mooncake_trace
+from tests.support.sim import conversation_like, mooncake_trace
 from tiers.sim import kernels, simulate, sweep
 from tiers.sim.trace import read_traces
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_sim_fixtures import TRACE_DIR, conversation_like
+from tests.support.sim import TRACE_DIR, conversation_like
 from tiers.sim import simulate
 from tiers.sim.trace import read_traces
 

@@ -2,55 +2,23 @@
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 
-from test_sim_cli import hand_trace, run as run_cli  # noqa: F401  (hand_trace is a fixture)
-from test_sim_fixtures import HAND_REQUESTS, mooncake_trace
+from tests.support.sim import (HAND_REQUESTS, conversation_slice, hand_trace, run_experiments as run_cli,  # noqa: F401
+                               shared_prefix_trace)  # (hand_trace is a fixture)
 from hicache_ext.lab import live
 from tiers.sim.capacity import Capacity
 from tiers.sim.simulate import leading_run, policy_hits, score
-from tiers.sim.trace import Trace, from_requests
+from tiers.sim.trace import from_requests
 
 # SGLang's import and 22 daemon processes: about 60 s of CPU, a minute or two of wall time on 2 loaded cores.
 pytestmark = pytest.mark.slow
 
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "radix-lru")
 SMALL_CAPACITIES = (40, 150)  # blocks; the trace has 895 distinct blocks in 4,062 accesses
-CONVERSATION_SLICE = (4100, 4300)  # requests of the conversation trace with some reuse inside the slice
 CONVERSATION_CAPACITIES = (300, 1000)
-
-
-def shared_prefix_trace(seed: int = 5, requests: int = 250) -> Trace:
-    """System prompts, growing chats, hot blocks after fresh ones (non-leading hits), repeats (seeded)."""
-    rng = random.Random(seed)
-    systems = [[s * 100 + i for i in range(rng.randint(1, 4))] for s in range(6)]
-    hot = [900_000 + i for i in range(8)]
-    chats = {}
-    fresh = iter(range(1_000_000, 2_000_000))
-    rows = []
-    for number in range(requests):
-        chat = rng.randrange(25)
-        history = chats.setdefault(chat, rng.choice(systems)[:])
-        history.extend(next(fresh) for _ in range(rng.randint(1, 3)))
-        del history[30:]
-        blocks = history[:] + [next(fresh) for _ in range(rng.randint(0, 3))]
-        if rng.random() < 0.3:  # a pasted document after new text: held, but not in the leading run
-            blocks.insert(rng.randint(len(blocks) // 2, len(blocks)), rng.choice(hot))
-        if rng.random() < 0.05:  # the same block twice in one request
-            blocks.append(blocks[rng.randrange(len(blocks))])
-        rows.append((number, len(blocks) * 16 - rng.randint(0, 15), blocks))
-    return from_requests(rows, block_tokens=16, name="shared-prefix")
-
-
-def conversation_slice() -> Trace:
-    path = mooncake_trace("conversation")
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.readlines()[slice(*CONVERSATION_SLICE)]
-    rows = [json.loads(line) for line in lines]
-    return from_requests([(r["timestamp"], r["input_length"], r["hash_ids"]) for r in rows], name="conversation")
 
 
 @pytest.fixture(scope="module")

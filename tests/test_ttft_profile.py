@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from test_sim import write_trace_jsonl
-from test_sim_live import shared_prefix_trace
+from tests.support.sim import shared_prefix_trace, write_trace_jsonl
 from tiers.sim import profile_check
 from tiers.sim.prefill import ModelShape
 from tiers.sim.profile import Fit, Profile, ProfileError, build_profile, fit_service, preset_fit, service_s
@@ -175,3 +174,55 @@ def test_the_servers_own_l3_reads_replace_the_bench_rate_where_the_profile_has_t
     assert older.l3_reads == {}
     assert time_model(bench, ["dram"], "write_through", page_tokens=16, profile=older).batch_read_s({0: 2032}) == \
         pytest.approx(2032 * 8192 / 2e9)
+
+
+def test_an_l3_hits_hand_over_between_the_engines_threads_is_part_of_its_wait(tmp_path):
+    """SGLang carries a hit from its query to its reads and back through its threads (hit_handoff_s, measured
+    as an L3 hit's prefetch wait less its transfer and query): the planner adds it to every L3 hit's wait, and a
+    profile without it predicts the hit that much too early."""
+    recompute, device, host, hits = made_up_measurements()
+    n, handoff = 2048, 4e-3
+    read = 2032 * 8192 / 2e9
+    measured = {"recompute": recompute, "device": device, "host": host,
+                "l3_dram": {n: 0.01 + 200e-6 + handoff + read + host[n]}}
+    case_hits = {"device": hits, "host": hits, "l3_dram": {n: hit(n)}}
+    bench, _ = bench_figures(tmp_path)
+    profile = build_profile(measured, case_hits, SHAPE, 16, prefetch_s=0.01, hit_handoff_s=handoff)
+    (row,) = [r for r in profile_check.check(profile, bench) if r.case == "l3_dram"]
+    assert row.wait_s == pytest.approx(0.0102 + handoff + read) and row.error == pytest.approx(0.0, abs=1e-9)
+    without = build_profile(measured, case_hits, SHAPE, 16, prefetch_s=0.01)
+    (early,) = [r for r in profile_check.check(without, bench) if r.case == "l3_dram"]
+    assert early.predicted_s == pytest.approx(measured["l3_dram"][n] - handoff)
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    assert Profile.load(str(path)).fit.hit_handoff_s == handoff
+    # the simulator's prefetch starts its reads after the hand-over too
+    assert time_model(bench, ["dram"], "write_through", page_tokens=16, profile=profile).hit_handoff_s == handoff
+
+
+def test_a_case_off_by_less_than_its_repetitions_spread_says_so(tmp_path, capsys):
+    """A median 25% off the prediction, with repetitions spread around the prediction: the check still counts
+    it off (and plan --check-profile exits 1), and says the prediction lies between its repetitions; one whose
+    repetitions all lie beyond the prediction is off without that."""
+    from tiers.cli import main
+    recompute, device, host, hits = made_up_measurements()
+    n = 2048
+    measured = {"recompute": recompute, "device": device, "host": {**host, n: host[n] * 1.25}}
+    ranges = {"host": {n: (host[n] * 0.9, host[n] * 1.3)}, "device": {n: (device[n] * 1.2, device[n] * 1.3)}}
+    profile = build_profile(measured, {"device": hits, "host": hits}, SHAPE, 16, ranges=ranges)
+    profile = Profile(**{**vars(profile), "fit": fit_service(recompute, device, hits, host, hits)})  # the true fit
+    rows = {(r.case, r.tokens): r for r in profile_check.check(profile, None)}
+    off = rows[("host", n)]
+    assert not off.holds and off.inside_range and off.range_s == ranges["host"][n]
+    assert rows[("device", n)].holds and not rows[("device", n)].inside_range  # its range lies above: said as is
+    assert rows[("recompute", n)].range_s is None
+    text = profile_check.summary(list(rows.values()))
+    assert text.startswith(f"{len(rows) - 1} of {len(rows)} cases within 15%") and "host 2,048" in text
+    assert "NO, inside the repetitions" in profile_check.table(list(rows.values()))
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    assert Profile.load(str(path)).ranges == ranges
+    _, bench = bench_figures(tmp_path)
+    assert main(["plan", "--bench", bench, "--profile", str(path), "--check-profile"]) == 1
+    assert "predicted between the fastest and the slowest of their repetitions (host 2,048)" in capsys.readouterr().out
+

@@ -223,7 +223,8 @@ def breakdown(figs: Figures, info: dict) -> List[str]:
 def fit_lines(figs: Figures) -> List[str]:
     """The profile's fit (tiers/sim/profile.py), when the run wrote one."""
     f = {name: figs.median(f"ttft.fit.{name}") for name in ("overhead_s", "compute_s", "compute_s2", "cached_s",
-                                                             "h2d_s", "load_fixed_s", "prefetch_s")}
+                                                             "h2d_s", "load_fixed_s", "prefetch_s",
+                                                             "hit_handoff_s")}
     if f["compute_s"] is None:
         return []
     errors = ", ".join(f"{case} {figs.median(f'ttft.fit.error.{case}'):.1%}" for case in ("recompute", "device", "host")
@@ -236,7 +237,9 @@ def fit_lines(figs: Figures) -> List[str]:
             f"({f['h2d_s'] * 1e6:.2f} µs × tokens loaded from host + {(f['load_fixed_s'] or 0) * 1e3:.1f} ms a load "
             "from host, added to compute), and an L3 hit "
             f"{(f['prefetch_s'] or 0) * 1e3:.1f} ms around its storage hit query (SGLang's storage_prefetch_wait on "
-            f"recompute less the lookup); largest relative error of the fit: {errors}. As the backend's "
+            f"recompute less the lookup) and {(f['hit_handoff_s'] or 0) * 1e3:.1f} ms to hand it over to its reads "
+            "and back (an L3 hit's storage_prefetch_wait less its transfer and its query, the median over the L3 "
+            f"hits); largest relative error of the fit: {errors}. As the backend's "
             f"break-even settings (extra config): {settings}.{_read_fits(figs)}", ""]
 
 

@@ -186,7 +186,7 @@ def _check_profile(args, bench, profile) -> int:
     print(f"tier speeds and lookups from {args.bench} ({bench.meta.get('date', 'undated')})\n")
     print(profile_check.table(rows))
     off = [r for r in rows if not r.holds]
-    print(f"\n{len(rows) - len(off)} of {len(rows)} cases within {profile_check.TOLERANCE:.0%}")
+    print(f"\n{profile_check.summary(rows)}")
     return EXIT_FAILED if off else EXIT_OK
 
 

@@ -279,7 +279,8 @@ class _Run:
                 return none
             self.lost["host_full"] += available - hit_tok
         requested = sum(rest_toks)
-        done_at = self._batch_ends(rest[:hit_blocks], rest_toks[:hit_blocks], arrival + query_s)
+        done_at = self._batch_ends(rest[:hit_blocks], rest_toks[:hit_blocks],
+                                   arrival + query_s + self.time.hit_handoff_s)
         admitted = self._admission(poll, done_at[-1], requested)
         self.in_flight.append((admitted, requested))  # host room held until the result is taken
         loaded = sum(1 for end in done_at if end <= admitted)  # done_at is per block, ends of its batch

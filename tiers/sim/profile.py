@@ -18,7 +18,11 @@ part, ~6 ms whatever the prompt, which a slope alone missed by 20%).
 CPU server) or overlaps it (a GPU loads layer by layer while computing).
 ``prefetch_s`` is the engine's own time around a storage hit query beyond
 the lookup (SGLang's prefetch thread and scheduler polls), added to the
-query of every L3 hit.
+query of every L3 hit; ``hit_handoff_s`` what a query that found pages costs
+on top before and after their reads (the scheduler takes the hit from the
+prefetch thread, allocates host slots, hands the reads to the I/O thread,
+and learns they ended from the sync thread): SGLang's storage_prefetch_wait
+of an L3 hit less its transfer and its query.
 A GPU preset is the same fit with a = c = d = 0 and the load overlapped
 (``preset_fit``), so the planner has one formula (``TimeModel.service_s``).
 """
@@ -59,6 +63,10 @@ class Fit:
     # SGLang's own time around each storage hit query, beyond the lookup itself (its prefetch thread and
     # scheduler polls): its storage_prefetch_wait on a recompute (a query that finds nothing) less the lookup
     prefetch_s: float = 0.0
+    # SGLang's own time to carry an L3 hit from its query to its reads and back to the scheduler (hand-overs
+    # between its prefetch, I/O and sync threads and the scheduler): an L3 hit's storage_prefetch_wait less
+    # its transfer and its query, the median over the measured L3 hits
+    hit_handoff_s: float = 0.0
     errors: Dict[str, float] = field(default_factory=dict)  # largest relative error per fitted case
 
 
@@ -138,7 +146,7 @@ def _best_columns(rows: np.ndarray, y: np.ndarray, column_sets: Sequence[Sequenc
 
 def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hit: Dict[int, int],
                 host: Optional[Dict[int, float]] = None, host_hit: Optional[Dict[int, int]] = None,
-                prefetch_s: float = 0.0) -> Fit:
+                prefetch_s: float = 0.0, hit_handoff_s: float = 0.0) -> Fit:
     """The Fit of measured medians (prompt length -> seconds; hit: length -> cached tokens).
 
     Recompute rows are [1, N, N^2, 0], device-hit rows [1, n, n^2, hit] with n = N - hit computed;
@@ -168,8 +176,8 @@ def fit_service(recompute: Dict[int, float], device: Dict[int, float], device_hi
               "device": _max_error(fit, device, device_hit, False)}
     if host and host_hit:
         errors["host"] = _max_error(fit, host, host_hit, True)
-    return Fit(h2d_s=h2d, load_fixed_s=fixed, serial_load=True, prefetch_s=max(prefetch_s, 0.0), errors=errors,
-               **values)
+    return Fit(h2d_s=h2d, load_fixed_s=fixed, serial_load=True, prefetch_s=max(prefetch_s, 0.0),
+               hit_handoff_s=max(hit_handoff_s, 0.0), errors=errors, **values)
 
 
 def _fit_load(host: Dict[int, float], host_hit: Dict[int, int], device: Dict[int, float]) -> Tuple[float, float]:
@@ -207,6 +215,8 @@ class Profile:
     source: str = ""
     # tier kind -> its reads as the server measured them (the planner's L3 read time where present)
     l3_reads: Dict[str, ReadFit] = field(default_factory=dict)
+    # case -> length -> (fastest, slowest) repetition: how far the median itself could move
+    ranges: Dict[str, Dict[int, Tuple[float, float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "source": self.source,
@@ -216,7 +226,9 @@ class Profile:
                 "backend_extra_config": break_even_settings(self.fit),
                 "measured_s": {case: {str(n): s for n, s in sorted(v.items())} for case, v in self.measured.items()},
                 "hit_tokens": {case: {str(n): t for n, t in sorted(v.items())} for case, v in self.hits.items()},
-                "l3_reads": {kind: asdict(fit) for kind, fit in sorted(self.l3_reads.items())}}
+                "l3_reads": {kind: asdict(fit) for kind, fit in sorted(self.l3_reads.items())},
+                "measured_range_s": {case: {str(n): list(r) for n, r in sorted(v.items())}
+                                     for case, v in self.ranges.items()}}
 
     @classmethod
     def from_json(cls, document: dict, path: str = "profile.json") -> "Profile":
@@ -232,10 +244,13 @@ class Profile:
             # absent from profiles written before it: L3 reads then go at the bench file's tier rates
             l3_reads = {str(kind): ReadFit(**{k: float(v) for k, v in fit_doc.items()})
                         for kind, fit_doc in document.get("l3_reads", {}).items()}
+            # absent from profiles written before it: no case then says how far its repetitions spread
+            ranges = {case: {int(n): (float(r[0]), float(r[1])) for n, r in v.items()}
+                      for case, v in document.get("measured_range_s", {}).items()}
             return cls(kv_bytes_per_token=float(document["kv_bytes_per_token"]),
                        page_tokens=int(document["page_tokens"]), fit=fit, shape=shape, measured=measured,
                        hits=hits, engine=dict(document.get("engine", {})), source=str(document.get("source", "")),
-                       l3_reads=l3_reads)
+                       l3_reads=l3_reads, ranges=ranges)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{path}: {type(exc).__name__}: {exc}") from None
 
@@ -268,15 +283,18 @@ def break_even_settings(fit: Fit) -> Dict[str, float]:
 
 def build_profile(measured: Dict[str, Dict[int, float]], hits: Dict[str, Dict[int, int]], shape: ModelShape,
                   page_tokens: int, engine: Optional[dict] = None, source: str = "",
-                  prefetch_s: float = 0.0, transfers: Optional[Dict[str, Dict[int, float]]] = None) -> Profile:
+                  prefetch_s: float = 0.0, transfers: Optional[Dict[str, Dict[int, float]]] = None,
+                  hit_handoff_s: float = 0.0,
+                  ranges: Optional[Dict[str, Dict[int, Tuple[float, float]]]] = None) -> Profile:
     """A Profile of measured medians: the fit of recompute, device and host hits, every case kept, and of each
     L3 case's transfers (case -> length -> seconds of the backend's reads) the tier's ReadFit."""
     fit = fit_service(measured.get("recompute", {}), measured.get("device", {}), hits.get("device", {}),
-                      measured.get("host"), hits.get("host"), prefetch_s)
+                      measured.get("host"), hits.get("host"), prefetch_s, hit_handoff_s)
     l3_reads = {}
     for case, transfer in (transfers or {}).items():
         read = fit_reads(transfer, hits.get(case, {}), shape.kv_bytes_per_token, page_tokens)
         if case in L3_KINDS and read is not None:
             l3_reads[L3_KINDS[case]] = read
     return Profile(kv_bytes_per_token=shape.kv_bytes_per_token, page_tokens=page_tokens, fit=fit, shape=shape,
-                   measured=measured, hits=hits, engine=dict(engine or {}), source=source, l3_reads=l3_reads)
+                   measured=measured, hits=hits, engine=dict(engine or {}), source=source, l3_reads=l3_reads,
+                   ranges=dict(ranges or {}))

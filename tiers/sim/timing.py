@@ -132,6 +132,7 @@ class TimeModel:
     serial_load: bool = False
     load_fixed_s: float = 0.0  # a request's load from host beyond h2d a token (a profile's; a GPU preset: 0)
     prefetch_s: float = 0.0  # the engine's own time around a storage hit query, beyond the lookups
+    hit_handoff_s: float = 0.0  # the engine's own time to carry a hit from its query to its reads and back
     tier_fixed_s: tuple = ()  # per tier of the chain, a storage batch's fixed cost (a profile's ReadFit; else 0)
 
     def lookup_s(self, pages: int) -> float:
@@ -206,4 +207,5 @@ def time_model(bench: Optional[BenchFigures], kinds: Sequence[str], router_write
     return TimeModel(compute_s=t, h2d_s=fit.h2d_s, tier_read_s=tuple(reads), write_s=write_s,
                      page_tokens=page_tokens, bench=bench, source=source, overhead_s=fit.overhead_s,
                      compute_s2=fit.compute_s2, cached_s=fit.cached_s, serial_load=fit.serial_load,
-                     load_fixed_s=fit.load_fixed_s, prefetch_s=fit.prefetch_s, tier_fixed_s=tuple(fixed))
+                     load_fixed_s=fit.load_fixed_s, prefetch_s=fit.prefetch_s,
+                     hit_handoff_s=fit.hit_handoff_s, tier_fixed_s=tuple(fixed))

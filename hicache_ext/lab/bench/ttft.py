@@ -216,6 +216,32 @@ def _query_overhead(figs: Figures, info: dict) -> float:
     return max(statistics.median(waits), 0.0) if waits else 0.0
 
 
+def _hit_handoff(figs: Figures, info: dict, prefetch_s: float) -> float:
+    """SGLang's time to carry an L3 hit from its query to its reads and back: the median over the L3 hits of
+    storage_prefetch_wait less the transfer and the query (its lookups and prefetch_s, as the planner has it)."""
+    import statistics
+
+    from tiers.sim.hierarchy import STORAGE_BATCH_PAGES
+    from tiers.sim.profile import L3_KINDS
+    from tiers.sim.timing import BenchError, BenchFigures
+    try:
+        bench = BenchFigures({"figures": figs.as_dict()["figures"]}, "this run")
+        handoffs = []
+        for case in L3_KINDS:
+            for n in info["lengths"]:
+                wait = figs.median(f"ttft.{case}.{n}.sglang.storage_prefetch_wait")
+                transfer = figs.median(f"ttft.{case}.{n}.sglang.transfer")
+                if wait is None or transfer is None:
+                    continue
+                pages = n // info["page_tokens"]
+                lookups = -(-pages // STORAGE_BATCH_PAGES)  # a hit of the whole prompt asks every batch
+                handoffs.append(wait - transfer - lookups * bench.lookup_s(min(pages, STORAGE_BATCH_PAGES))
+                                - prefetch_s)
+    except BenchError:
+        return 0.0
+    return max(statistics.median(handoffs), 0.0) if handoffs else 0.0
+
+
 def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> None:
     """The profile of this run's medians (tiers.sim.profile), and its fit as figures of the report."""
     from tiers.sim.prefill import ModelShape
@@ -223,6 +249,7 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
     from tiers.bench.ttft_report import SOURCES
     info = figs.info["ttft"]
     measured: Dict[str, Dict[int, float]] = {}
+    ranges: Dict[str, Dict[int, tuple]] = {}
     hits: Dict[str, Dict[int, int]] = {}
     for case in CASES:
         for n in info["lengths"]:
@@ -230,6 +257,7 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
             if seconds is None:
                 continue
             measured.setdefault(case, {})[n] = seconds
+            ranges.setdefault(case, {})[n] = figs.spread(f"ttft.{case}.{n}")
             if SOURCES[case]:
                 hits.setdefault(case, {})[n] = int(figs.median(f"ttft.{case}.{n}.cached.{SOURCES[case]}") or 0)
     shape = ModelShape(layers=spec.layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, dtype_bytes=2,
@@ -238,8 +266,10 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
     transfers = {case: {n: t for n in info["lengths"]
                         if (t := figs.median(f"ttft.{case}.{n}.sglang.transfer")) is not None}
                  for case in L3_KINDS}
-    profile = build_profile(measured, hits, shape, info["page_tokens"], engine, source,
-                            prefetch_s=_query_overhead(figs, info), transfers=transfers)
+    prefetch_s = _query_overhead(figs, info)
+    profile = build_profile(measured, hits, shape, info["page_tokens"], engine, source, prefetch_s=prefetch_s,
+                            transfers=transfers, hit_handoff_s=_hit_handoff(figs, info, prefetch_s),
+                            ranges=ranges)
     for name, value in vars(profile.fit).items():
         if isinstance(value, float):
             figs.set(f"ttft.fit.{name}", value, "s")
