@@ -18,3 +18,21 @@ def test_import_contracts_are_kept():
     proc = subprocess.run(["lint-imports", "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "5 kept, 0 broken" in proc.stdout
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in tests/support/: a test module imported by another runs its module-level
+    setup twice and ties the two together (ARCHITECTURE: tests)."""
+    import ast
+    tests = os.path.join(ROOT, "tests")
+    found = []
+    for name in sorted(os.listdir(tests)):
+        if not (name.startswith("test_") and name.endswith(".py")):
+            continue
+        with open(os.path.join(tests, name), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), name)
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{name}: {m}" for m in modules if m.split(".")[-1].startswith("test_")]
+    assert len(os.listdir(tests)) > 20 and not found, found

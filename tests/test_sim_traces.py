@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_sim_fixtures import mooncake_trace
+from tests.support.sim import mooncake_trace
 from tiers.sim import simulate
 from tiers.sim.capacity import parse_capacity
 from tiers.sim.trace import read_traces
