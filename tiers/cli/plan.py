@@ -121,7 +121,8 @@ def register(subparsers) -> None:
     p.add_argument("--check-profile", action="store_true",
                    help="predict every case --profile measured (recompute, device, host and L3 hits per prompt "
                         "length; L3 reads at the --bench file's tier speeds) with the TTFT formula; print "
-                        "predicted against measured, exit 1 when one is off by more than 15%%; no trace needed")
+                        "predicted against measured (with the fastest and slowest repetition, and which off cases are "
+                        "predicted between them), exit 1 when one is off by more than 15%%; no trace needed")
     p.add_argument("--device-gb", type=float, default=40.0, help="the GPU's KV pool, GB (default: %(default)s)")
     p.add_argument("--hicache-ratio", type=float, default=2.0,
                    help="SGLang's host pool over device pool (default: %(default)s, SGLang's)")
