@@ -22,7 +22,7 @@ def test_import_contracts_are_kept():
 
 def test_no_test_module_imports_another():
     """Shared test helpers live in tests/support/: a test module imported by another runs its module-level
-    setup twice and ties the two together (ARCHITECTURE: tests)."""
+    setup twice and ties the two together (docs/ARCHITECTURE.md, below the parts table)."""
     import ast
     tests = os.path.join(ROOT, "tests")
     found = []
