@@ -137,7 +137,7 @@ class FanOut:
             parts = held.receive(call.sock, left)
             if parts is None:
                 return False
-            self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]] if len(parts) > 1 else [])
+            self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]])
         return not self._out  # a call sent again in its place (no_session) is waited for as any other
 
     def _wait_held(self, done: Optional[Callable[[], bool]], stop_at: Optional[float]) -> bool:
