@@ -200,14 +200,19 @@ def _references(figs: Figures, args, progress: Progress, options: ServerOptions,
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _query_overhead(figs: Figures, info: dict) -> float:
+def _run_bench(figs: Figures):
+    """This run's figures as the planner reads them (lookup_s raises BenchError where none was measured)."""
+    from tiers.sim.timing import BenchFigures
+    return BenchFigures({"figures": figs.as_dict()["figures"]}, "this run")
+
+
+def _query_overhead(figs: Figures, info: dict, bench) -> float:
     """SGLang's wait for a storage hit query beyond the lookup: the median over lengths of its
     storage_prefetch_wait on recompute (the query finds nothing) less the lookup of that many keys."""
     import statistics
 
-    from tiers.sim.timing import BenchError, BenchFigures
+    from tiers.sim.timing import BenchError
     try:
-        bench = BenchFigures({"figures": figs.as_dict()["figures"]}, "this run")
         waits = [figs.median(f"ttft.recompute.{n}.sglang.storage_prefetch_wait")
                  - bench.lookup_s(min(n // info["page_tokens"], 128)) for n in info["lengths"]
                  if figs.median(f"ttft.recompute.{n}.sglang.storage_prefetch_wait") is not None]
@@ -216,16 +221,19 @@ def _query_overhead(figs: Figures, info: dict) -> float:
     return max(statistics.median(waits), 0.0) if waits else 0.0
 
 
-def _hit_handoff(figs: Figures, info: dict, prefetch_s: float) -> float:
+def _hit_handoff(figs: Figures, info: dict, bench, prefetch_s: float) -> float:
     """SGLang's time to carry an L3 hit from its query to its reads and back: the median over the L3 hits of
-    storage_prefetch_wait less the transfer and the query (its lookups and prefetch_s, as the planner has it)."""
+    storage_prefetch_wait less the transfer and the query, the query costed by the planner's own
+    storage_query_s (its lookups a 128-page batch and prefetch_s)."""
     import statistics
 
-    from tiers.sim.hierarchy import STORAGE_BATCH_PAGES
+    from tiers.sim.hierarchy import storage_query_s
     from tiers.sim.profile import L3_KINDS
-    from tiers.sim.timing import BenchError, BenchFigures
+    from tiers.sim.timing import BenchError, TimeModel
+    page = info["page_tokens"]
+    query_model = TimeModel(compute_s=0.0, h2d_s=0.0, tier_read_s=(), write_s=0.0, page_tokens=page, bench=bench,
+                            prefetch_s=prefetch_s)
     try:
-        bench = BenchFigures({"figures": figs.as_dict()["figures"]}, "this run")
         handoffs = []
         for case in L3_KINDS:
             for n in info["lengths"]:
@@ -233,10 +241,8 @@ def _hit_handoff(figs: Figures, info: dict, prefetch_s: float) -> float:
                 transfer = figs.median(f"ttft.{case}.{n}.sglang.transfer")
                 if wait is None or transfer is None:
                     continue
-                pages = n // info["page_tokens"]
-                lookups = -(-pages // STORAGE_BATCH_PAGES)  # a hit of the whole prompt asks every batch
-                handoffs.append(wait - transfer - lookups * bench.lookup_s(min(pages, STORAGE_BATCH_PAGES))
-                                - prefetch_s)
+                hit = figs.median(f"ttft.{case}.{n}.cached.storage") or (n // page - 1) * page
+                handoffs.append(wait - transfer - storage_query_s(query_model, n // page, int(hit) // page))
     except BenchError:
         return 0.0
     return max(statistics.median(handoffs), 0.0) if handoffs else 0.0
@@ -266,9 +272,10 @@ def write_profile(figs: Figures, path: str, spec: ModelSpec, source: str) -> Non
     transfers = {case: {n: t for n in info["lengths"]
                         if (t := figs.median(f"ttft.{case}.{n}.sglang.transfer")) is not None}
                  for case in L3_KINDS}
-    prefetch_s = _query_overhead(figs, info)
+    bench = _run_bench(figs)
+    prefetch_s = _query_overhead(figs, info, bench)
     profile = build_profile(measured, hits, shape, info["page_tokens"], engine, source, prefetch_s=prefetch_s,
-                            transfers=transfers, hit_handoff_s=_hit_handoff(figs, info, prefetch_s),
+                            transfers=transfers, hit_handoff_s=_hit_handoff(figs, info, bench, prefetch_s),
                             ranges=ranges)
     for name, value in vars(profile.fit).items():
         if isinstance(value, float):
