@@ -453,6 +453,70 @@ static PyObject *PageIndex_contains_packed(PageIndex *ix, PyObject *args) {
     return out;
 }
 
+/* insert_packed(digests, sizes) -> rows added: each 16-byte digest of a packed batch (as key_digests makes them)
+   held with its size (a uint32 array, one a digest), tenant 0; a digest held already keeps its row and takes
+   the new size (a page written again).  An index without an order only (ORDER_NONE: a DRAM tier's lookup
+   set): a batch's commit is one call, no Python int a key. */
+static PyObject *PageIndex_insert_packed(PageIndex *ix, PyObject *args) {
+    Py_buffer buf, sizes;
+    if (!PyArg_ParseTuple(args, "y*y*", &buf, &sizes)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = buf.len / 16;
+    if (ix->order != ORDER_NONE) {
+        PyErr_SetString(PyExc_ValueError, "insert_packed is for an index without an order");
+    } else if (buf.len % 16 || sizes.len != n * 4) {
+        PyErr_SetString(PyExc_ValueError, "16 bytes a digest and a 4-byte size a digest");
+    } else if (grow_slots(ix, (size_t)ix->used + (size_t)n, 0) == 0
+               && grow_rows(ix, ix->rows_top + (size_t)n) == 0) {
+        const unsigned char *p = buf.buf, *z = sizes.buf;
+        long added = 0;
+        for (Py_ssize_t i = 0; i < n; i++, p += 16, z += 4) {
+            uint64_t lo, hi;
+            uint32_t size;
+            memcpy(&lo, p, 8);
+            memcpy(&hi, p + 8, 8);
+            memcpy(&size, z, 4);
+            uint32_t row = find(ix, lo, hi);
+            if (row != NIL) {
+                ix->rows[row].size = size;
+                continue;
+            }
+            add_row(ix, lo, hi, size, 0, 0, 0, 0, 0, 0);
+            added++;
+        }
+        out = PyLong_FromLong(added);
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&sizes);
+    return out;
+}
+
+/* remove_packed(digests) -> rows removed: each 16-byte digest of a packed batch that is held. */
+static PyObject *PageIndex_remove_packed(PageIndex *ix, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    PyObject *out = NULL;
+    if (buf.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "packed digests are 16 bytes each");
+    } else {
+        const unsigned char *p = buf.buf;
+        long removed = 0;
+        for (Py_ssize_t i = 0; i < buf.len / 16; i++, p += 16) {
+            uint64_t lo, hi;
+            memcpy(&lo, p, 8);
+            memcpy(&hi, p + 8, 8);
+            uint32_t row = ix->nslots ? find(ix, lo, hi) : NIL;
+            if (row != NIL) {
+                drop_row(ix, row);
+                removed++;
+            }
+        }
+        out = PyLong_FromLong(removed);
+    }
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 /* digests(tenant=-1) -> every digest (of one tenant), in list order when the index keeps one. */
 static PyObject *PageIndex_digests(PageIndex *ix, PyObject *args) {
     long tenant = -1;
@@ -880,6 +944,10 @@ static PyMethodDef PageIndex_methods[] = {
     {"contains_packed", (PyCFunction)PageIndex_contains_packed, METH_VARARGS,
      "contains_packed(digests, tenant=-1) -> bytes: one byte a 16-byte digest of the packed batch"},
     {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
+    {"insert_packed", (PyCFunction)PageIndex_insert_packed, METH_VARARGS,
+     "insert_packed(digests, sizes) -> rows added: packed 16-byte digests, uint32 sizes (ORDER_NONE only)"},
+    {"remove_packed", (PyCFunction)PageIndex_remove_packed, METH_VARARGS,
+     "remove_packed(digests) -> rows removed: packed 16-byte digests"},
     {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,
      "place_scanned() -> rows moved to the cold end, oldest stamp first"},
     {"scanned_order", (PyCFunction)PageIndex_scanned_order, METH_VARARGS,

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from tiers.shm.arena import Alloc, BlockArena, Extents
 from tiers.shm.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.stores.dram_reads import DramReads, PageEntry
@@ -189,17 +191,20 @@ class DramStore(PageStore):
     def commit_many(self, namespace: str, keys: Sequence[str], allocs: Sequence[Alloc],
                     parents: Sequence[Optional[str]], checksums: Sequence[int]) -> None:
         """commit for each page of a batch of one namespace, under one lock hold."""
+        # The batch's digests in one native call, outside the lock; held in one more, inside it.
+        digests = pack_key_digests(namespace, keys)
+        sizes = np.fromiter((alloc.size for alloc in allocs), dtype="<u4", count=len(allocs)).tobytes()
         with self._lock:
             tenant = self._tenants.tenant(namespace)
-            index, held, policy, added = self._index, self._held, tenant.policy, 0
+            index, policy, added = self._index, tenant.policy, 0
             for key, alloc, parent, checksum in zip(keys, allocs, parents, checksums):
                 page = (namespace, key)
                 if page in index:
                     self._release_locked(page)
                 index[page] = PageEntry(alloc, checksum=checksum)
-                held.insert(key_digest(namespace, key), 0, alloc.size)
                 policy.insert(page, (namespace, parent) if parent else None)
                 added += alloc.size
+            self._held.insert_packed(digests, sizes)  # a key twice in the batch: held once, its last size
             self._tenants.committed(namespace, tenant, added)
             self._stats.used_bytes += added
             self._stats.inserts += len(allocs)
