@@ -33,7 +33,9 @@ SETTINGS_HELP = {
     "deadline_min_gbps": "bandwidth (GB/s) below which a transfer is given up",
     "lookup_timeout_s": "seconds a prefix lookup may take",
     "reply_spin_us": "microseconds a lookup or leased read waits for its daemon's reply holding the GIL before it "
-                     "waits without it (a busy engine takes the GIL at every release; 0: never hold it)",
+                     "waits without it (a busy engine takes the GIL at every release; 0: never hold it); not "
+                     "spun for a daemon whose last two replies came later (a disk or remote tier), but for a "
+                     "probe one call in 32",
     "promote": "copy pages served by a lower tier into the top tier (after the read returned)",
     "promote_max_mib": "MiB of page copies waiting to be promoted; promotions past it are dropped and counted",
     "selective_min_reads": "selective policy: reads before a page is written below",

@@ -111,3 +111,66 @@ def test_lookups_and_leased_reads_exact_with_and_without_spin(tmp_path, spin_us)
     finally:
         engine.close()
         runner.stop()
+
+
+def test_spin_record_stops_after_empty_spins_and_probes_back():
+    """Two spins in a row that end before the reply stop the spin for that operation; one call in
+    SPIN_PROBE_EVERY spins again, and a reply within it restores the spin; other operations are untouched."""
+    record = held_wait.SpinRecord()
+    assert record.worth_spinning("get") and not record.stopped("get")
+    record.spun("get", False)
+    assert record.worth_spinning("get")  # one empty spin is not enough (a page cache miss, a busy core)
+    record.spun("get", False)
+    assert record.stopped("get") and not record.stopped("lookup")
+    asked = [record.worth_spinning("get") for _ in range(3 * held_wait.SPIN_PROBE_EVERY)]
+    assert sum(asked) == 3 and asked[held_wait.SPIN_PROBE_EVERY - 1]  # one probe in SPIN_PROBE_EVERY calls
+    record.spun("get", True)  # the probe's reply came within the spin: the daemon is quick again
+    assert not record.stopped("get") and all(record.worth_spinning("get") for _ in range(5))
+
+
+def test_a_tier_whose_leased_reads_wait_on_the_disk_is_not_spun_for(tmp_path):
+    """Leased reads from a real NVMe daemon (O_DIRECT: each waits on the device) that do not come within the
+    spin stop being spun for after two, so the engine's other threads keep the GIL; the bytes read stay
+    exact.  A client whose spin outlasts those reads keeps spinning."""
+    import mmap
+    import xxhash
+    from tests.support.nodes import nvme_tier
+    from tiers.shm.buffers import address_of
+    from tiers.wire import protocol as P
+    page, n = 64 << 10, 32
+    runner = start_node(tmp_path, node_toml(nvme_tier(capacity="64MiB")))
+    size = 2 * n * page
+    fd = os.memfd_create("pool")
+    os.ftruncate(fd, size)
+    view = mmap.mmap(fd, size)
+    wanted = [os.urandom(page) for _ in range(n)]
+    for i, data in enumerate(wanted):
+        view[i * page:(i + 1) * page] = data
+    endpoint = runner.config.tier("nvme").endpoint
+    short = TierClient("nvme", endpoint, "spin", attach=True, deadlines=Deadlines(reply_spin=0.0001))
+    long = TierClient("nvme", endpoint, "spin", attach=True, deadlines=Deadlines(reply_spin=2.0))
+    try:
+        for client in (short, long):
+            client.attach_region(fd, size)
+            assert client.lookup(["x"]) == b"\x00"  # hello + region registration
+        keys = [f"k{i}" for i in range(n)]
+        desc, counts = P.encode_descriptors([[(i * page, page)] for i in range(n)])
+        assert short.put_region(keys, desc, counts, n * page, hash_pages=True) == [True] * n
+        base = address_of(memoryview(view))
+        dst = [[(base + (n + i) * page, page)] for i in range(n)]
+        for client in (short, long):
+            for _ in range(3):
+                view[n * page:] = bytes(n * page)
+                sums = [0] * n
+                assert client.get_leased(keys, dst, sums) == [True] * n
+                assert sums == [xxhash.xxh3_64_intdigest(w) for w in wanted]
+                assert all(view[(n + i) * page:(n + i + 1) * page] == wanted[i] for i in range(n))
+        assert short.spin_stopped("get")
+        assert not long.spin_stopped("get")
+        # The next leased read of each is sent for a wait without / with the GIL held.
+        assert short._channel.held_wait("get", {"lease": 1.0}) is None
+        assert long._channel.held_wait("get", {"lease": 1.0}) is not None
+    finally:
+        short.close()
+        long.close()
+        runner.stop()

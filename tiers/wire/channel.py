@@ -58,6 +58,7 @@ class Channel:
         self._sockets: List[zmq.Socket] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self.spins = held_wait.SpinRecord()  # whether this daemon's replies come within the spin, by operation
         self.refused = False  # the last send found no connection (the daemon is not listening)
 
     # ---------------------------------------------------------------- sockets
@@ -95,6 +96,8 @@ class Channel:
     def held_wait(self, op: str, fields: dict) -> Optional[held_wait.HeldWait]:
         """The GIL-holding send and wait, for the calls whose reply is small and quick."""
         if self.deadlines.reply_spin <= 0 or not (op in ("hello", "lookup") or (op == "get" and "lease" in fields)):
+            return None
+        if self.spins.misses and not self.spins.worth_spinning(op):
             return None
         return held_wait.shared()
 

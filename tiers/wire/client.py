@@ -298,6 +298,11 @@ class TierClient:
         return self.start("put", self.deadlines.for_bytes(nbytes),
                           lambda reply: on_stored(self._replies.flags(reply, len(keys))), frames=frames, **fields)
 
+    def spin_stopped(self, op: str) -> bool:
+        """Whether calls of op to this daemon now wait for their replies without holding the GIL (their last
+        spins ended before the reply came: tiers/wire/held_wait.py SpinRecord)."""
+        return self._channel.spins.stopped(op)
+
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
 

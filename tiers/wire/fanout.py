@@ -132,11 +132,13 @@ class FanOut:
         until = min(time.monotonic() + call.channel.deadlines.reply_spin, sent.give_up)
         while self._out and self._out[0] is call:
             left = until - time.monotonic()
-            if left <= 0:
-                return False
-            parts = held.receive(call.sock, left)
+            parts = held.receive(call.sock, left) if left > 0 else None
+            spins = call.channel.spins
             if parts is None:
+                spins.spun(call.op, False)
                 return False
+            if spins.misses:  # the quick path is one look at an empty dict
+                spins.spun(call.op, True)
             self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]])
         return not self._out  # a call sent again in its place (no_session) is waited for as any other
 
@@ -152,11 +154,14 @@ class FanOut:
         while self._out and all(call.held is not None and call.sent.unsent is None for call in self._out):
             left = until - time.monotonic()
             if left <= 0:
+                for call in self._out:  # their replies did not come within the spin
+                    call.channel.spins.spun(call.op, False)
                 return False
             for call in list(self._out):
                 # One call: spin in C for the whole time; several: one look at each in turn.
                 parts = call.held.receive(call.sock, left if len(self._out) == 1 else 0.0)
                 if parts is not None:
+                    call.channel.spins.spun(call.op, True)
                     self._deliver(call.sock, parts[0], [zmq.Frame(part) for part in parts[1:]])
             if done is not None and done():
                 return True

@@ -9,7 +9,9 @@ the calls whose reply is small and quick (hello, lookup, a leased get) the
 client sends without blocking and spins on the socket for up to
 ``Deadlines.reply_spin`` (1 ms by default; CPython lets any thread hold the
 GIL for 5 ms) without giving the GIL up, then receives what came.  A reply
-that takes longer is waited for as before, without the GIL.
+that takes longer is waited for as before, without the GIL.  A daemon whose
+replies to an operation keep coming later (SpinRecord) is not spun for: the
+spin would hold the GIL, and one core, for nothing.
 
 Used only where tiers._heldwait is built and the libzmq that pyzmq loaded is
 found (Linux: /proc/self/maps); elsewhere every call takes pyzmq's path.
@@ -27,6 +29,13 @@ log = logging.getLogger("hicache.client")
 
 MAX_PARTS = 8  # a small reply is a header and at most a few frames
 DEFAULT_REPLY_SPIN_S = 0.001  # Deadlines.reply_spin and the backend's reply_spin_us unless set
+# A daemon whose replies to an operation keep coming after the spin (an NVMe or remote tier's leased read
+# waits on its device: 5-15 ms for 128 pages here) is not spun for: each such spin held the GIL, and one core
+# of two, for the whole spin, for nothing.  After SPIN_MISSES_TO_STOP spins in a row that ended empty, that
+# operation on that daemon waits without the GIL, and spins again on one call in SPIN_PROBE_EVERY (a tier
+# that became quick, a page cache that warmed up, is found again).
+SPIN_MISSES_TO_STOP = 2
+SPIN_PROBE_EVERY = 32
 
 
 class HeldWait:
@@ -56,6 +65,40 @@ class HeldWait:
             return out
         finally:
             self._lib.heldwait_close(msgs, parts)
+
+
+class SpinRecord:
+    """Whether spinning pays for one daemon's replies, operation by operation (a heuristic: threads share it
+    without a lock, and a lost update costs one spin or one wait without it).  The quick path, every reply
+    within its spin, costs a look at an empty dict (a lookup is ~60 us, every microsecond shows)."""
+
+    __slots__ = ("misses", "_skipped")
+
+    def __init__(self) -> None:
+        self.misses: dict = {}  # op -> spins in a row that ended without the reply (absent: the last one had it)
+        self._skipped: dict = {}  # op -> calls not spun for since the last spin
+
+    def stopped(self, op: str) -> bool:
+        """Whether op's calls are not spun for now (but for a probe now and then)."""
+        return self.misses.get(op, 0) >= SPIN_MISSES_TO_STOP
+
+    def worth_spinning(self, op: str) -> bool:
+        if self.misses.get(op, 0) < SPIN_MISSES_TO_STOP:
+            return True
+        skipped = self._skipped.get(op, 0) + 1
+        if skipped >= SPIN_PROBE_EVERY:
+            self._skipped[op] = 0
+            return True  # a probe: one spin, to learn whether the replies became quick
+        self._skipped[op] = skipped
+        return False
+
+    def spun(self, op: str, replied: bool) -> None:
+        """A spin for op ended: with its reply (replied) or without."""
+        if replied:
+            if self.misses:
+                self.misses.pop(op, None)
+        else:
+            self.misses[op] = self.misses.get(op, 0) + 1
 
 
 @functools.lru_cache(maxsize=None)
