@@ -78,7 +78,12 @@ def pooled(paths: List[str], pattern) -> Dict[str, List[float]]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     trees = args.tree_list  # by position: the same checkout may be given twice (an A/A run shows the spread)
-    scratch = tempfile.mkdtemp(prefix="ab-bench-")
+    with tempfile.TemporaryDirectory(prefix="ab-bench-") as scratch:  # the runs' --json files, gone after
+        return _compare(args, trees, scratch)
+
+
+def _compare(args, trees: List[str], scratch: str) -> int:
+    """Run every tree in turn, args.runs times, then print the pooled table; the exit status."""
     files: List[List[str]] = [[] for _ in trees]
     started = time.monotonic()
     try:

@@ -491,32 +491,6 @@ static PyObject *PageIndex_insert_packed(PageIndex *ix, PyObject *args) {
     return out;
 }
 
-/* remove_packed(digests) -> rows removed: each 16-byte digest of a packed batch that is held. */
-static PyObject *PageIndex_remove_packed(PageIndex *ix, PyObject *args) {
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
-    PyObject *out = NULL;
-    if (buf.len % 16) {
-        PyErr_SetString(PyExc_ValueError, "packed digests are 16 bytes each");
-    } else {
-        const unsigned char *p = buf.buf;
-        long removed = 0;
-        for (Py_ssize_t i = 0; i < buf.len / 16; i++, p += 16) {
-            uint64_t lo, hi;
-            memcpy(&lo, p, 8);
-            memcpy(&hi, p + 8, 8);
-            uint32_t row = ix->nslots ? find(ix, lo, hi) : NIL;
-            if (row != NIL) {
-                drop_row(ix, row);
-                removed++;
-            }
-        }
-        out = PyLong_FromLong(removed);
-    }
-    PyBuffer_Release(&buf);
-    return out;
-}
-
 /* digests(tenant=-1) -> every digest (of one tenant), in list order when the index keeps one. */
 static PyObject *PageIndex_digests(PageIndex *ix, PyObject *args) {
     long tenant = -1;
@@ -946,8 +920,6 @@ static PyMethodDef PageIndex_methods[] = {
     {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
     {"insert_packed", (PyCFunction)PageIndex_insert_packed, METH_VARARGS,
      "insert_packed(digests, sizes) -> rows added: packed 16-byte digests, uint32 sizes (ORDER_NONE only)"},
-    {"remove_packed", (PyCFunction)PageIndex_remove_packed, METH_VARARGS,
-     "remove_packed(digests) -> rows removed: packed 16-byte digests"},
     {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,
      "place_scanned() -> rows moved to the cold end, oldest stamp first"},
     {"scanned_order", (PyCFunction)PageIndex_scanned_order, METH_VARARGS,
