@@ -90,7 +90,7 @@ class InProcess:
         if call(self.grant.segment, local, self.remote, [self.size] * self.pages) != 0:
             raise SystemExit("raw transfer failed")
 
-    def raw_poll(self, write: bool) -> None:  # every page in flight at once, polled as the tier polls
+    def raw_poll(self, write: bool) -> None:  # every page in flight at once (adjacent ones merged), polled as the tier polls
         pieces = [[(address_of(v), r, self.size)] for v, r in zip(self.src if write else self.dst, self.remote)]
         if not all(self.engine.transfer_pages(self.grant.segment, write, pieces, 30.0)):
             raise SystemExit("raw transfer failed")

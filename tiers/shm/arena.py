@@ -25,6 +25,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -81,7 +82,12 @@ class BlockArena:
             threading.Thread(target=self._prefault, args=(True,), name=f"{name}-prefault", daemon=True).start()
         elif prefault:
             self._prefault(beside_serving=False)
-        self._free = list(range(self.n_blocks - 1, -1, -1))  # a stack, lowest block on top
+        # Free blocks, first freed first taken, lowest first in a fresh arena.  Pages are freed in the order
+        # they were written (a batch's staging, a namespace cleared, LRU or FIFO victims), so a batch taken
+        # next gets its blocks back in ascending runs, and a batch of small pages sits in adjacent blocks at
+        # both ends of a transfer: the remote tier moves such pages as one transfer (tiers/stores/remote/
+        # engine.py merge_pieces).  A stack handed them back last freed first, in descending order.
+        self._free = deque(range(self.n_blocks))
         # Pins count leases per allocation (a page), not per block: a batch of 8 MiB pages in
         # 64 KiB blocks is 128 pins, not 16,384.
         self._pins: Dict[int, int] = {}
@@ -157,12 +163,11 @@ class BlockArena:
                     if len(free) < needed:
                         break
                 if needed == 1:  # a page in one block (most pages: blocks are sized to them)
-                    block = free.pop()
+                    block = free.popleft()
                     out.append(Alloc(next(self._ids), [block], nbytes, [(block * block_size, nbytes)]))
                     continue
-                blocks = free[-needed:]
-                del free[-needed:]
-                blocks.reverse()  # as popping them one by one would: lowest first in a fresh arena
+                take = free.popleft
+                blocks = [take() for _ in range(needed)]
                 first = blocks[0]
                 extents = ([(first * block_size, nbytes)] if blocks == list(range(first, first + needed))
                            else block_extents(blocks, block_size, nbytes))
@@ -181,7 +186,7 @@ class BlockArena:
                 if alloc.alloc_id in pins:
                     self._parked[alloc.alloc_id] = alloc
                 else:
-                    free.extend(reversed(alloc.blocks))
+                    free.extend(alloc.blocks)
 
     def free_blocks(self) -> int:
         with self._lock:
@@ -247,7 +252,7 @@ class BlockArena:
             del self._pins[alloc_id]
             parked = self._parked.pop(alloc_id, None)
             if parked is not None:
-                self._free.extend(reversed(parked.blocks))
+                self._free.extend(parked.blocks)
 
     def lease_count(self) -> int:
         with self._lock:

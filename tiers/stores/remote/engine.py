@@ -5,7 +5,8 @@ MC_FORCE_TCP; ``rdma`` lets it discover HCAs (``device_name`` filters them)
 and, with ``require_rdma``, sets MC_FORCE_HCA so a node without a usable NIC
 fails at start instead of quietly moving pages over TCP.  Transfers are
 submitted as asynchronous batches of one entry (the binding reports the status
-of a batch's first task only), all of a request's pages at once, and polled,
+of a batch's first task only), all of a request's pages at once (pieces
+adjacent on both sides merged into one transfer of up to MERGE_BYTES), and polled,
 so a call returns by its deadline
 even when the peer stopped answering; the engine's own sync calls spin for up
 to MC_TRANSFER_TIMEOUT (30 s by default) instead.
@@ -25,6 +26,11 @@ log = logging.getLogger("hicache.remote.engine")
 
 PROTOCOLS = ("tcp", "rdma")
 P2P = "P2PHANDSHAKE"
+# Bytes one transfer carries at most when adjacent pieces are merged.  Over TCP here a batch of 128 pages of
+# 64 KiB moved in 4.2-4.4 ms as 128 transfers and 2.5-2.9 ms as 8 of 1 MiB (one of 8 MiB: 2.8-2.9); at 256 KiB
+# pages merging saved ~5%.  Each transfer costs the engine a submission and a status poll; larger ones
+# leave its workers fewer to spread over connections.
+MERGE_BYTES = 1 << 20
 
 
 class EngineError(OSError):
@@ -140,45 +146,49 @@ class Engine:
         submit = self._te.batch_transfer_async_write if write else self._te.batch_transfer_async_read
         deadline = time.monotonic() + timeout
         ok = [True] * len(pages)
-        pending: List[Tuple[int, int]] = []  # (batch id, page)
+        runs = merge_pieces(pages, MERGE_BYTES)
+        left = [0] * len(pages)  # transfers each page still waits for
+        for _local, _remote, _length, covered in runs:
+            for page in covered:
+                left[page] += 1
+        pending: List[Tuple[int, List[int]]] = []  # (batch id, the pages it carries bytes of)
         live = abandoned if abandoned is not None else []
-        left = [len(pieces) for pieces in pages]  # pieces of each page not yet done
-        for page, pieces in enumerate(pages):
-            for local, remote, length in pieces:
-                batch = submit(segment, [local], [remote], [length])
-                if batch == 0:  # the peer is unreachable or refused: the rest would fail the same way
-                    log.debug("submit to %s failed", segment)
-                    ok[page] = False
-                    break
-                pending.append((batch, page))
-            if not ok[page]:
-                for rest in range(page + 1, len(pages)):
-                    ok[rest] = False
+        for n, (local, remote, length, covered) in enumerate(runs):
+            batch = submit(segment, [local], [remote], [length])
+            if batch == 0:  # the peer is unreachable or refused: the rest would fail the same way
+                log.debug("submit to %s failed", segment)
+                for _l, _r, _n, rest in runs[n:]:
+                    for page in rest:
+                        ok[page] = False
                 break
+            pending.append((batch, covered))
         check = self._te.transfer_check_status
         pause = 50e-6
         while pending:
             still = []
-            for batch, page in pending:
+            for batch, covered in pending:
                 status = check(batch)  # 1 done, 0 running, -1 failed, -2 timed out in the engine
                 if status == 0:
-                    still.append((batch, page))
+                    still.append((batch, covered))
                 elif status == 1:
-                    left[page] -= 1
-                    if left[page] == 0 and ok[page] and on_done is not None:
-                        on_done(page)
+                    for page in covered:
+                        left[page] -= 1
+                        if left[page] == 0 and ok[page] and on_done is not None:
+                            on_done(page)
                 else:
-                    ok[page] = False
-                    if status == -2:  # not freed by the binding and perhaps still moving bytes
-                        live.append((page, batch))
+                    for page in covered:
+                        ok[page] = False
+                        if status == -2:  # not freed by the binding and perhaps still moving bytes
+                            live.append((page, batch))
             pending = still
             if not pending:
                 break
             if time.monotonic() > deadline:
                 log.debug("%d transfers still running at the deadline; abandoned", len(pending))
-                for batch, page in pending:
-                    ok[page] = False
-                    live.append((page, batch))
+                for batch, covered in pending:
+                    for page in covered:
+                        ok[page] = False
+                        live.append((page, batch))
                 break
             time.sleep(pause)
             pause = min(pause * 2, 200e-6)  # a late wake-up costs as much as the poll it saves
@@ -196,12 +206,50 @@ class Engine:
         return self._te
 
 
-def batches_by_page(abandoned: Sequence[Tuple[int, int]]) -> Dict[int, List[int]]:
-    """transfer_pages' abandoned (page, batch id) pairs, grouped: page -> the batch ids still live for it."""
-    live: Dict[int, List[int]] = {}
+def merge_pieces(pages: Sequence[Sequence[Tuple[int, int, int]]], limit: int) -> List[Tuple[int, int, int, List[int]]]:
+    """Pages' (local, remote, length) pieces as transfers: a piece that continues the one before it on both
+    sides (the next page of a batch allocated together, on both ends) joins it, up to limit bytes a transfer.
+    Each transfer is (local, remote, length, the pages it carries bytes of, in order)."""
+    runs: List[List] = []
+    for page, pieces in enumerate(pages):
+        for local, remote, length in pieces:
+            if runs:
+                last = runs[-1]
+                if (last[0] + last[2] == local and last[1] + last[2] == remote and last[2] + length <= limit):
+                    last[2] += length
+                    if last[3][-1] != page:
+                        last[3].append(page)
+                    continue
+            runs.append([local, remote, length, [page]])
+    return [(local, remote, length, covered) for local, remote, length, covered in runs]
+
+
+def abandoned_batches(abandoned: Sequence[Tuple[int, int]]) -> List[int]:
+    """transfer_pages' abandoned (page, batch id) pairs as batch ids, each once (a transfer may carry several
+    pages' bytes; the engine frees an id once it reports its end, so none may be watched twice)."""
+    return list(dict.fromkeys(batch for _page, batch in abandoned))
+
+
+def abandoned_groups(abandoned: Sequence[Tuple[int, int]]) -> List[Tuple[List[int], List[int]]]:
+    """transfer_pages' abandoned (page, batch id) pairs as (pages, batch ids) groups, each page and each batch id
+    in one group only (the pages and transfers joined by shared transfers): a group's pages may still be written
+    until all its transfers have ended."""
+    parent: Dict[Tuple[str, int], Tuple[str, int]] = {}
+
+    def root(node: Tuple[str, int]) -> Tuple[str, int]:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
     for page, batch in abandoned:
-        live.setdefault(page, []).append(batch)
-    return live
+        parent[root(("page", page))] = root(("batch", batch))
+    groups: Dict[Tuple[str, int], Tuple[List[int], List[int]]] = {}
+    for page, batch in abandoned:
+        pages, batches = groups.setdefault(root(("page", page)), ([], []))
+        if page not in pages:
+            pages.append(page)
+        if batch not in batches:
+            batches.append(batch)
+    return list(groups.values())
 
 
 def pair_extents(local: Sequence[Tuple[int, int]], remote: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:

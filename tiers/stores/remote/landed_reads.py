@@ -12,7 +12,7 @@ import time
 from typing import List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import scatter_copy
-from tiers.stores.remote.engine import Engine, batches_by_page, pair_extents
+from tiers.stores.remote.engine import Engine, abandoned_batches, abandoned_groups, pair_extents
 from tiers.stores.remote.staging import Landing
 
 
@@ -33,7 +33,7 @@ def read_landed(landing: Landing, engine: Engine, segment: str, remote, size: in
         return b""
     finally:
         if abandoned:
-            landing.hold(chunks, [batch for _page, batch in abandoned])
+            landing.hold(chunks, abandoned_batches(abandoned))
         else:
             landing.give(chunks)
 
@@ -72,9 +72,10 @@ def land_pages(landing: Landing, engine: Engine, grant, moving: List[int], views
             grant.segment, False,
             [pair_extents(landing.extents(chunks, grant.sizes[k]), grant.extents[k]) for k, chunks in wave],
             end - time.monotonic(), abandoned, arrived)
-        live = batches_by_page(abandoned)
+        held = set()
+        for pages, batches in abandoned_groups(abandoned):  # chunks a given-up transfer may still write
+            landing.hold([chunk for i in pages for chunk in wave[i][1]], batches)
+            held.update(pages)
         for i, (k, chunks) in enumerate(wave):
-            if i in live:
-                landing.hold(chunks, live[i])
-            else:
+            if i not in held:
                 landing.give(chunks)

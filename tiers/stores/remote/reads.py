@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import as_bytes_view
 from tiers.stores.base import Buffers, HoldPage, PageKey, total_size
-from tiers.stores.remote.engine import batches_by_page, pair_extents
+from tiers.stores.remote.engine import abandoned_batches, abandoned_groups, pair_extents
 from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.pool_client import PoolClient
 from tiers.stores.remote.staging import Landing
@@ -49,7 +49,7 @@ class RemoteReads:
                 abandoned: List[Tuple[int, int]] = []
                 ok = t.engine.transfer(grant.segment, False, pair_extents(local, remote), t.timeout(size), abandoned)
                 if abandoned:  # it may still land in the host pool (the risk direct_reads accepts)
-                    t.abandoned.add([batch for _page, batch in abandoned])
+                    t.abandoned.add(abandoned_batches(abandoned))
                 out: Optional[bytes] = b"" if ok else None
             else:
                 out = read_landed(self._landing, t.engine, grant.segment, remote, size, dst, t.timeout(size))
@@ -105,10 +105,10 @@ class RemoteReads:
                                           [pair_extents(local[k], grant.extents[k]) for k in moving], timeout,
                                           abandoned)
             if abandoned and hold is not None:  # the caller keeps each given-up page's buffers until it ended
-                for i, batches in batches_by_page(abandoned).items():
-                    t.abandoned.add(batches, hold(moving[i]))
+                for pages, batches in abandoned_groups(abandoned):
+                    t.abandoned.add(batches, _all([hold(moving[i]) for i in pages]))
             elif abandoned:  # they may still land in the host pool (the risk direct_reads accepts)
-                t.abandoned.add([batch for _page, batch in abandoned])
+                t.abandoned.add(abandoned_batches(abandoned))
             for k, ok in zip(moving, oks):
                 out[k] = ok
         elif moving and timeout > 0:
@@ -118,3 +118,11 @@ class RemoteReads:
         t.counters.add(hits=hits, misses=len(names) - hits,
                        bytes_read=sum(grant.sizes[k] for k in moving if out[k]))
         return [grant.sums[k] if ok else None for k, ok in enumerate(out)]
+
+
+def _all(calls: List[Callable[[], None]]) -> Callable[[], None]:
+    """One callback running each of calls: a given-up transfer may carry several pages' bytes."""
+    def run() -> None:
+        for call in calls:
+            call()
+    return run

@@ -14,6 +14,7 @@ import mmap
 import queue
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -239,7 +240,7 @@ class Landing:
         self._registrations = registrations
         registrations.add(self._view)
         self._abandoned = abandoned
-        self._free = list(range(self.n_chunks - 1, -1, -1))  # a stack: the chunks used last are warm
+        self._free = deque(range(self.n_chunks))  # first freed first taken: ascending runs (BlockArena's reason)
         self._held = 0
         self._cond = threading.Condition()
 
@@ -258,7 +259,8 @@ class Landing:
                 if left <= 0:
                     return None
                 self._cond.wait(left)
-            return [self._free.pop() for _ in range(needed)]
+            take = self._free.popleft
+            return [take() for _ in range(needed)]
 
     def extents(self, chunks: Sequence[int], nbytes: int) -> Extents:
         """(address, length) runs the first nbytes of these chunks cover, adjacent ones merged."""
@@ -269,7 +271,7 @@ class Landing:
 
     def give(self, chunks: Sequence[int]) -> None:
         with self._cond:
-            self._free.extend(reversed(chunks))
+            self._free.extend(chunks)
             self._cond.notify_all()
 
     def hold(self, chunks: Sequence[int], batches: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import as_bytes_view
 from tiers.stores.base import Buffers, PageKey, StoreError, StoreFull, StoreIOError, total_size
-from tiers.stores.remote.engine import pair_extents
+from tiers.stores.remote.engine import abandoned_batches, pair_extents
 from tiers.stores.remote.pool_client import PoolClient
 from tiers.stores.remote.staging import Staging, page_views
 from tiers.stores.remote.transfers import Transfers, budget
@@ -58,7 +58,7 @@ class RemoteWrites:
         bytes cannot land in blocks the pool has handed to another page.
         """
         if abandoned:
-            self.t.abandoned.add([batch for _page, batch in abandoned], lambda: client.release(lease))
+            self.t.abandoned.add(abandoned_batches(abandoned), lambda: client.release(lease))
         else:
             client.release(lease)
 

@@ -1,0 +1,229 @@
+"""Pages adjacent on both ends move as one Transfer Engine transfer, and what is given up stays held.
+
+A batch of small pages written together sits in adjacent pool blocks, and a
+read lands them in adjacent staging or landing chunks: the engine then moves
+several pages in one transfer (tiers/stores/remote/engine.py merge_pieces,
+up to MERGE_BYTES).  A transfer given up at its deadline may still write
+every page it carries, so each of those pages stays out of use until the
+engine reports that transfer ended (abandoned_groups).  The pool is a real
+daemon on loopback, frozen with SIGSTOP right after it answered the read's
+locate, as in tests/test_remote_safety.py.
+"""
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
+
+from tiers.ops.node_runner import NodeRunner
+from tiers.shm.buffers import address_of
+from tiers.stores.remote.engine import MERGE_BYTES, Engine, EngineConfig, abandoned_batches, abandoned_groups, merge_pieces
+from tiers.stores.remote.loopback import free_ports, pool_config
+from tiers.stores.remote.store import RemoteStore
+from tests.support.nodes import eventually
+
+PAGE = 64 << 10
+PAGES = 8  # a read of 8 pages of 64 KiB: one transfer when both ends are adjacent
+
+
+def test_adjacent_pieces_merge_up_to_the_limit_and_keep_their_pages():
+    # Two pages of two halves each, all adjacent on both ends: one transfer carrying both pages.
+    pages = [[(1000, 5000, 10), (1010, 5010, 10)], [(1020, 5020, 20)]]
+    assert merge_pieces(pages, 1 << 20) == [(1000, 5000, 40, [0, 1])]
+    # Adjacent locally but not remotely (another pool block), and the limit: separate transfers.
+    pages = [[(1000, 5000, 10)], [(1010, 9000, 10)], [(1020, 9010, 10)], [(1030, 9020, 10)]]
+    assert merge_pieces(pages, 20) == [(1000, 5000, 10, [0]), (1010, 9000, 20, [1, 2]), (1030, 9020, 10, [3])]
+    # A page without pieces carries nothing and is in no transfer.
+    assert merge_pieces([[], [(0, 0, 5)]], 100) == [(0, 0, 5, [1])]
+
+
+def test_given_up_transfers_group_pages_so_none_is_held_or_watched_twice():
+    # Batch 7 carried pages 0 and 1, batch 8 pages 1 and 2; batch 9 page 5 alone.
+    abandoned = [(0, 7), (1, 7), (1, 8), (2, 8), (5, 9)]
+    assert abandoned_batches(abandoned) == [7, 8, 9]
+    groups = sorted((sorted(p), sorted(b)) for p, b in abandoned_groups(abandoned))
+    assert groups == [([0, 1, 2], [7, 8]), ([5], [9])]
+    assert abandoned_groups([]) == []
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("merged")
+    (port,) = free_ports(1)
+    pool = NodeRunner(pool_config([port], capacity="16MiB", block_size="64KiB", max_page_bytes="1MiB"),
+                      str(tmp / "run"), str(tmp / "data"))
+    pool.start()
+    store = host = None
+    try:
+        engine = Engine(EngineConfig(hostname="127.0.0.1"))
+        store = RemoteStore([f"tcp://127.0.0.1:{port}"], engine, max_page_bytes=PAGE, pool_timeout=0.5,
+                            retry_max=0.2, landing_bytes=2 * PAGES * PAGE, landing_chunk=PAGE)
+        host = mmap.mmap(-1, 2 * PAGES * PAGE)
+        view = memoryview(host)
+        store.region_mapped(view)
+        assert eventually(lambda: store._registrations.covers(address_of(view), PAGE), 10)
+        yield pool, store, view
+    finally:
+        if store is not None:
+            store.close()
+        pool.stop()
+
+
+def page(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+
+
+def slot(view: memoryview, i: int) -> memoryview:
+    return view[i * PAGE:(i + 1) * PAGE]
+
+
+def write_batch(store, view, keys, seed):
+    for i in range(len(keys)):
+        slot(view, i)[:] = page(seed + i)
+    halves = [[slot(view, i)[:PAGE // 2], slot(view, i)[PAGE // 2:]] for i in range(len(keys))]
+    assert store.put_many([("ns", k) for k in keys], halves, [None] * len(keys)) == [None] * len(keys)
+
+
+def freeze_after_locate(store, pid):
+    client = store._pools.clients()[0]
+    original = client.locate
+
+    def locate(*args, **kwargs):
+        grant = original(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        client.locate = original
+        return grant
+    client.locate = locate
+
+
+class CountingEngine:
+    """The store's engine, counting the transfers submitted through it (the real engine moves them)."""
+
+    def __init__(self, engine):
+        self.engine, self.submitted = engine, []
+        self.raw_te = engine._te
+
+    def __enter__(self):
+        te = self.raw_te
+        self.saved = (te.batch_transfer_async_read, te.batch_transfer_async_write)
+
+        def counted(call):
+            def submit(segment, local, remote, lengths):
+                self.submitted.append(sum(lengths))
+                return call(segment, local, remote, lengths)
+            return submit
+        self.engine._te = _Proxy(te, read=counted(te.batch_transfer_async_read),
+                                 write=counted(te.batch_transfer_async_write))
+        return self
+
+    def __exit__(self, *exc):
+        self.engine._te = self.raw_te
+
+
+class _Proxy:
+    def __init__(self, te, read, write):
+        self._te, self.batch_transfer_async_read, self.batch_transfer_async_write = te, read, write
+
+    def __getattr__(self, name):
+        return getattr(self._te, name)
+
+
+def test_a_batch_of_small_pages_moves_in_few_transfers_byte_for_byte(node):
+    pool, store, view = node
+    store.direct_reads = False
+    keys = [f"few-{i}" for i in range(PAGES)]
+    write_batch(store, view, keys, 100)
+    for i in range(PAGES):
+        slot(view, PAGES + i)[:] = b"\0" * PAGE
+    engine = store.engine
+    with CountingEngine(engine) as counting:
+        found = store.get_many_into([("ns", k) for k in keys], [[slot(view, PAGES + i)] for i in range(PAGES)])
+    assert found == [True] * PAGES
+    assert [bytes(slot(view, PAGES + i)) for i in range(PAGES)] == [page(100 + i) for i in range(PAGES)]
+    # 8 pages of 64 KiB in adjacent blocks at both ends: fewer transfers than pages, none over the limit.
+    assert sum(counting.submitted) == PAGES * PAGE
+    assert len(counting.submitted) < PAGES and max(counting.submitted) <= MERGE_BYTES
+
+
+def test_a_merged_read_given_up_holds_every_page_it_carries(node):
+    """Held staging (the daemon's leased reads): one transfer carries several pages; given up, every one of
+    them stays out of use until the engine reports that transfer ended, and is then given back once."""
+    from tiers.shm.arena import BlockArena
+    from tiers.node.reads import hold_blocks
+    pool, store, view = node
+    store.direct_reads = False
+    keys = [f"held-{i}" for i in range(PAGES)]
+    write_batch(store, view, keys, 200)
+    staging = BlockArena(2 * PAGES * PAGE, PAGE, "test-merged-staging", prefault=False)
+    store.region_mapped(staging.view)
+    try:
+        assert eventually(lambda: store._registrations.covers(address_of(staging.view), PAGE), 10)
+        allocs = [staging.take(PAGE) for _ in keys]
+        assert all(a is not None for a in allocs)
+        held = []
+
+        def hold(position):
+            held.append(position)
+            return hold_blocks(staging, allocs[position])
+
+        def read_held(deadline=None):
+            for alloc in allocs:
+                for v in staging.views(alloc):
+                    v[:] = b"\0" * v.nbytes
+            return store.get_many_into_with_sums([("ns", k) for k in keys], [staging.views(a) for a in allocs],
+                                                 deadline, hold)
+        with CountingEngine(store.engine) as counting:
+            sums = read_held()
+        assert all(s is not None for s in sums) and held == []
+        assert len(counting.submitted) < PAGES  # merged: the case this test is about
+        assert [b"".join(bytes(v) for v in staging.views(a)) for a in allocs] == [page(200 + i) for i in range(PAGES)]
+        pid = pool.pid("pool0")
+        freeze_after_locate(store, pid)
+        try:
+            sums = read_held(deadline=time.time() + 0.6)
+            assert sums == [None] * PAGES, "a frozen pool's pages must miss"
+            assert sorted(held) == list(range(PAGES)), "every page a given-up transfer carries is held, once"
+            for alloc in allocs:  # the engine moved on: the daemon gives the staging back, parked
+                staging.give(alloc)
+            total = staging.size // staging.block_size
+            assert staging.free_blocks() == total - PAGES
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert eventually(lambda: staging.free_blocks() == total, 15)
+        assert staging.lease_count() == 0
+        assert eventually(lambda: store._abandoned.pending() == 0, 15)
+    finally:
+        store.region_unmapped(staging.view)
+        staging.close()
+    # The thawed pool serves the batch again, byte for byte.
+    assert eventually(lambda: store.get_many_into([("ns", k) for k in keys],
+                                                  [[slot(view, PAGES + i)] for i in range(PAGES)]) == [True] * PAGES,
+                      10, 0.2)
+    assert [bytes(slot(view, PAGES + i)) for i in range(PAGES)] == [page(200 + i) for i in range(PAGES)]
+
+
+def test_a_merged_read_into_landing_given_up_holds_its_chunks_until_it_ended(node):
+    pool, store, view = node
+    store.direct_reads = False
+    keys = [f"landed-{i}" for i in range(PAGES)]
+    write_batch(store, view, keys, 300)
+    landing = store._landing
+    free_before = landing.free_chunks()
+    pid = pool.pid("pool0")
+    freeze_after_locate(store, pid)
+    try:
+        for i in range(PAGES):
+            slot(view, PAGES + i)[:] = b"\xa5" * PAGE
+        found = store.get_many_into([("ns", k) for k in keys], [[slot(view, PAGES + i)] for i in range(PAGES)],
+                                    time.time() + 0.6)
+        assert found == [False] * PAGES
+        assert landing.held_chunks() == PAGES and landing.free_chunks() == free_before - PAGES
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert eventually(lambda: landing.held_chunks() == 0 and landing.free_chunks() == free_before, 15)
+    time.sleep(0.2)  # nothing of the late transfers reached the host slots
+    assert all(bytes(slot(view, PAGES + i)) == b"\xa5" * PAGE for i in range(PAGES))
