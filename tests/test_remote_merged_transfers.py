@@ -21,7 +21,8 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 
 from tiers.ops.node_runner import NodeRunner
 from tiers.shm.buffers import address_of
-from tiers.stores.remote.engine import MERGE_BYTES, Engine, EngineConfig, abandoned_batches, abandoned_groups, merge_pieces
+from tiers.stores.remote.engine import (MERGE_BYTES, Engine, EngineConfig, abandoned_batches, abandoned_groups,
+                                        merge_pieces)
 from tiers.stores.remote.loopback import free_ports, pool_config
 from tiers.stores.remote.store import RemoteStore
 from tests.support.nodes import eventually
