@@ -29,8 +29,8 @@ LIMIT_ROWS = [
     ("disk write + fdatasync, file a page, 4 threads", "limit.disk_write.{m}"),
     ("disk write of the batch as one file + one fdatasync", "limit.disk_write_batch.{m}"),
     ("disk read O_DIRECT, 4 threads", "limit.disk_read_direct.{m}"),
-    ("Mooncake TE write (raw, tcp)", "limit.te_write.{m}"),
-    ("Mooncake TE read (raw, tcp)", "limit.te_read.{m}"),
+    ("Mooncake TE write (raw, tcp; the batch, at most 128 MiB of it)", "limit.te_write.{m}"),
+    ("Mooncake TE read (raw, tcp; the batch, at most 128 MiB of it)", "limit.te_read.{m}"),
 ]
 PEER_ROWS = [
     ("SGLang file: write", "file.{m}.write"),

@@ -125,9 +125,15 @@ def run_nvme(figs: Figures, args, progress: Progress, size: int) -> None:
         disk.clean(args.pages)
 
 
+RAW_TE_BATCH_BYTES = 128 * MiB
+
+
 def run_remote(figs: Figures, args, progress: Progress, size: int) -> None:
     pages, label = args.pages, size_label(size)
-    te_pages = min(pages, 16)
+    # The raw engine moves the tier's own batch where the pool's memory allows (up to 128 MiB a batch: every
+    # page size to 1 MiB): at small pages its fixed cost a transfer is amortised over the batch as the tier's is
+    # (128 pages of 64 KiB ran 3.0-3.4 GB/s raw against 1.8-2.0 for 16 pages).
+    te_pages = min(pages, max(16, RAW_TE_BATCH_BYTES // size))
     (port,) = free_ports(1)
     pool_capacity = 2 * pages * size + 3 * te_pages * size + 64 * MiB
     pool = Node(os.path.join(args.work_dir, "pool"), pool_config([port], capacity=f"{pool_capacity >> 20}MiB",
