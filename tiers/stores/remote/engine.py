@@ -26,11 +26,12 @@ log = logging.getLogger("hicache.remote.engine")
 
 PROTOCOLS = ("tcp", "rdma")
 P2P = "P2PHANDSHAKE"
-# Bytes one transfer carries at most when adjacent pieces are merged.  Over TCP here a batch of 128 pages of
-# 64 KiB moved in 4.2-4.4 ms as 128 transfers and 2.5-2.9 ms as 8 of 1 MiB (one of 8 MiB: 2.8-2.9); at 256 KiB
-# pages merging saved ~5%.  Each transfer costs the engine a submission and a status poll; larger ones
-# leave its workers fewer to spread over connections.
-MERGE_BYTES = 1 << 20
+# Bytes one transfer carries at most when adjacent pieces are merged.  Each transfer costs the engine a
+# submission and a status poll, and the daemon's thread a look at it.  Through the rig's remote tier
+# (scripts/ab_bench.py, 20 samples a tree): 64 KiB pages read 0.90 -> 1.09 GB/s and write 0.91 -> 1.06 with
+# transfers of up to 256 KiB, 1.05 and 0.91 with up to 1 MiB; 256 KiB pages (not merged) unchanged.  In one
+# process with an idle CPU the count did not matter once the engine was warm (2.7 ms for 8 MiB as 16 or 128).
+MERGE_BYTES = 256 << 10
 
 
 class EngineError(OSError):
