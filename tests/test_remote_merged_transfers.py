@@ -9,7 +9,6 @@ engine reports that transfer ended (abandoned_groups).  The pool is a real
 daemon on loopback, frozen with SIGSTOP right after it answered the read's
 locate, as in tests/test_remote_safety.py.
 """
-import mmap
 import os
 import signal
 import time
@@ -19,13 +18,9 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
-from tiers.ops.node_runner import NodeRunner
-from tiers.shm.buffers import address_of
-from tiers.stores.remote.engine import (MERGE_BYTES, Engine, EngineConfig, abandoned_batches, abandoned_groups,
-                                        merge_pieces)
-from tiers.stores.remote.loopback import free_ports, pool_config
-from tiers.stores.remote.store import RemoteStore
+from tiers.stores.remote.engine import MERGE_BYTES, abandoned_batches, abandoned_groups, merge_pieces
 from tests.support.nodes import eventually
+from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
 
 PAGE = 64 << 10
 PAGES = 8  # a read of 8 pages of 64 KiB: one transfer when both ends are adjacent
@@ -53,25 +48,11 @@ def test_given_up_transfers_group_pages_so_none_is_held_or_watched_twice():
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("merged")
-    (port,) = free_ports(1)
-    pool = NodeRunner(pool_config([port], capacity="16MiB", block_size="64KiB", max_page_bytes="1MiB"),
-                      str(tmp / "run"), str(tmp / "data"))
-    pool.start()
-    store = host = None
-    try:
-        engine = Engine(EngineConfig(hostname="127.0.0.1"))
-        store = RemoteStore([f"tcp://127.0.0.1:{port}"], engine, max_page_bytes=PAGE, pool_timeout=0.5,
-                            retry_max=0.2, landing_bytes=2 * PAGES * PAGE, landing_chunk=PAGE)
-        host = mmap.mmap(-1, 2 * PAGES * PAGE)
-        view = memoryview(host)
-        store.region_mapped(view)
-        assert eventually(lambda: store._registrations.covers(address_of(view), PAGE), 10)
-        yield pool, store, view
-    finally:
-        if store is not None:
-            store.close()
-        pool.stop()
+    with pool_and_store(tmp_path_factory.mktemp("merged"),
+                        dict(capacity="16MiB", block_size="64KiB", max_page_bytes="1MiB"),
+                        dict(max_page_bytes=PAGE, landing_bytes=2 * PAGES * PAGE, landing_chunk=PAGE),
+                        2 * PAGES * PAGE, PAGE) as made:
+        yield made
 
 
 def page(seed: int) -> bytes:
@@ -87,18 +68,6 @@ def write_batch(store, view, keys, seed):
         slot(view, i)[:] = page(seed + i)
     halves = [[slot(view, i)[:PAGE // 2], slot(view, i)[PAGE // 2:]] for i in range(len(keys))]
     assert store.put_many([("ns", k) for k in keys], halves, [None] * len(keys)) == [None] * len(keys)
-
-
-def freeze_after_locate(store, pid):
-    client = store._pools.clients()[0]
-    original = client.locate
-
-    def locate(*args, **kwargs):
-        grant = original(*args, **kwargs)
-        os.kill(pid, signal.SIGSTOP)
-        client.locate = original
-        return grant
-    client.locate = locate
 
 
 class CountingEngine:
@@ -153,53 +122,29 @@ def test_a_batch_of_small_pages_moves_in_few_transfers_byte_for_byte(node):
 def test_a_merged_read_given_up_holds_every_page_it_carries(node):
     """Held staging (the daemon's leased reads): one transfer carries several pages; given up, every one of
     them stays out of use until the engine reports that transfer ended, and is then given back once."""
-    from tiers.shm.arena import BlockArena
-    from tiers.node.reads import hold_blocks
     pool, store, view = node
     store.direct_reads = False
     keys = [f"held-{i}" for i in range(PAGES)]
     write_batch(store, view, keys, 200)
-    staging = BlockArena(2 * PAGES * PAGE, PAGE, "test-merged-staging", prefault=False)
-    store.region_mapped(staging.view)
-    try:
-        assert eventually(lambda: store._registrations.covers(address_of(staging.view), PAGE), 10)
-        allocs = [staging.take(PAGE) for _ in keys]
-        assert all(a is not None for a in allocs)
-        held = []
-
-        def hold(position):
-            held.append(position)
-            return hold_blocks(staging, allocs[position])
-
-        def read_held(deadline=None):
-            for alloc in allocs:
-                for v in staging.views(alloc):
-                    v[:] = b"\0" * v.nbytes
-            return store.get_many_into_with_sums([("ns", k) for k in keys], [staging.views(a) for a in allocs],
-                                                 deadline, hold)
+    with held_staging(store, 2 * PAGES * PAGE, PAGE, PAGE, keys, "test-merged-staging") as staging:
         with CountingEngine(store.engine) as counting:
-            sums = read_held()
-        assert all(s is not None for s in sums) and held == []
+            sums = staging.read()
+        assert all(s is not None for s in sums) and staging.held == []
         assert len(counting.submitted) < PAGES  # merged: the case this test is about
-        assert [b"".join(bytes(v) for v in staging.views(a)) for a in allocs] == [page(200 + i) for i in range(PAGES)]
+        assert staging.pages() == [page(200 + i) for i in range(PAGES)]
         pid = pool.pid("pool0")
         freeze_after_locate(store, pid)
         try:
-            sums = read_held(deadline=time.time() + 0.6)
+            sums = staging.read(deadline=time.time() + 0.6)
             assert sums == [None] * PAGES, "a frozen pool's pages must miss"
-            assert sorted(held) == list(range(PAGES)), "every page a given-up transfer carries is held, once"
-            for alloc in allocs:  # the engine moved on: the daemon gives the staging back, parked
-                staging.give(alloc)
-            total = staging.size // staging.block_size
-            assert staging.free_blocks() == total - PAGES
+            assert sorted(staging.held) == list(range(PAGES)), "every page a given-up transfer carries is held, once"
+            staging.give_back()  # parked
+            assert staging.arena.free_blocks() == staging.all_blocks() - PAGES
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert eventually(lambda: staging.free_blocks() == total, 15)
-        assert staging.lease_count() == 0
+        assert eventually(lambda: staging.arena.free_blocks() == staging.all_blocks(), 15)
+        assert staging.arena.lease_count() == 0
         assert eventually(lambda: store._abandoned.pending() == 0, 15)
-    finally:
-        store.region_unmapped(staging.view)
-        staging.close()
     # The thawed pool serves the batch again, byte for byte.
     assert eventually(lambda: store.get_many_into([("ns", k) for k in keys],
                                                   [[slot(view, PAGES + i)] for i in range(PAGES)]) == [True] * PAGES,

@@ -11,7 +11,6 @@ and checks the marker: intact with staged reads (the default); with
 overwrite it, and nothing but the marker or the page's bytes is there.  A write given up the
 same way keeps its lease (its blocks reserved) until the transfer ended.
 """
-import mmap
 import os
 import signal
 import time
@@ -22,12 +21,8 @@ import pytest
 # Pools and the Mooncake Store move pages with the Transfer Engine (the remote-cpu extra).
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
-from tiers.ops.node_runner import NodeRunner
-from tiers.shm.buffers import address_of
-from tiers.stores.remote.engine import Engine, EngineConfig
-from tiers.stores.remote.loopback import free_ports, pool_config
-from tiers.stores.remote.store import RemoteStore
 from tests.support.nodes import eventually
+from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
 
 PAGE = 1 << 20
 PAGES = 16  # host pool: pages written from slots 0-7, read into slots 8-15
@@ -40,26 +35,11 @@ def page(seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("safety")
-    (port,) = free_ports(1)
-    pool = NodeRunner(pool_config([port], capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
-                      str(tmp / "run"), str(tmp / "data"))
-    pool.start()
-    store = host = None
-    try:
-        engine = Engine(EngineConfig(hostname="127.0.0.1"))
-        # A small landing area (4 pages) so that a batch of 8 goes in two waves.
-        store = RemoteStore([f"tcp://127.0.0.1:{port}"], engine, max_page_bytes=4 * PAGE, pool_timeout=0.5,
-                            retry_max=0.2, landing_bytes=4 * PAGE)
-        host = mmap.mmap(-1, PAGES * PAGE)
-        view = memoryview(host)
-        store.region_mapped(view)
-        assert eventually(lambda: store._registrations.covers(address_of(view), PAGE), 10)
-        yield pool, store, view
-    finally:
-        if store is not None:
-            store.close()
-        pool.stop()
+    # A small landing area (4 pages) so that a batch of 8 goes in two waves.
+    with pool_and_store(tmp_path_factory.mktemp("safety"),
+                        dict(capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
+                        dict(max_page_bytes=4 * PAGE, landing_bytes=4 * PAGE), PAGES * PAGE, PAGE) as made:
+        yield made
 
 
 def slot(view: memoryview, i: int) -> memoryview:
@@ -94,19 +74,6 @@ def test_reads_return_the_exact_bytes(node, direct):
     assert store.get_bytes(("ns", keys[3])) == page(3)  # a frame read always lands first
     assert store.get_into(("ns", keys[5]), [slot(view, 8)]) and bytes(slot(view, 8)) == page(5)
     assert store.stats().extra["landing_chunks_free"] == store._landing.n_chunks
-
-
-def freeze_after_locate(store, pid):
-    """Freeze the pool right after it answered the next locate: the read's transfer then hangs."""
-    client = store._pools.clients()[0]
-    original = client.locate
-
-    def locate(*args, **kwargs):
-        grant = original(*args, **kwargs)
-        os.kill(pid, signal.SIGSTOP)
-        client.locate = original
-        return grant
-    client.locate = locate
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -195,50 +162,27 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
 def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node):
     """Staging blocks the daemon holds on request (hold_blocks): reads land in them directly, no landing copy;
     a read given up at its deadline holds its blocks out of use until the engine says the transfer ended."""
-    from tiers.shm.arena import BlockArena
-    from tiers.node.reads import hold_blocks
     pool, store, view = node
     store.direct_reads = False
     keys = [f"held-{i}" for i in range(2)]
     write(store, view, keys, [20, 21])
-    staging = BlockArena(4 * PAGE, 256 << 10, "test-staging", prefault=False)
-    store.region_mapped(staging.view)
-    try:
-        assert eventually(lambda: store._registrations.covers(address_of(staging.view), PAGE), 10)
-        allocs = [staging.take(PAGE) for _ in keys]
-        held = []
-
-        def hold(position):
-            held.append(position)
-            return hold_blocks(staging, allocs[position])
-
-        def read_held(deadline=None):
-            for alloc in allocs:
-                for v in staging.views(alloc):
-                    v[:] = b"\0" * v.nbytes
-            return store.get_many_into_with_sums([("ns", k) for k in keys], [staging.views(a) for a in allocs],
-                                                 deadline, hold)
-
+    with held_staging(store, 4 * PAGE, 256 << 10, PAGE, keys, "test-staging") as staging:
         free_before = store.stats().extra["landing_chunks_free"]
-        sums = read_held()
-        assert all(s is not None for s in sums) and held == []
-        assert [b"".join(bytes(v) for v in staging.views(a)) for a in allocs] == [page(20), page(21)]
+        sums = staging.read()
+        assert all(s is not None for s in sums) and staging.held == []
+        assert staging.pages() == [page(20), page(21)]
         assert store.stats().extra["landing_chunks_free"] == free_before  # nothing went through the landing
         pid = pool.pid("pool0")
         freeze_after_locate(store, pid)
         try:
-            sums = read_held(deadline=time.time() + 0.6)
+            sums = staging.read(deadline=time.time() + 0.6)
             assert sums == [None, None], "a frozen pool's pages must miss"
-            assert sorted(held) == [0, 1]
-            for alloc in allocs:  # the engine moved on: the daemon gives the staging back...
-                staging.give(alloc)
-            free = staging.free_blocks()
-            assert free == staging.size // staging.block_size - 2 * (PAGE // staging.block_size)  # ...parked
+            assert sorted(staging.held) == [0, 1]
+            staging.give_back()
+            free = staging.arena.free_blocks()
+            assert free == staging.all_blocks() - 2 * (PAGE // staging.arena.block_size)  # ...parked
         finally:
             os.kill(pid, signal.SIGCONT)
         # Once the engine reports the late transfers ended, the blocks are free again.
-        assert eventually(lambda: staging.free_blocks() == staging.size // staging.block_size, 15)
-        assert staging.lease_count() == 0
-    finally:
-        store.region_unmapped(staging.view)
-        staging.close()
+        assert eventually(lambda: staging.arena.free_blocks() == staging.all_blocks(), 15)
+        assert staging.arena.lease_count() == 0
