@@ -23,7 +23,7 @@ from tests.support.nodes import eventually
 from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
 
 PAGE = 64 << 10
-PAGES = 8  # a read of 8 pages of 64 KiB: one transfer when both ends are adjacent
+PAGES = 8  # a read of 8 pages of 64 KiB: MERGE_BYTES / PAGE pages a transfer when both ends are adjacent
 
 
 def test_adjacent_pieces_merge_up_to_the_limit_and_keep_their_pages():
@@ -79,7 +79,6 @@ class CountingEngine:
 
     def __enter__(self):
         te = self.raw_te
-        self.saved = (te.batch_transfer_async_read, te.batch_transfer_async_write)
 
         def counted(call):
             def submit(segment, local, remote, lengths):
