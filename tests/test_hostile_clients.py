@@ -5,6 +5,7 @@ import mmap
 import os
 import resource
 import socket
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import zmq
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
 from tests.support.nodes import RawPeer, dram_config, eventually, node_toml, nvme_tier, rss_bytes, start_node
+from tests.support.zmtp import RawZmtpPeer
 from tiers.ops.node_runner import NodeRunner
 
 NVME = node_toml(nvme_tier(staging_bytes="16MiB"))
@@ -136,6 +138,68 @@ def test_too_many_bytes_in_flight_get_busy_and_unread_replies_stay_bounded(tmp_p
             other.close()
     finally:
         peer.close()
+        assert runner.stop() == {"dram": 0}
+
+
+def test_frames_of_a_message_never_ended_are_cut_at_the_memory_bound(tmp_path):
+    """Three peers speaking ZMTP themselves each send 1 MiB frames of one message they never end: libzmq holds
+    every frame (the daemon never sees an unfinished message) and grew the daemon 2 GiB in under 5 s before
+    tiers/node/memory_guard.py.  Now each is shut once the daemon passes its bound (its memory at start +
+    max_inflight_bytes + 256 MiB), the memory comes back, and another client's lookups are all served."""
+    config = dram_config(capacity="64MiB", max_page_bytes="8MiB").replace(
+        'max_page_bytes = "8MiB"', 'max_page_bytes = "8MiB"\nmax_inflight_bytes = "32MiB"')
+    runner = start_node(tmp_path, config)
+    endpoint = runner.config.tier("dram").endpoint
+    pid = runner.pid("dram")
+    victim = RawPeer(endpoint)
+    attackers = [RawZmtpPeer(endpoint) for _ in range(3)]
+    try:
+        session = victim.hello()
+        before = rss_bytes(pid)
+        stop = threading.Event()
+        cut = [None] * len(attackers)
+        sent = [0] * len(attackers)
+
+        def flood(i: int) -> None:
+            frame = b"x" * (1 << 20)
+            try:
+                while not stop.is_set():
+                    attackers[i].frame(frame)
+                    sent[i] += 1
+            except OSError as exc:
+                cut[i] = exc
+
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(len(attackers))]
+        for t in threads:
+            t.start()
+        peak, lookups, failed = 0, 0, 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(cut) and peak < 3 << 29:  # 1.5 GiB: it was never cut
+            peak = max(peak, rss_bytes(pid) - before)
+            try:
+                reply, _ = victim.call("lookup", 1000 + lookups, s=session, keys=["k"], timeout=2)
+                failed += not reply["ok"]
+            except TimeoutError:
+                failed += 1
+            lookups += 1
+            time.sleep(0.005)
+        stop.set()
+        for t in threads:
+            t.join(5)
+        settled = eventually(lambda: rss_bytes(pid) - before < 128 << 20 and rss_bytes(pid) - before, within=5)
+        stats = _stats(endpoint)
+        print(f"\n3 peers sent {sum(sent)} MiB of frames of unfinished messages; each shut ({cut}); daemon grew at "
+              f"most {peak >> 20} MiB, {(rss_bytes(pid) - before) >> 20} MiB after; {lookups} lookups of another "
+              f"client, {failed} failed; {stats['connections_shed_for_memory']} shed")
+        assert all(cut), "a peer sending an endless message was never shut"
+        assert peak < 1 << 30, f"the daemon grew {peak >> 20} MiB"
+        assert settled, f"the daemon kept {(rss_bytes(pid) - before) >> 20} MiB"
+        assert failed == 0 and lookups > 10
+        assert stats["connections_shed_for_memory"] >= 3
+    finally:
+        for a in attackers:
+            a.close()
+        victim.close()
         assert runner.stop() == {"dram": 0}
 
 

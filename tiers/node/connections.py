@@ -175,6 +175,30 @@ class ConnectionGuard:
         now = time.perf_counter()
         if now - seen < self.idle_s:
             return False
+        self._shut(fd)
+        self._forget(fd)  # shut, or closed by libzmq already: its place is free
+        self.reclaimed += 1
+        _warn.warning(f"reclaim:{why}", "tier %s shut a connection idle %.0f s to make room (%s)", self.name,
+                      now - seen, why)
+        return True
+
+    def shut_silent(self, seconds: float) -> int:
+        """Shut every kept connection that has completed no message for seconds (tiers/node/memory_guard.py:
+        the daemon holds more memory than it may, and a peer in the middle of a message it never ends is
+        among these); how many."""
+        now = time.perf_counter()
+        silent = []
+        for order in self._by_tenant.values():
+            for fd, seen in order.items():  # least recently in use first
+                if now - seen < seconds:
+                    break
+                silent.append(fd)
+        for fd in silent:
+            self._shut(fd)
+            self._forget(fd)
+        return len(silent)
+
+    def _shut(self, fd: int) -> None:
         conn = self._duplicate(fd)
         if conn is not None:
             try:
@@ -183,11 +207,6 @@ class ConnectionGuard:
                 pass
             finally:
                 conn.close()
-        self._forget(fd)  # shut, or closed by libzmq already: its place is free
-        self.reclaimed += 1
-        _warn.warning(f"reclaim:{why}", "tier %s shut a connection idle %.0f s to make room (%s)", self.name,
-                      now - seen, why)
-        return True
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -32,6 +32,7 @@ from tiers.node.dirty import DirtySet, MODES
 from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.faults import CorruptReads
 from tiers.node.connections import ConnectionGuard
+from tiers.node.memory_guard import MemoryGuard
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.logs import RateLimitedLog
 from tiers.node.metrics import DaemonMetrics
@@ -81,6 +82,7 @@ class TierDaemon:
         self._router: Optional[zmq.Socket] = None
         self._zap: Optional[security.Admission] = None  # CurveZMQ admission on tcp:// endpoints
         self._guard: Optional[ConnectionGuard] = None  # connections a tenant keeps, on ipc:// endpoints
+        self._memory: Optional[MemoryGuard] = None  # its bound on what peers' unfinished messages hold
         self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/node/fds.py)
         # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
         # NVMe or remote page passes through it.
@@ -133,6 +135,11 @@ class TierDaemon:
         if self.endpoint.startswith("ipc://"):  # each tenant's share of the descriptors (tiers/node/connections.py)
             self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
                                           self.name, self.connection_idle_s)
+            # What libzmq holds for messages peers never finish (tiers/node/memory_guard.py).
+            self._memory = MemoryGuard(self.name, self.max_inflight_bytes,
+                                       lambda: int(self.store.stats().extra.get("index_bytes", 0)),
+                                       self._replies.wake)
+            self._memory.start()
         if self._regions is not None:
             self._regions.bind()
         self.ready.set()
@@ -166,6 +173,8 @@ class TierDaemon:
                     self._guard.handle_monitor()
                 if self._replies.wake_fd in events:
                     self._replies.drain_wake()
+                    if self._memory is not None and self._memory.over:
+                        self._memory.shed_with(self._guard.shut_silent)
                 self._replies.send_done()
                 if self._router in events and not self._stopping.is_set():
                     for _ in range(64):  # bounded burst, then look at the rest
@@ -197,6 +206,8 @@ class TierDaemon:
             self._regions.close()
         if self._guard is not None:
             self._guard.close()
+        if self._memory is not None:
+            self._memory.close()
         if self._router is not None:
             self._router.close(linger=1000)  # let the last replies of a graceful stop out
         if self._zap is not None:
@@ -426,4 +437,5 @@ class TierDaemon:
         stats["connections"] = guard.connections if guard is not None else 0
         stats["connections_refused"] = guard.refused if guard is not None else 0
         stats["connections_reclaimed"] = guard.reclaimed if guard is not None else 0
+        stats["connections_shed_for_memory"] = self._memory.shed if self._memory is not None else 0
         return stats

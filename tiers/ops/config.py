@@ -95,7 +95,9 @@ COMMON_TIER_OPTIONS: Dict[str, tuple] = {
                                           "on use); one session may use half, at least 1 GiB (a batch of 128 pages of "
                                           "8 MiB); a batch that finds it full is served in part"),
     "max_region_bytes": (parse_size, "0", "largest host pool an engine may attach; 0: the machine's RAM"),
-    "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get busy"),
+    "max_inflight_bytes": (parse_size, "2GiB", "page bytes in frames a daemon holds in flight; above it requests get "
+                                               "busy (its memory bound allows this much over its start, plus the "
+                                               "index and 256 MiB: past it connections silent for 0.25 s are shut)"),
 }
 
 
