@@ -234,3 +234,35 @@ def test_syscall_filter_keeps_shared_memory_and_fd_passing(tmp_path):
     assert "AF_UNIX" in re.search(r"^RestrictAddressFamilies=(.*)$", unit, re.M).group(1)
     for dangerous in ("PrivateDevices=yes", "MemoryDenyWriteExecute=yes", "PrivateNetwork=yes"):
         assert dangerous not in unit, f"{dangerous} would break RDMA or the remote tier"
+
+
+def test_a_stalled_loop_and_a_watchdog_abort_leave_every_threads_stack_in_the_log(tmp_path):
+    """The daemon's loop blocked (a reload reading a configuration that is a FIFO nobody writes: the open waits
+    forever): once it has not ticked for 2/3 of WatchdogSec the log holds every thread's stack, the loop's
+    inside the reload; unblocked, it serves again.  Then SIGABRT (what systemd's watchdog sends a daemon
+    that stopped pinging it) ends it with the stacks in the log once more."""
+    daemon = DaemonProcess(str(tmp_path), dram_node(), watchdog_usec=1_500_000)  # stall dump after 1 s
+    try:
+        daemon.wait_ready()
+        text = open(daemon.config_path, encoding="utf-8").read()
+        os.unlink(daemon.config_path)
+        os.mkfifo(daemon.config_path)
+        daemon.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "Timeout (" not in daemon.log():
+            time.sleep(0.1)
+        log = daemon.log()
+        assert "Timeout (" in log, log[-2000:]  # faulthandler's dump_traceback_later
+        stall = log[log.index("Timeout ("):]
+        assert "in reload" in stall and "in serve_forever" in stall, stall[:3000]
+        with open(daemon.config_path, "w", encoding="utf-8") as fifo:  # the reload reads it and goes on
+            fifo.write(text)
+        assert ping(daemon.endpoint, 10.0), "the daemon did not serve again after its loop was unblocked"
+        daemon.signal(signal.SIGABRT)
+        assert daemon.proc.wait(15) == -signal.SIGABRT
+        aborted = daemon.log()[len(log):]
+        assert "Fatal Python error: Aborted" in aborted and "in serve_forever" in aborted, aborted[-3000:]
+        print(f"\nstalled loop: {stall.count('Thread 0x')} threads' stacks in the log; abort: "
+              f"{aborted.count('Thread 0x')} threads' stacks")
+    finally:
+        daemon.stop()

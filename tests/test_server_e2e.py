@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -130,8 +131,20 @@ def _interrupt(signum, frame):
 
 @pytest.fixture(autouse=True)
 def _retire_servers_no_later_test_uses(lab, request):
+    failed = request.session.testsfailed
     yield
+    if request.session.testsfailed > failed:  # what the daemons said, where CI shows it
+        for node in lab.nodes:
+            sys.__stderr__.write(f"\n--- {node.runner.log_path}, last lines ---\n{_tail(node.runner.log_path)}\n")
     lab.retire_unused(request.node.originalname)
+
+
+def _tail(path: str, lines: int = 200) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
 
 
 # ---------------------------------------------------------- the hit ladder; two servers on one node

@@ -5,10 +5,18 @@ are bound, WATCHDOG=1 every WatchdogSec/2, RELOADING=1 then READY=1 around a
 SIGHUP reload, STOPPING=1 on the way out.  The first SIGTERM/SIGINT drains
 (stop accepting, finish in-flight requests, flush) and exits 0; a second one
 exits at once with 1.  ``hicache-tiers serve`` (tiers/cli/serve.py) calls these.
+
+A daemon whose loop stops making progress writes every thread's stack to its
+log (stderr: the journal under systemd): when its loop has not ticked for
+two thirds of WatchdogSec (LOOP_STALL_S without systemd's watchdog), and when
+killed by SIGABRT, which is what systemd's watchdog sends a daemon that
+stopped pinging it (WatchdogSec=30s in the units).  A hang is then a stack to
+read, not a silence.
 """
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -22,6 +30,8 @@ import zmq
 from tiers.ops.config import ConfigError, NodeConfig, TierConfig
 
 log = logging.getLogger("hicache.serve")
+
+LOOP_STALL_S = 20.0  # without systemd's watchdog: a loop that has not ticked (every 0.5 s) for this long dumps
 
 # Node keys the running daemon uses: a change needs a restart (log_level applies live).
 RESTART_NODE_KEYS = ("runtime_dir", "data_dir", "max_dirty_pages", "metrics_address")
@@ -65,7 +75,11 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
     last_ping = [0.0]
     status = f"serving {tier.kind} tier {tier.name} on {tier.endpoint}"
 
+    faulthandler.enable()  # SIGABRT (systemd's watchdog), SIGSEGV, SIGBUS: every thread's stack to stderr
+    stall_s = 4 * interval / 3 if interval else LOOP_STALL_S  # interval is half of WatchdogSec
+
     def tick():
+        faulthandler.dump_traceback_later(stall_s)  # re-armed each tick: fires only if the loop stops ticking
         if interval and time.monotonic() - last_ping[0] >= interval:
             sd_notify("WATCHDOG=1")
             last_ping[0] = time.monotonic()
@@ -78,6 +92,7 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
     try:
         daemon.serve_forever(tick=min(0.5, interval) if interval else 0.5, on_tick=tick)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if exporter is not None:
             exporter.close()
         # Sockets still open close at once; the router, closed with a linger, gets its last replies out first.
