@@ -149,3 +149,29 @@ def test_a_lower_tier_frozen_before_its_first_lookup_delays_no_covered_lookup(tm
         thaw(nvme)
         engine.close()
         runner.stop()
+
+
+def test_a_put_on_a_fresh_socket_waits_longer_for_its_connection_than_a_lookup(node):
+    """A thread's first call to a daemon that is slow to take the connection (frozen for 1 s): a lookup gives
+    up after connect_wait, as above; a put (SGLang's backup thread) waits up to half its timeout and stores its
+    pages once the daemon takes the connection (it was refused as "not connected" before, and SGLang does
+    not back a batch up again)."""
+    runner, client = node
+    dram = client("dram", connect_wait=0.3, base=5.0)
+    keys = make_keys(4, salt=7, page_size=16)
+    assert dram.lookup(keys) == b"\x00" * 4  # the session is open before the freeze
+    os.kill(runner.pid("dram"), signal.SIGSTOP)
+    threading.Timer(1.0, thaw, args=(runner.pid("dram"),)).start()
+    seen = {}
+
+    def fresh_thread() -> None:  # its socket is new: the daemon takes the connection once thawed
+        began = time.monotonic()
+        seen["stored"] = dram.put_frames(keys, [[PAGE]] * 4, 4 * len(PAGE))
+        seen["waited"] = time.monotonic() - began
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert seen["stored"] == [True] * 4 and 0.8 <= seen["waited"] < 2.5, seen
+    assert not dram.is_down()
+    assert dram.lookup(keys) == b"\x01" * 4

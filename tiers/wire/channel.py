@@ -115,7 +115,11 @@ class Channel:
         if held is not None and not frames and held.send(sock, header):
             self.refused = False
             return Sent(sock, req_id, now + timeout)
-        sent = Sent(sock, req_id, now + timeout, [header, *frames], now + min(timeout / 2, self.deadlines.connect_wait),
+        # A put (SGLang's backup thread, off every request's path) waits for a fresh socket's connection up to
+        # half its timeout: on the real server a CPU-bound prefill kept the first backup's handshake past
+        # connect_wait, the put was refused as "not connected" and SGLang never backs a batch up again.
+        connect_wait = timeout / 2 if op == "put" else min(timeout / 2, self.deadlines.connect_wait)
+        sent = Sent(sock, req_id, now + timeout, [header, *frames], now + connect_wait,
                     any(getattr(f, "nbytes", 0) >= 65536 for f in frames))
         if self.push(sent):  # a connected socket takes the message at once: no poll on the hot path
             return sent

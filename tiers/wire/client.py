@@ -46,7 +46,8 @@ class Deadlines:
     min_bandwidth: float = 100e6  # bytes/s below which a transfer is given up (a loaded disk does 0.2 GB/s)
     lookup: float = 0.5  # seconds for a lookup
     margin: float = 0.1  # the daemon's deadline is this much earlier than ours
-    connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up
+    connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up; a put
+    # waits half its timeout (tiers/wire/channel.py send)
     backoff_min: float = 0.2
     backoff_max: float = 5.0
     # A daemon that refuses connections (killed, restarting) is tried again at least this often, so
