@@ -136,9 +136,7 @@ class TierDaemon:
             self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
                                           self.name, self.connection_idle_s)
             # What libzmq holds for messages peers never finish (tiers/node/memory_guard.py).
-            self._memory = MemoryGuard(self.name, self.max_inflight_bytes,
-                                       lambda: int(self.store.stats().extra.get("index_bytes", 0)),
-                                       self._replies.wake)
+            self._memory = MemoryGuard(self.name, self.max_inflight_bytes, self.store.index_bytes, self._replies.wake)
             self._memory.start()
         if self._regions is not None:
             self._regions.bind()

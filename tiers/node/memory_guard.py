@@ -11,7 +11,7 @@ kernel kills it.  Nothing in the daemon ever sees those bytes.
 So a thread watches the daemon's anonymous memory (/proc/self/statm: resident
 less shared; the arenas are memfds and count as shared) every CHECK_S.  Past
 the bound (what it held when it started serving, plus the store's own index
-as it reports it, plus max_inflight_bytes and SLACK_BYTES: every
+(PageStore.index_bytes), plus max_inflight_bytes and SLACK_BYTES: every
 legitimate use) it wakes the loop, which shuts each connection that has not
 completed a message for SILENT_S (tiers/node/connections.py ``shut_silent``).
 A connection in the middle of an unfinished message completes none, so it is
@@ -45,7 +45,7 @@ _warn = RateLimitedLog(log)
 CHECK_S = 0.02  # an ipc peer sends ~2-5 GB/s: what the bound can be passed by before the loop hears of it
 SILENT_S = 0.25  # a connection shut for memory has completed no message for this long
 SLACK_BYTES = 256 << 20  # the Python heap, replies being built, sessions: growth no peer is answerable for
-STORE_EVERY_S = 1.0  # how often the store's own index size is asked (its stats take its lock)
+STORE_EVERY_S = 1.0  # how often the store's own index size is asked (it takes the store's lock)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -72,13 +72,12 @@ class MemoryGuard:
                  wake: Callable[[], None]):
         self.name = name
         self.allowance = max_inflight_bytes + SLACK_BYTES
-        self._store_bytes = store_bytes  # the store's index in RAM, as its stats report it (0 if they do not)
+        self._store_bytes = store_bytes  # the store's index in RAM (PageStore.index_bytes)
         self._wake = wake
         self._trim = _malloc_trim()
-        self.baseline = anonymous_bytes()
+        self.baseline = 0  # taken by start
         self.over = False  # set by the thread, read and cleared by the loop
         self.shed = 0  # connections shut for memory
-        self.peak = 0  # the most anonymous memory seen over the baseline
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -99,10 +98,9 @@ class MemoryGuard:
                 asked = now
                 try:
                     store_bytes = self._store_bytes()
-                except Exception:  # a store's stats failing must not end the watch
-                    log.exception("%s: store stats for the memory bound failed", self.name)
+                except Exception:  # a store failing to say must not end the watch
+                    log.exception("%s: the store's index size for the memory bound failed", self.name)
             held = anonymous_bytes()
-            self.peak = max(self.peak, held - self.baseline)
             if held > self.bound(store_bytes):
                 if not self.over:
                     self.over = True

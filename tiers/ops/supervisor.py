@@ -7,8 +7,8 @@ SIGHUP reload, STOPPING=1 on the way out.  The first SIGTERM/SIGINT drains
 exits at once with 1.  ``hicache-tiers serve`` (tiers/cli/serve.py) calls these.
 
 A daemon whose loop stops making progress writes every thread's stack to its
-log (stderr: the journal under systemd): when its loop has not ticked for
-two thirds of WatchdogSec (LOOP_STALL_S without systemd's watchdog), and when
+log (stderr: the journal under systemd): when its loop has not ticked for at
+most two thirds of WatchdogSec (LOOP_STALL_S without systemd's watchdog), and when
 killed by SIGABRT, which is what systemd's watchdog sends a daemon that
 stopped pinging it (WatchdogSec=30s in the units).  A hang is then a stack to
 read, not a silence.
@@ -77,9 +77,14 @@ def serve_one(config: NodeConfig, tier_name: str, reload_config: Optional[Callab
 
     faulthandler.enable()  # SIGABRT (systemd's watchdog), SIGSEGV, SIGBUS: every thread's stack to stderr
     stall_s = 4 * interval / 3 if interval else LOOP_STALL_S  # interval is half of WatchdogSec
+    armed = [-stall_s]
 
     def tick():
-        faulthandler.dump_traceback_later(stall_s)  # re-armed each tick: fires only if the loop stops ticking
+        # Re-armed a few times a stall window, not every tick: each arming starts faulthandler's timer thread
+        # and joins the last one, on the loop.  A stall is reported after 3/4 to all of stall_s.
+        if time.monotonic() - armed[0] >= stall_s / 4:
+            faulthandler.dump_traceback_later(stall_s)
+            armed[0] = time.monotonic()
         if interval and time.monotonic() - last_ping[0] >= interval:
             sd_notify("WATCHDOG=1")
             last_ping[0] = time.monotonic()

@@ -211,6 +211,11 @@ class PageStore(ABC):
         each hello of a configured tenant (tiers/node/tenants.py); a namespace never assigned is a tenant of
         its own. Stores without a fair share ignore it."""
 
+    def index_bytes(self) -> int:
+        """Bytes of RAM the store's index of pages takes outside any arena, growing with the pages it holds
+        (what the daemon's memory bound allows for it: tiers/node/memory_guard.py). 0: nothing worth counting."""
+        return 0
+
     def prune(self) -> int:
         """Forget per-namespace state of namespaces that hold nothing; how many. Called by the daemon between
         requests (each tick). Stores that keep none return 0."""

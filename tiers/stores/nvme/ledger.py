@@ -352,6 +352,11 @@ class Ledger:
                 self.extra["read_errors"] += 1
         return False
 
+    def index_bytes(self) -> int:
+        """The native index's rows and slots (tiers/stores/page_index.py)."""
+        with self.lock:
+            return self.index.nbytes()
+
     def snapshot(self) -> StoreStats:
         with self.lock:
             snap = StoreStats(**{k: v for k, v in self.stats.__dict__.items() if k != "extra"})

@@ -281,6 +281,9 @@ class NvmeStore(PageStore):
         at once (tiers/stores/nvme/batch_reads.py)."""
         return self._reads.get_many(keys, pages, deadline)
 
+    def index_bytes(self) -> int:
+        return self._ledger.index_bytes()
+
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
         snap.extra.update(direct_io=float(self._direct), direct_writes=float(self._direct and self._direct_writes),
