@@ -213,6 +213,7 @@ class TierRouter:
         while asks:
             served: Dict[int, List[bool]] = {}
             took: Dict[int, float] = {}
+            given_up = {tier: self.clients[tier].calls_given_up() for tier in asks}
             began = time.perf_counter()
             fan = FanOut()
             for tier, idx in sorted(asks.items()):
@@ -226,7 +227,7 @@ class TierRouter:
             for tier, idx in sorted(asks.items()):
                 flags = served[tier]
                 if self.break_even is not None:  # each tier's read speed, kept current for the break-even rule
-                    self.break_even.speeds.observe(tier, int(sum(flags) * page_bytes), took[tier])
+                    self._observe(tier, flags, page_bytes, took[tier], given_up[tier])
                 missed = []
                 for i, ok in zip(idx, flags):
                     if not ok:
@@ -242,6 +243,16 @@ class TierRouter:
             self._promote(batch.subset(sorted(below)), [sums[i] for i in sorted(below)])
         return found
 
+    def _observe(self, tier: int, found: List[bool], page_bytes: float, seconds: float, given_up: int) -> None:
+        """One read's speed for the break-even rule: the pages it found over the time it took.  A read that got
+        no reply in time found none, yet it is the slowest read of all: the tier moved the bytes asked for no
+        faster than that (a miss, answered, measures nothing).  Counted, a tier whose reads time out stops
+        giving hits once its probe finds it up again, instead of costing every prefetch its deadline."""
+        nbytes = int(sum(found) * page_bytes)
+        if not nbytes and self.clients[tier].calls_given_up() > given_up:
+            nbytes = int(len(found) * page_bytes)
+        self.break_even.speeds.observe(tier, nbytes, seconds)
+
     def _walk(self, idx: List[int], fetch: Callable[[TierClient, List[int]], List[bool]],
               first: int = 0, page_bytes: float = 0) -> List[Tuple[int, int]]:
         """Ask tier first for pages idx, the next for what it missed, ...; (page, tier depth) of each hit."""
@@ -250,10 +261,11 @@ class TierRouter:
         for depth in range(first, len(self.clients)):
             if not missing:
                 break
+            given_up = self.clients[depth].calls_given_up()
             began = time.perf_counter()
             got = fetch(self.clients[depth], missing)
             if self.break_even is not None:  # each tier's read speed, kept current for the break-even rule
-                self.break_even.speeds.observe(depth, int(sum(got) * page_bytes), time.perf_counter() - began)
+                self._observe(depth, got, page_bytes, time.perf_counter() - began, given_up)
             hits += [(i, depth) for i, ok in zip(missing, got) if ok]
             missing = [i for i, ok in zip(missing, got) if not ok]
         return hits

@@ -117,3 +117,43 @@ def test_a_tier_that_reads_slower_than_recompute_stops_giving_hits_until_it_is_f
         thaw(runner.pid("nvme"))
         engine.close()
         runner.stop()
+
+
+def test_a_read_that_gets_no_reply_in_time_counts_as_slow_once_the_tier_answers_again(tmp_path):
+    """A tier frozen past a read's deadline: the read finds nothing, yet it measured the tier (no faster than
+    the bytes asked for over the deadline).  When the tier's probe finds it up again, its pages are not hits
+    until that speed goes stale: each prefetch would otherwise wait out the deadline once more."""
+    import os
+    import signal
+    import threading
+
+    from tests.support.backend_env import Engine, make_keys
+    from tests.support.nodes import eventually, node_toml, nvme_tier, start_node, thaw
+
+    runner = start_node(tmp_path / "node", node_toml(nvme_tier(fsync=False)))
+    # 32 KiB pages of 16 tokens, 3.2 ms to recompute each; 1 MiB not read in 0.3 s is 30x slower.
+    engine = Engine(runner, model="late", pages=64, promote=False, recompute_us_per_token=200,
+                    read_speed_stale_s=3.0, deadline_base_s=0.3)
+    nvme = runner.pid("nvme")
+    try:
+        keys = make_keys(32, salt=11, page_size=16)
+        written, sums = engine.write(keys, 0, seed=5)
+        assert written == 32
+        assert engine.driver.exists(keys) == 32
+
+        os.kill(nvme, signal.SIGSTOP)
+        threading.Timer(1.0, thaw, args=(nvme,)).start()
+        done, _ = engine.read(keys, 32)
+        assert done == 0, "a frozen tier's read was served"
+        assert eventually(lambda: engine.backend.tier_stats()["nvme"] is not None, 5), "the tier never came back"
+        assert engine.driver.exists(keys) == 0, "the pages of a tier whose read timed out were reported as hits"
+        assert engine.backend.router_stats()["unpaid_pages"] == 32
+
+        # The timed-out read's speed goes stale: the pages count again and read back whole.
+        assert eventually(lambda: engine.driver.exists(keys) == 32, 6)
+        done, got = engine.read(keys, 32)
+        assert done == 32 and got == sums
+    finally:
+        thaw(nvme)
+        engine.close()
+        runner.stop()

@@ -138,6 +138,10 @@ class Channel:
         self.refused = False
         return True
 
+    def given_up_here(self) -> int:
+        """How many calls this thread gave up on (no reply in time): a caller tells a slow tier from a miss."""
+        return getattr(self._local, "given_up", 0)
+
     def refuse(self) -> None:
         """This thread's socket did not connect in time: the daemon is not listening."""
         self.reset_socket()
@@ -147,4 +151,5 @@ class Channel:
     def give_up(self, op: str) -> None:
         """A call on this thread's socket got no reply in time: drop the late reply and anything queued."""
         self.reset_socket()
+        self._local.given_up = self.given_up_here() + 1
         self._on_lost(f"{op} got no reply in time")

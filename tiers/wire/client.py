@@ -145,6 +145,10 @@ class TierClient:
     def is_down(self) -> bool:
         return self._down
 
+    def calls_given_up(self) -> int:
+        """Calls of this thread that got no reply in time, since its first: a read that ends in one was slow."""
+        return self._channel.given_up_here()
+
     def _hello_locked(self) -> bool:
         fields = {"ns": self.namespace, "client": self.client_name}
         held = self._channel.held_wait("hello", fields)
