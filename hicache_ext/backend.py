@@ -135,6 +135,7 @@ class TieredHiCacheStorage(HiCacheStorage):
                                self.settings.recompute_growth_us_per_ki_token)
         router = TierRouter(clients, self.write_policy, promote=self.settings.promote,
                             selective_min_reads=self.settings.selective_min_reads,
+                            promote_min_reads=self.settings.promote_min_reads,
                             promote_max_bytes=self.settings.promote_max_mib << 20, break_even=break_even,
                             checksums=self.settings.page_checksums, sealer=sealer,
                             sealed_staging_bytes=self.settings.sealed_staging_mib << 20)

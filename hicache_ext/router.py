@@ -32,6 +32,7 @@ from tiers.wire.client import TierClient
 from tiers.wire.fanout import Call, FanOut
 from tiers.wire.lookup import merge_held, per_tier_held
 from tiers.logs import RateLimitedLog
+from tiers.policies.admission import ReadAdmission
 
 log = logging.getLogger("hicache.backend")
 _warn = RateLimitedLog(log)
@@ -41,7 +42,8 @@ class TierRouter:
     def __init__(self, clients: List[TierClient], write_policy: str = "write_through", promote: bool = True,
                  selective_min_reads: int = 2, promote_max_bytes: int = 256 << 20,
                  break_even: Optional[BreakEven] = None, checksums: bool = True,
-                 sealer: Optional[PageSealer] = None, sealed_staging_bytes: int = 128 << 20):
+                 sealer: Optional[PageSealer] = None, sealed_staging_bytes: int = 128 << 20,
+                 promote_min_reads: int = 1):
         if not clients:
             raise ValueError("the tier chain is empty")
         self.clients = clients
@@ -49,6 +51,7 @@ class TierRouter:
         self.unpaid_pages = 0  # held pages a lookup did not report: slower to read than to recompute
         self.write_policy = write_policy
         self.promote = promote
+        self.admission = ReadAdmission(promote_min_reads)  # which pages read from below are promoted
         self.selective_min_reads = selective_min_reads
         self.hints = LookupHints(len(clients))
         self.promoter = Promoter(promote_max_bytes)
@@ -240,7 +243,10 @@ class TierRouter:
                     following.setdefault(tier + 1, []).extend(missed)
             asks = {tier: sorted(idx) for tier, idx in following.items()}
         if below and self.promote and not self.clients[0].is_down():
-            self._promote(batch.subset(sorted(below)), [sums[i] for i in sorted(below)])
+            below.sort()
+            chosen = [i for i, ok in zip(below, self.admission.admit([batch.keys[i] for i in below])) if ok]
+            if chosen:
+                self._promote(batch.subset(chosen), [sums[i] for i in chosen])
         return found
 
     def _observe(self, tier: int, found: List[bool], page_bytes: float, seconds: float, given_up: int) -> None:
@@ -303,6 +309,7 @@ class TierRouter:
     def counters(self) -> dict:
         """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
         return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages,
+                "promotions_not_admitted": self.admission.not_admitted,
                 "sealed_refused": self.sealed.sealer.refused if self.sealed is not None else 0}
 
     def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int],

@@ -38,6 +38,8 @@ SETTINGS_HELP = {
                      "probe one call in 32",
     "promote": "copy pages served by a lower tier into the top tier (after the read returned)",
     "promote_max_mib": "MiB of page copies waiting to be promoted; promotions past it are dropped and counted",
+    "promote_min_reads": "reads of a page from a lower tier before it is promoted into the top tier (2: on its "
+                         "second, one-hit wonders never are; 1: on every read)",
     "selective_min_reads": "selective policy: reads before a page is written below",
     "recompute_us_per_token": "prefill microseconds of one token on this server (hicache-tiers bench --only ttft "
                               "measures it); above 0, a lookup reports only the leading pages whose read, at each "
@@ -70,6 +72,7 @@ class BackendSettings:
     reply_spin_us: float = DEFAULT_REPLY_SPIN_S * 1e6  # tiers/wire/held_wait.py; at most 5,000 (CPython's switch interval)
     promote: bool = True  # copy pages read from a lower tier into the top tier
     promote_max_mib: int = 256  # copies waiting for the top tier; past it a promotion is dropped (counted)
+    promote_min_reads: int = 2  # tiers/policies/admission.py: promoted on the second read from below
     selective_min_reads: int = 2  # selective: reads before a page is written below
     recompute_us_per_token: float = 0.0  # the break-even rule (hicache_ext/break_even.py); 0: off
     recompute_growth_us_per_ki_token: float = 0.0
@@ -129,9 +132,10 @@ class BackendSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"extra-config {name} must be a number >= 0, got {value!r}")
-        if isinstance(self.selective_min_reads, bool) or not isinstance(self.selective_min_reads, int) \
-                or self.selective_min_reads < 1:
-            raise ValueError(f"extra-config selective_min_reads must be an integer >= 1, got {self.selective_min_reads!r}")
+        for name in ("selective_min_reads", "promote_min_reads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"extra-config {name} must be an integer >= 1, got {value!r}")
 
 
 def _nearest(key: str, known) -> str:

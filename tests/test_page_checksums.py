@@ -136,7 +136,7 @@ def write_past_dram(engine, keys):
 
 def test_write_back_demotion_and_promotion_keep_each_pages_checksum(make_node):
     runner = make_node(chain())
-    engine = Engine(runner, write_policy="write_back", model="wb-clean")
+    engine = Engine(runner, write_policy="write_back", model="wb-clean", promote_min_reads=1)
     try:
         keys = make_keys(12, salt=4, page_size=16)
         sums = write_past_dram(engine, keys)
@@ -152,7 +152,7 @@ def test_write_back_demotion_and_promotion_keep_each_pages_checksum(make_node):
 
 def test_write_back_pages_damaged_below_are_misses(make_node):
     runner = make_node(chain(), corrupt={"nvme": "2"})
-    engine = Engine(runner, write_policy="write_back", model="wb-bad")
+    engine = Engine(runner, write_policy="write_back", model="wb-bad", promote_min_reads=1)
     try:
         keys = make_keys(12, salt=5, page_size=16)
         sums = write_past_dram(engine, keys)
@@ -192,7 +192,7 @@ def test_a_page_damaged_in_dram_is_never_demoted(make_node):
 def test_a_page_damaged_in_dram_is_read_from_the_tier_below(make_node):
     """write_through: DRAM's damaged copy is a miss there, so the router reads NVMe's, and promotes it back."""
     runner = make_node(chain("write_through"), corrupt={"dram": "1"})
-    engine = Engine(runner, write_policy="write_through", model="wt-heal")
+    engine = Engine(runner, write_policy="write_through", model="wt-heal", promote_min_reads=1)
     try:
         keys = make_keys(3, salt=6, page_size=16)
         written, sums = engine.write(keys, 0, seed=6)

@@ -78,7 +78,7 @@ def _only_nvme_holds_six_pages(runner, engine, salt: int, seed: int):
 def test_a_read_asks_only_the_tier_the_lookup_named_and_promotes_afterwards(tmp_path):
     config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
     runner = start_node(tmp_path / "node", config)
-    engine = Engine(runner, model="plan", pages=16, deadline_base_s=2.0)
+    engine = Engine(runner, model="plan", pages=16, deadline_base_s=2.0, promote_min_reads=1)
     try:
         keys, sums = _only_nvme_holds_six_pages(runner, engine, salt=5, seed=3)
         dram = runner.pid("dram")
@@ -116,7 +116,7 @@ def test_a_promotion_copied_after_the_engine_reused_its_slots_is_refused_not_sto
     from hicache_ext.lab.sglang_harness import fill_pages
     config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
     runner = start_node(tmp_path / "node", config)
-    engine = Engine(runner, model="checked", pages=16, deadline_base_s=5.0)
+    engine = Engine(runner, model="checked", pages=16, deadline_base_s=5.0, promote_min_reads=1)
     try:
         keys, sums = _only_nvme_holds_six_pages(runner, engine, salt=9, seed=4)
         dram = runner.pid("dram")
@@ -150,6 +150,64 @@ def test_a_promotion_copied_after_the_engine_reused_its_slots_is_refused_not_sto
         assert engine.driver.exists(keys) == 6
         done, got = engine.read(keys, 0)
         assert done == 6 and got == sums
+    finally:
+        engine.close()
+        runner.stop()
+
+
+def test_a_page_is_admitted_to_the_top_tier_on_its_min_reads_th_read_from_below():
+    from tiers.policies.admission import ReadAdmission
+    every = ReadAdmission(1)
+    assert every.admit(["a", "a", "b"]) == [True, True, True] and len(every) == 0  # remembers nothing
+    second = ReadAdmission(2)
+    assert second.admit(["a", "b"]) == [False, False]
+    assert second.admit(["b", "c"]) == [True, False]
+    assert second.admit(["b"]) == [True]  # read from below again after its promotion: promoted again
+    assert second.not_admitted == 3
+    third = ReadAdmission(3)
+    assert [third.admit(["x"])[0] for _ in range(4)] == [False, False, True, True]
+
+
+def test_read_counts_are_bounded_and_the_least_recently_read_are_forgotten():
+    import pytest
+
+    from tiers.policies.admission import ReadAdmission
+    bounded = ReadAdmission(2, remember=3)
+    bounded.admit(["a", "b", "c"])
+    bounded.admit(["a"])  # a promoted; read last, it is the most recent
+    bounded.admit(["d", "e"])  # past 3 remembered: b and c, the least recently read, go
+    assert len(bounded) == 3
+    assert bounded.admit(["b", "a"]) == [False, True]  # b counts as read for the first time
+    big = ReadAdmission(2, remember=1000)
+    big.admit(f"k{i}" for i in range(10_000))
+    assert len(big) == 1000
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            ReadAdmission(bad)
+
+
+def test_a_page_read_from_below_once_is_not_promoted_and_its_second_read_promotes_it(tmp_path):
+    """The default promote_min_reads = 2 on the real chain: the first read from NVMe leaves DRAM as it was
+    (counted as not admitted), the second promotes every page, and DRAM then serves the exact bytes."""
+    config = node_toml(dram_tier("8MiB"), nvme_tier(fsync=False), write_policy="write_through")
+    runner = start_node(tmp_path / "node", config)
+    engine = Engine(runner, model="second", pages=16)
+    try:
+        keys, sums = _only_nvme_holds_six_pages(runner, engine, salt=13, seed=6)
+        assert engine.read(keys, 8) == (6, sums)
+        stats = engine.backend.router_stats()
+        assert stats["promotions_not_admitted"] == 6 and stats["promotions_queued"] == 0, stats
+        time.sleep(0.3)  # past a promotion's start (20 ms after its read): none was sent
+        assert engine.backend.tier_stats()["dram"]["pages"] == 0
+
+        assert engine.driver.exists(keys) == 6
+        assert engine.read(keys, 8) == (6, sums)
+        assert eventually(lambda: engine.backend.router_stats()["promotions_done"] == 6, 10)
+        assert engine.backend.router_stats()["promotions_not_admitted"] == 6
+        assert eventually(lambda: engine.backend.tier_stats()["dram"]["pages"] == 6, 10)
+        runner.kill("nvme")  # only DRAM can serve them now: the exact bytes written
+        assert engine.driver.exists(keys) == 6
+        assert engine.read(keys, 0) == (6, sums)
     finally:
         engine.close()
         runner.stop()

@@ -211,7 +211,8 @@ def _restart_node(node: Node) -> None:
 
 def test_node_daemons_restart_between_requests(lab):
     """Stop every daemon and start them again: DRAM comes back empty, NVMe reloads its index from disk,
-    and the prompt is still an L3 hit with its cold tokens, served by NVMe (then promoted into DRAM).
+    and the prompt is still an L3 hit with its cold tokens, served by NVMe; read from NVMe a second time,
+    it is promoted into DRAM (promote_min_reads = 2: a page read from below once is not).
 
     The first request after a restart may miss: the backend reconnects to each daemon inside that
     request's lookup (a new session, the host pool registered again, the arena mapped again, one tier
@@ -234,7 +235,11 @@ def test_node_daemons_restart_between_requests(lab):
     nvme_hits = n1.hits("nvme", ns)
     storage_hit(a, ids, refs[tuple(ids)])
     assert n1.hits("nvme", ns) - nvme_hits >= len(keys)  # served by NVMe
-    n1.wait_held(ns, keys, ["dram"])  # and promoted into the top tier after the read
+    time.sleep(0.5)  # well past a promotion's start (20 ms after its read)
+    assert n1.count("dram", ns, keys) == 0  # read from below once: not promoted
+    storage_hit(a, ids, refs[tuple(ids)])
+    assert n1.hits("nvme", ns) - nvme_hits >= 2 * len(keys)  # from NVMe again
+    n1.wait_held(ns, keys, ["dram"])  # and promoted into the top tier after this second read
     assert a.alive()
 
 

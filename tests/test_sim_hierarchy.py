@@ -126,7 +126,7 @@ def test_levels_sum_and_lost_reasons_on_a_real_shaped_trace():
 
 
 def test_chain_write_back_demotes_and_promotes():
-    tiers = NodeTiers([TierSpec("dram", 2), TierSpec("nvme", 10)], write_policy="write_back")
+    tiers = NodeTiers([TierSpec("dram", 2), TierSpec("nvme", 10)], write_policy="write_back", promote_min_reads=1)
     tiers.write([1, 2, 3], [None, 1, 2])
     assert tiers.depth(1) == 1 and tiers.depth(3) == 0 and tiers.demoted == 1
     assert tiers.read([1], [None]) == [1]
@@ -234,3 +234,12 @@ def test_a_policy_per_tier_kind(tmp_path):
     except SystemExit as exc:
         code = exc.code
     assert code == 2
+
+
+def test_chain_promotes_a_page_on_its_second_read_from_below_by_default():
+    tiers = NodeTiers([TierSpec("dram", 4), TierSpec("nvme", 10)], write_policy="write_back")
+    tiers.write([1, 2, 3, 4, 5, 6], [None, 1, 2, 3, 4, 5])  # 1 and 2 demoted to NVMe
+    assert tiers.depth(1) == 1
+    assert tiers.read([1], [None]) == [1] and tiers.promoted == 0 and tiers.depth(1) == 1  # once: stays below
+    assert tiers.read([1], [None]) == [1] and tiers.promoted == 1 and tiers.depth(1) == 0  # twice: promoted
+    assert tiers.counters()["not_promoted"] == 1

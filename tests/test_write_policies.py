@@ -82,7 +82,7 @@ def test_write_through_stores_every_tier_at_once(make_node):
 
 def test_write_through_survives_the_loss_of_the_dram_tier(make_node):
     runner = make_node(dram_pages=64)
-    engine = Engine(runner, write_policy="write_through", model="wt")
+    engine = Engine(runner, write_policy="write_through", model="wt", promote_min_reads=1)
     try:
         keys = make_keys(6, salt=1, page_size=16)
         written, sums = engine.write(keys, 0, seed=1)

@@ -106,6 +106,9 @@ def register(subparsers) -> None:
     p.add_argument("--tier-write-policy", choices=ROUTER_WRITE_POLICIES, default="write_back",
                    help="the backend's write policy across the tiers (default: %(default)s)")
     p.add_argument("--no-promote", action="store_true", help="do not copy pages read from a lower tier to the top")
+    p.add_argument("--promote-min-reads", type=positive_int, default=2, metavar="N",
+                   help="reads of a page from a lower tier before it is copied to the top, as the backend's "
+                        "promote_min_reads (default: %(default)s; 1: on every read)")
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b", help="model preset (default: %(default)s)")
     p.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="h100-sxm",
                    help="GPU preset: dense BF16 TFLOPs and host-to-GPU GB/s with sources (default: %(default)s)")
@@ -174,7 +177,8 @@ def _setup(args, bench, profile=None):
                  compute_s=args.compute_us_per_token * 1e-6 if args.compute_us_per_token else None,
                  device_gb=args.device_gb, hicache_ratio=args.hicache_ratio, host_gb=args.hicache_size,
                  flags=flags, tier_policy=args.policy[0], tier_policies=args.policy[1],
-                 tier_write_policy=args.tier_write_policy, promote=not args.no_promote, queue=args.queue,
+                 tier_write_policy=args.tier_write_policy, promote=not args.no_promote,
+                 promote_min_reads=args.promote_min_reads, queue=args.queue,
                  time_scale=args.time_scale, costs=args.cost, profile=profile)
 
 

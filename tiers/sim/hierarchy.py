@@ -84,6 +84,7 @@ class NodeSettings:
     write_policy: str = "write_through"
     promote: bool = True
     min_reads: int = 2
+    promote_min_reads: int = 2  # reads from below before a page is promoted (tiers/policies/admission.py)
 
 
 @dataclass
@@ -140,7 +141,7 @@ class _Run:
     def __init__(self, trace, engine, node, time, queue, time_scale, record_ops):
         self.trace, self.engine, self.time = trace, engine, time
         self.queue, self.time_scale = queue, time_scale
-        self.tiers = NodeTiers(node.tiers, node.write_policy, node.promote, node.min_reads)
+        self.tiers = NodeTiers(node.tiers, node.write_policy, node.promote, node.min_reads, node.promote_min_reads)
         self.tree = BlockRadixTree(engine.device_tokens, engine.host_tokens, engine.flags.write_policy,
                                    on_backup=self._backed_up)
         self.ops: Optional[list] = [] if record_ops else None
@@ -345,8 +346,9 @@ def admission(flags: SGLangFlags, poll: float, done: float, requested_tok: int) 
 
 
 def node_settings(tiers: Sequence[TierSpec], write_policy: str = "write_through", promote: bool = True,
-                  min_reads: int = 2) -> NodeSettings:
+                  min_reads: int = 2, promote_min_reads: int = 2) -> NodeSettings:
     """NodeSettings from a list of TierSpec (a tuple kept, so settings hash and compare)."""
-    return NodeSettings(tiers=tuple(tiers), write_policy=write_policy, promote=promote, min_reads=min_reads)
+    return NodeSettings(tiers=tuple(tiers), write_policy=write_policy, promote=promote, min_reads=min_reads,
+                        promote_min_reads=promote_min_reads)
 
 

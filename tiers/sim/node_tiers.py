@@ -6,7 +6,9 @@ included), kept the way tiers/stores/dram.py keeps it:
 - a lookup touches nothing (SGLang's ``batch_exists``);
 - a read touches the page in the fastest tier holding it (the daemon's get);
   with ``promote`` a page found below the top tier is put into the top tier
-  afterwards (hicache_ext/router.py ``_promote``), as a clean copy;
+  afterwards (hicache_ext/router.py ``_promote``), as a clean copy, once it
+  was read from below ``promote_min_reads`` times (tiers/policies/admission.py,
+  the router's own rule);
 - a put evicts one victim while the tier is full (tiers/node/transfers.py
   reserves without eviction while blocks are free and commits those first),
   then replaces a held copy (removed, inserted anew: an overwrite is not a touch).
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from tiers.plugins import make_policy
+from tiers.policies.admission import ReadAdmission
 
 ROUTER_WRITE_POLICIES = ("write_through", "write_back", "selective")
 
@@ -87,13 +90,14 @@ class NodeTiers:
     """The chain, fastest first, and the router's write policy."""
 
     def __init__(self, specs: Sequence[TierSpec], write_policy: str = "write_through", promote: bool = True,
-                 min_reads: int = 2):
+                 min_reads: int = 2, promote_min_reads: int = 2):
         if write_policy not in ROUTER_WRITE_POLICIES:
             raise ValueError(f"unknown tier write policy {write_policy!r}; "
                              f"choose one of {', '.join(ROUTER_WRITE_POLICIES)}")
         self.tiers = [SimTier(s) for s in specs if s.blocks > 0]
         self.write_policy = write_policy
         self.promote = promote
+        self.admission = ReadAdmission(promote_min_reads)
         self.min_reads = min_reads
         self.demoted = 0
         self.dropped = 0
@@ -126,10 +130,12 @@ class NodeTiers:
                 self.tiers[d].touch(block)
                 if d > 0:
                     below.append((block, parent))
-        if self.promote and self.tiers:
-            for block, parent in below:  # after the read returned, as the router's Promoter does
-                self.promoted += 1
-                self._store(0, block, parent, clean=True)
+        if self.promote and self.tiers and below:
+            admitted = self.admission.admit([block for block, _parent in below])
+            for (block, parent), ok in zip(below, admitted):  # after the read returned, as the router's Promoter
+                if ok:
+                    self.promoted += 1
+                    self._store(0, block, parent, clean=True)
         return depths
 
     def write(self, blocks: Sequence[int], parents: Sequence[Optional[int]]) -> None:
@@ -161,4 +167,5 @@ class NodeTiers:
         """Per tier hits, inserts, evictions; chain demotions, drops and promotions."""
         return {"tiers": [{"kind": t.spec.kind, "hits": t.hits, "inserts": t.inserts, "evictions": t.evictions,
                            "held": len(t)} for t in self.tiers],
-                "demoted": self.demoted, "dropped": self.dropped, "promoted": self.promoted}
+                "demoted": self.demoted, "dropped": self.dropped, "promoted": self.promoted,
+                "not_promoted": self.admission.not_admitted}

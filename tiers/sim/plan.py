@@ -64,6 +64,7 @@ class Setup:
     tier_policies: Tuple[Tuple[str, str], ...] = ()  # (kind, policy) overrides, e.g. (("dram", "s3fifo"),)
     tier_write_policy: str = "write_back"
     promote: bool = True
+    promote_min_reads: int = 2  # reads from below before a page is promoted (the backend's setting)
     queue: bool = False
     time_scale: float = 1.0
     costs: Dict[str, float] = field(default_factory=lambda: dict(DEFAULT_COSTS))
@@ -89,7 +90,7 @@ class Setup:
         block_bytes = self.shape.kv_bytes_per_token * block_tokens
         specs = [TierSpec(kind, int(gb * 1e9 // block_bytes), self.policy_of(kind)) for kind, gb in point.tiers()]
         return NodeSettings(tiers=tuple(s for s in specs if s.blocks > 0), write_policy=self.tier_write_policy,
-                            promote=self.promote)
+                            promote=self.promote, promote_min_reads=self.promote_min_reads)
 
     def policy_of(self, kind: str) -> str:
         """The eviction policy of the tier of kind."""
