@@ -206,3 +206,28 @@ def test_namespaces_that_hold_nothing_are_forgotten():
     assert 0 < stats.pages <= 64 and stats.extra["namespaces"] == stats.pages, (stats.pages, stats.extra)
     assert took < 0.05, took
     store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_the_index_size_the_memory_guard_allows_for_covers_what_the_pages_cost(policy):
+    """index_bytes() (what the daemon's memory bound adds for the store's index) is at least the anonymous
+    memory the held pages really take, keys and parents as SGLang sends them: a bound that left them out
+    shut idle engines' connections once a tier held a million pages."""
+    import gc
+
+    from tiers.node.memory_guard import anonymous_bytes
+    pages = 50_000
+    store = DramStore(capacity=pages * 4096 + (16 << 20), policy=policy, block_size=4096)
+    try:
+        page = [memoryview(bytes(4096))]
+        gc.collect()
+        before, counted = anonymous_bytes(), store.index_bytes()
+        for i in range(pages):
+            store.put_with_sum(("ns", f"{i:064x}"), page, f"{i - 1:064x}" if i else None, i + 1)
+        gc.collect()
+        grew = anonymous_bytes() - before
+        assert grew > 0
+        assert store.index_bytes() - counted >= grew, (store.index_bytes() - counted, grew)
+        assert store.index_bytes() - counted < 2 * grew + (4 << 20)  # not so loose that it bounds nothing
+    finally:
+        store.close()
