@@ -32,8 +32,21 @@ class SlowDisk:
         """Why a read throttle cannot be set for path here, or None when it can."""
         if not os.path.isdir(BLKIO) or not os.access(BLKIO, os.W_OK):
             return f"no writable cgroup v1 blkio hierarchy at {BLKIO}"
-        if _disk_of(path) is None:
+        disk = _disk_of(path)
+        if disk is None:
             return f"{path} is on no block device"
+        probe = os.path.join(BLKIO, f"hct-probe-{os.getpid()}")
+        try:  # a read-only or restricted hierarchy (a container's) refuses here, not in the test
+            os.makedirs(probe, exist_ok=True)
+            with open(os.path.join(probe, "blkio.throttle.read_bps_device"), "w") as f:
+                f.write(f"{disk} 0")
+        except OSError as exc:
+            return f"cannot set a blkio read throttle on {disk}: {exc.strerror}"
+        finally:
+            try:
+                os.rmdir(probe)
+            except OSError:
+                pass
         return None
 
     def __init__(self, pid: int, path: str, read_bps: int):
