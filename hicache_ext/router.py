@@ -216,7 +216,9 @@ class TierRouter:
         while asks:
             served: Dict[int, List[bool]] = {}
             took: Dict[int, float] = {}
-            given_up = {tier: self.clients[tier].calls_given_up() for tier in asks}
+            # Calls given up so far, per tier: only the break-even rule reads them (_observe).
+            given_up = ({tier: self.clients[tier].calls_given_up() for tier in asks}
+                        if self.break_even is not None else {})
             began = time.perf_counter()
             fan = FanOut()
             for tier, idx in sorted(asks.items()):
@@ -267,7 +269,7 @@ class TierRouter:
         for depth in range(first, len(self.clients)):
             if not missing:
                 break
-            given_up = self.clients[depth].calls_given_up()
+            given_up = self.clients[depth].calls_given_up() if self.break_even is not None else 0
             began = time.perf_counter()
             got = fetch(self.clients[depth], missing)
             if self.break_even is not None:  # each tier's read speed, kept current for the break-even rule
