@@ -1,5 +1,5 @@
-"""A raw ZMTP 3.0 peer (NULL mechanism) over an ipc socket, not libzmq: it can send frames of a message it never
-ends (libzmq's own sender holds an unfinished message back, so a DEALER cannot)."""
+"""A raw ZMTP 3.0 peer (NULL mechanism) over an ipc or tcp socket, not libzmq: it can send frames of a message it
+never ends (libzmq's own sender holds an unfinished message back, so a DEALER cannot)."""
 from __future__ import annotations
 
 import socket
@@ -11,9 +11,14 @@ def _property(name: bytes, value: bytes) -> bytes:
 
 
 class RawZmtpPeer:
-    def __init__(self, ipc_endpoint: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(ipc_endpoint[len("ipc://"):])
+    def __init__(self, endpoint: str):
+        if endpoint.startswith("tcp://"):
+            host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), timeout=5)
+            self.sock.settimeout(None)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(endpoint[len("ipc://"):])
         # Greeting: signature, version 3.0, mechanism NULL, as-server 0, filler.
         self.sock.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
         got = b""
@@ -32,5 +37,21 @@ class RawZmtpPeer:
         size = struct.pack(">Q", len(data)) if long_frame else bytes([len(data)])
         self.sock.sendall(bytes([flags]) + size + data)
 
+    def closed_by_peer(self) -> bool:
+        """True when the daemon closed the connection: what it sent (its greeting) ends in end-of-file."""
+        try:
+            while True:
+                data = self.sock.recv(65536, socket.MSG_DONTWAIT)
+                if not data:
+                    return True
+        except BlockingIOError:
+            return False
+        except OSError:  # reset: closed too
+            return True
+
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked sending into a zero window
+        except OSError:
+            pass
         self.sock.close()

@@ -1,4 +1,4 @@
-"""ZeroMQ connections to a daemon's ipc socket: at most a share of its descriptors for each tenant.
+"""ZeroMQ connections to a daemon's endpoint: at most a share of its descriptors for each tenant.
 
 libzmq accepts every connection and aborts the whole process when its ipc
 listener runs out of descriptors (tiers/node/fds.py); it has no way to refuse
@@ -20,8 +20,21 @@ and never closed) would otherwise hold their tenant's share for good, and
 that tenant's live engines could not connect.  The daemon tells the guard of
 each request's connection (``active``: ZMQ_SRCFD of its routing frame).
 
-tcp:// endpoints are left to CurveZMQ (only authorized keys complete a
-handshake); their connections count in ``open_fds`` like every descriptor.
+On a tcp:// endpoint anyone who can reach the port opens connections, and
+nobody is known until CurveZMQ admitted a key and a first request came: a
+flood of connections that never finish a handshake filled every descriptor
+and the node's engines could not connect (a daemon with a limit of 100: its
+client got "not connected" until the flood ended).  So a tcp connection is
+*unidentified* until its first request names its tenant (the key's, through
+``tenant_of``), and unidentified connections together hold a quarter of the
+budget: a newcomer past it shuts the oldest of them once that one had
+GRACE_S, else the newcomer goes.  A client completes its handshake and sends
+its hello within milliseconds, an attacker's connection waits; to keep
+clients out, a flood would have to open a quarter of the budget every GRACE_S
+(143,360 connections a second at the units' limit of 65,536), and a
+client's connection that is shut reconnects by itself.  libzmq drops a
+handshake not done within HANDSHAKE_S (tiers/node/endpoint.py).  Once
+identified, a connection counts against its tenant's share as on ipc.
 """
 from __future__ import annotations
 
@@ -31,13 +44,13 @@ import socket
 import struct
 import time
 from collections import OrderedDict
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tiers.logs import RateLimitedLog
-from tiers.node.tenants import OPERATOR, TenantTable
+from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 
 log = logging.getLogger("hicache.connections")
 _warn = RateLimitedLog(log)
@@ -47,8 +60,16 @@ MIN_HEADROOM = 64
 TENANT_SHARE = 4  # a configured tenant holds at most 1/4 of the connection budget
 STRANGER_CONNECTIONS = 16  # accounts in no tenant, together: enough to be told so (a hello gets forbidden)
 _STRANGERS = ""  # their name in the count (no tenant has an empty name)
+_UNIDENTIFIED = "\0unidentified"  # tcp connections before their first request (tenant names are text)
+# What an unidentified tcp connection has for its handshake and first request before a newcomer may push it
+# out: milliseconds for a client, even with the loop busy with a flood's accepts (read MONITOR_BATCH at a time).
+GRACE_S = 0.1
+MONITOR_BATCH = 256  # monitor events read a turn of the loop: the requests queued meanwhile are read between
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# Handshakes that failed before ZAP was asked (a client without CurveZMQ keys, or with the wrong server key):
+# one monitor a socket, so this one also tells tiers/wire/security.py's Admission of them.
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 def connection_budget(fd_limit: int) -> int:
@@ -59,46 +80,100 @@ def connection_budget(fd_limit: int) -> int:
 class ConnectionGuard:
     """Counts accepted connections by tenant and shuts those past their share (called on the loop thread)."""
 
-    def __init__(self, router: zmq.Socket, ipc_path: str, tenants: TenantTable, fd_limit: int, name: str,
-                 idle_s: float = 60.0):
+    def __init__(self, router: zmq.Socket, endpoint: str, tenants: TenantTable, fd_limit: int, name: str,
+                 idle_s: float = 60.0, tenant_of: Optional[Callable[[zmq.Frame], Optional[Tenant]]] = None,
+                 handshake_failed: Optional[Callable[[dict], None]] = None):
+        """endpoint: the router's (ipc:// or tcp://, bound); tenant_of: a tcp request's tenant from its routing
+        frame (Sessions.tenant); handshake_failed: told of each failed CurveZMQ handshake (Admission)."""
         self.name = name
         self.idle_s = idle_s
         self.budget = connection_budget(fd_limit)
         self.tenant_budget = max(1, self.budget // TENANT_SHARE)
-        self._path = ipc_path
+        self._tcp = endpoint.startswith("tcp://")
+        self._path = None if self._tcp else endpoint[len("ipc://"):]
+        # A tcp descriptor is ours when its local port is the one bound (the router's last endpoint: port 0
+        # or a wildcard resolved).
+        self._port = int(router.get(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]) if self._tcp else 0
+        self._tenant_of = tenant_of
+        self._handshake_failed = handshake_failed
         self._tenants = tenants
         self._owner: Dict[int, str] = {}  # descriptor -> tenant name, for connections kept
         # Each tenant's kept connections, least recently in use first (descriptor -> when it last carried a
         # request, perf_counter): its count, and its longest-idle connection at once, whatever the share's size.
         self._by_tenant: Dict[str, "OrderedDict[int, float]"] = {}
+        self._early: set = set()  # tcp descriptors placed by their first request before their accept event
         self.refused = 0
         self.reclaimed = 0
-        self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(_EVENTS)
+        self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(
+            _EVENTS | (HANDSHAKE_FAILED if handshake_failed is not None else 0))
 
     @property
     def connections(self) -> int:
         return len(self._owner)
 
+    @property
+    def unidentified(self) -> int:
+        """tcp connections that have not sent a request yet."""
+        return self._held(_UNIDENTIFIED)
+
     def handle_monitor(self) -> None:
-        while self.monitor is not None:
+        for _ in range(MONITOR_BATCH):
+            if self.monitor is None:
+                return
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
+                if fd in self._early:  # its first request came before this event and placed it
+                    self._early.discard(fd)
+                    continue
                 self._forget(fd)  # its earlier owner left and the number was reused before we heard
                 self._accepted(fd)
-            else:
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._early.discard(fd)
                 self._forget(fd)
+            elif self._handshake_failed is not None:
+                self._handshake_failed(event)
 
-    def active(self, fd: int, now: float) -> None:
-        """A request came over connection fd (kept ones only: a number we do not hold is left alone)."""
+    def active(self, fd: int, now: float, peer: Optional[zmq.Frame] = None) -> bool:
+        """A request came over connection fd, from the routing frame peer (kept ones only: a number we do not
+        hold is left alone).  False: the connection was just shut (a tcp one's first request, past its
+        tenant's share); the request is not to be served."""
         name = self._owner.get(fd)
-        if name is not None:
-            order = self._by_tenant[name]
-            order[fd] = now
-            order.move_to_end(fd)
+        if name is None:
+            # On tcp, a first request read before its connection's accept event is placed now, or under a
+            # flood the accept events queued behind it would push it out as the oldest unidentified.
+            if not self._tcp or fd in self._early:
+                return True
+            conn = self._duplicate(fd)
+            if conn is None:
+                return True
+            conn.close()
+            self._early.add(fd)
+            self._owner[fd] = _UNIDENTIFIED
+            self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
+            return self._identified(fd, now, peer)
+        if name == _UNIDENTIFIED:
+            return self._identified(fd, now, peer)
+        order = self._by_tenant[name]
+        order[fd] = now
+        order.move_to_end(fd)
+        return True
+
+    def _identified(self, fd: int, now: float, peer: Optional[zmq.Frame]) -> bool:
+        """A tcp connection's first request: it moves to its tenant's share, or is shut past it."""
+        self._forget(fd)
+        tenant = self._tenant_of(peer) if self._tenant_of is not None and peer is not None else None
+        why = self._refusal(tenant)
+        if why and self._reclaim(tenant, why):
+            why = ""
+        if why:
+            self._refuse(fd, "a tcp client", why)
+            return False
+        self._keep(fd, tenant, now)
+        return True
 
     def _held(self, name: str) -> int:
         return len(self._by_tenant.get(name, ()))
@@ -119,7 +194,11 @@ class ConnectionGuard:
         except OSError:
             return None
         try:
-            if conn.family == socket.AF_UNIX and conn.getsockname() == self._path:
+            if self._tcp:
+                if (conn.family in (socket.AF_INET, socket.AF_INET6) and conn.getsockname()[1] == self._port
+                        and not conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    return conn
+            elif conn.family == socket.AF_UNIX and conn.getsockname() == self._path:
                 return conn
         except OSError:
             pass
@@ -131,25 +210,55 @@ class ConnectionGuard:
         if conn is None:
             return  # the connection left meanwhile: nothing to count
         try:
+            if self._tcp:
+                self._accepted_tcp(fd)
+                return
             uid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
             tenant = self._tenants.of_uid(uid)
             why = self._refusal(tenant)
             if why and self._reclaim(tenant, why):
                 why = ""
             if why:
-                self.refused += 1
-                _warn.warning(f"conn:{uid}", "tier %s shut a connection of uid %d: %s", self.name, uid, why)
-                conn.shutdown(socket.SHUT_RDWR)  # libzmq sees end-of-file and closes its descriptor
+                self._refuse(fd, f"uid {uid}", why)
                 return
-            name = tenant.name if tenant is not None else _STRANGERS
-            self._owner[fd] = name
-            self._by_tenant.setdefault(name, OrderedDict())[fd] = time.perf_counter()
+            self._keep(fd, tenant, time.perf_counter())
         except OSError:
             return
         finally:
             conn.close()  # the duplicate only; libzmq keeps its own
 
+    def _accepted_tcp(self, fd: int) -> None:
+        """Unidentified until its first request.  Past their share (or the node's budget) the oldest
+        unidentified connection goes once it had GRACE_S for its handshake and first request; while every one
+        is younger, the newcomer is shut instead (a client's connection reconnects on its own)."""
+        now = time.perf_counter()
+        share = max(1, self.budget // TENANT_SHARE)
+        if self._held(_UNIDENTIFIED) >= share or len(self._owner) >= self.budget:
+            waiting = self._by_tenant.get(_UNIDENTIFIED)
+            oldest = next(iter(waiting.items()), None) if waiting else None
+            if oldest is not None and now - oldest[1] >= GRACE_S:
+                self._refuse(oldest[0], "a tcp client", f"{share} connections at most may wait for their first "
+                                                        f"request (the oldest goes after {GRACE_S} s)")
+                self._forget(oldest[0])
+            elif oldest is not None or not self._reclaim(None, "the node's budget", node=True):
+                self._refuse(fd, "a tcp client", f"{share} connections at most may wait for their first request, "
+                                                 f"and the node keeps {self.budget} in all")
+                return
+        self._owner[fd] = _UNIDENTIFIED
+        self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
+
+    def _keep(self, fd: int, tenant, now: float) -> None:
+        name = tenant.name if tenant is not None else _STRANGERS
+        self._owner[fd] = name
+        self._by_tenant.setdefault(name, OrderedDict())[fd] = now
+
+    def _refuse(self, fd: int, who: str, why: str) -> None:
+        self.refused += 1
+        _warn.warning(f"conn:{who}", "tier %s shut a connection of %s: %s", self.name, who, why)
+        self._shut(fd)  # libzmq sees end-of-file and closes its descriptor
+
     def _refusal(self, tenant) -> str:
+        """Why a new connection of tenant may not be kept ('' when it may)."""
         if len(self._owner) >= self.budget:
             return f"the node keeps {self.budget} connections at most"
         if tenant is None:
@@ -159,10 +268,10 @@ class ConnectionGuard:
             return f"tenant {tenant.name} holds its {self.tenant_budget} connections"
         return ""
 
-    def _reclaim(self, tenant, why: str) -> bool:
-        """Shut the longest-idle connection of the share a newcomer of tenant is refused by, when it has sent
-        nothing for idle_s; True when one made room."""
-        if len(self._owner) >= self.budget:  # the node's whole budget: any connection but the operator's
+    def _reclaim(self, tenant, why: str, node: bool = False) -> bool:
+        """Shut the longest-idle connection of the share a newcomer of tenant is refused by (node: the node's
+        whole budget), when it has sent nothing for idle_s; True when one made room."""
+        if node or len(self._owner) >= self.budget:  # the node's whole budget: any connection but the operator's
             shares = [order for name, order in self._by_tenant.items() if name != OPERATOR.name]
         elif tenant is OPERATOR:
             return False

@@ -81,7 +81,7 @@ class TierDaemon:
         self._ctx = context or zmq.Context.instance()
         self._router: Optional[zmq.Socket] = None
         self._zap: Optional[security.Admission] = None  # CurveZMQ admission on tcp:// endpoints
-        self._guard: Optional[ConnectionGuard] = None  # connections a tenant keeps, on ipc:// endpoints
+        self._guard: Optional[ConnectionGuard] = None  # connections a tenant keeps
         self._memory: Optional[MemoryGuard] = None  # its bound on what peers' unfinished messages hold
         self.fd_limit = raise_fd_limit()  # before any socket: libzmq aborts on EMFILE (tiers/node/fds.py)
         # Staging is prefaulted in the background: a first touch costs ~10x a warm copy, and every
@@ -132,12 +132,13 @@ class TierDaemon:
         router, self._zap = bind_router(self._ctx, self.endpoint, self.name, self.curve,
                                         self.max_page_bytes + P.MAX_HEADER_BYTES, HWM, self.socket_gid)
         self._router = self._replies.router = router
-        if self.endpoint.startswith("ipc://"):  # each tenant's share of the descriptors (tiers/node/connections.py)
-            self._guard = ConnectionGuard(router, self.endpoint[len("ipc://"):], self.tenants, self.fd_limit,
-                                          self.name, self.connection_idle_s)
-            # What libzmq holds for messages peers never finish (tiers/node/memory_guard.py).
-            self._memory = MemoryGuard(self.name, self.max_inflight_bytes, self.store.index_bytes, self._replies.wake)
-            self._memory.start()
+        # Each tenant's share of the descriptors, and on tcp:// the unidentified connections' (tiers/node/connections.py).
+        self._guard = ConnectionGuard(router, self.endpoint, self.tenants, self.fd_limit, self.name,
+                                      self.connection_idle_s, self.sessions.tenant_of,
+                                      self._zap.handshake_failed if self._zap is not None else None)
+        # What libzmq holds for messages peers never finish (tiers/node/memory_guard.py).
+        self._memory = MemoryGuard(self.name, self.max_inflight_bytes, self.store.index_bytes, self._replies.wake)
+        self._memory.start()
         if self._regions is not None:
             self._regions.bind()
         self.ready.set()
@@ -155,9 +156,6 @@ class TierDaemon:
         poller.register(self._replies.wake_fd, zmq.POLLIN)
         if self._regions is not None:
             self._regions.register(poller)
-        zap_monitor = self._zap.monitor if self._zap is not None else None
-        if zap_monitor is not None:
-            poller.register(zap_monitor, zmq.POLLIN)
         guard_monitor = self._guard.monitor if self._guard is not None else None
         if guard_monitor is not None:
             poller.register(guard_monitor, zmq.POLLIN)
@@ -165,10 +163,6 @@ class TierDaemon:
         try:
             while not self._stopping.is_set() or self._replies.in_flight:
                 events = dict(poller.poll(int(tick * 1000)))
-                if zap_monitor is not None and zap_monitor in events:
-                    self._zap.handle_monitor()
-                if guard_monitor is not None and guard_monitor in events:
-                    self._guard.handle_monitor()
                 if self._replies.wake_fd in events:
                     self._replies.drain_wake()
                     if self._memory is not None and self._memory.over:
@@ -184,6 +178,10 @@ class TierDaemon:
                         # Asking is cheaper than the exception an empty queue raises (most bursts are one call).
                         if not self._router.get(zmq.EVENTS) & _POLLIN:
                             break
+                # After the requests: a first request read before its connection's accept event is placed
+                # by it, not pushed out by a flood's accepts queued behind it (tiers/node/connections.py).
+                if guard_monitor is not None and guard_monitor in events:
+                    self._guard.handle_monitor()
                 if self._regions is not None:
                     self._regions.handle_events(events, poller)
                 if time.monotonic() >= next_tick:
@@ -236,8 +234,10 @@ class TierDaemon:
         ident = peer.bytes
         req_id = 0
         started = time.perf_counter()
-        if self._guard is not None:  # the connection is in use: not one to shut for a newcomer
-            self._guard.active(peer.get(zmq.SRCFD), started)
+        # The connection is in use: not one to shut for a newcomer (False: a tcp connection's first request,
+        # past its tenant's share; it was shut, and the request is not served).
+        if self._guard is not None and not self._guard.active(peer.get(zmq.SRCFD), started, peer):
+            return
         op = "invalid"
         nbytes = 0
         try:
@@ -435,5 +435,6 @@ class TierDaemon:
         stats["connections"] = guard.connections if guard is not None else 0
         stats["connections_refused"] = guard.refused if guard is not None else 0
         stats["connections_reclaimed"] = guard.reclaimed if guard is not None else 0
+        stats["connections_unidentified"] = guard.unidentified if guard is not None else 0
         stats["connections_shed_for_memory"] = self._memory.shed if self._memory is not None else 0
         return stats

@@ -20,6 +20,10 @@ from tiers.wire import security
 
 log = logging.getLogger("hicache.daemon")
 
+# libzmq drops a tcp connection whose ZMTP/CurveZMQ handshake is not done by then (its default is 30 s): a
+# client's takes milliseconds, a connection opened and left silent holds a descriptor until it goes.
+HANDSHAKE_S = 5.0
+
 
 def private_dir(path: str, group: Optional[int] = None) -> None:
     """Create path 0700, or tighten it to 0700 when it is ours and open to others (a log line says so);
@@ -62,6 +66,8 @@ def bind_router(context: zmq.Context, endpoint: str, name: str, curve: security.
     # A reply to a peer whose queue is full (it does not read) or that is gone raises instead of being dropped
     # silently, so the daemon counts it (reply_dropped, reply_unroutable).
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if endpoint.startswith("tcp://"):
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
     admission = None
     try:
         admission = security.secure_router(router, context, endpoint, name, curve)

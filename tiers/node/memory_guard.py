@@ -49,10 +49,14 @@ STORE_EVERY_S = 1.0  # how often the store's own index size is asked (it takes t
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def anonymous_bytes() -> int:
-    """This process's resident memory that is not shared (memfd arenas and mapped files excluded)."""
-    with open("/proc/self/statm", "rb") as fh:
-        fields = fh.read().split()
+def anonymous_bytes(statm_fd: Optional[int] = None) -> int:
+    """This process's resident memory that is not shared (memfd arenas and mapped files excluded); statm_fd:
+    /proc/self/statm kept open (a flood that takes every descriptor must not blind the watch)."""
+    if statm_fd is None:
+        with open("/proc/self/statm", "rb") as fh:
+            fields = fh.read().split()
+    else:
+        fields = os.pread(statm_fd, 512, 0).split()
     return (int(fields[1]) - int(fields[2])) * _PAGE
 
 
@@ -80,10 +84,12 @@ class MemoryGuard:
         self.shed = 0  # connections shut for memory
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._statm: Optional[int] = None  # /proc/self/statm, opened by start
 
     def start(self) -> None:
         """Take the baseline now (the daemon is bound and its arena mapped) and start watching."""
-        self.baseline = anonymous_bytes()
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        self.baseline = anonymous_bytes(self._statm)
         self._thread = threading.Thread(target=self._watch, name=f"{self.name}-memory", daemon=True)
         self._thread.start()
 
@@ -100,7 +106,7 @@ class MemoryGuard:
                     store_bytes = self._store_bytes()
                 except Exception:  # a store failing to say must not end the watch
                     log.exception("%s: the store's index size for the memory bound failed", self.name)
-            held = anonymous_bytes()
+            held = anonymous_bytes(self._statm)
             if held > self.bound(store_bytes):
                 if not self.over:
                     self.over = True
@@ -115,9 +121,12 @@ class MemoryGuard:
             self.shed += count
             _warn.warning("memory", "tier %s shut %d connection(s) that completed no message for %.2f s: the "
                                     "daemon holds %d MiB of anonymous memory, over its bound", self.name, count,
-                          SILENT_S, anonymous_bytes() >> 20)
+                          SILENT_S, anonymous_bytes(self._statm) >> 20)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+        if self._statm is not None and (self._thread is None or not self._thread.is_alive()):
+            os.close(self._statm)
+            self._statm = None

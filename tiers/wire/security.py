@@ -151,7 +151,8 @@ class Admission:
     The authenticator runs in its own thread (pyzmq's), so a daemon loop busy
     with a large batch still answers handshakes. Handshakes that fail before
     ZAP is asked (a client without keys, or with the wrong server key) are
-    seen through the router's monitor socket, which the daemon's loop polls.
+    seen through the router's monitor socket, which the daemon's connection guard
+    reads (tiers/node/connections.py) and hands to ``handshake_failed``.
     """
 
     def __init__(self, context: zmq.Context, authorized: FrozenSet[bytes], name: str):
@@ -161,7 +162,6 @@ class Admission:
         self.name = name
         self.admitted = 0
         self.refused = 0
-        self.monitor: Optional[zmq.Socket] = None
         self._authenticator = ThreadAuthenticator(context, log=log.getChild("zap"))
         self._authenticator.start()  # binds the ZAP endpoint of this context
         self._authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
@@ -176,27 +176,15 @@ class Admission:
                       self.name, client_key[:8].decode("ascii", "replace"))
         return False
 
-    def watch(self, router: zmq.Socket) -> None:
-        """Also log handshakes that fail before ZAP is asked (a client without CurveZMQ keys)."""
-        self.monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-    def handle_monitor(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-        while self.monitor is not None:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.refused += 1
-            _warn.warning(f"handshake:{self.name}", "tier %s refused a connection: CurveZMQ handshake failed "
-                          "(event %d, value %d; a client without keys or with the wrong server key)",
-                          self.name, event["event"], event["value"])
+    def handshake_failed(self, event: dict) -> None:
+        """A handshake that failed before ZAP was asked (a client without CurveZMQ keys, or with the wrong
+        server key), as the router's monitor reported it (tiers/node/connections.py: one monitor a socket)."""
+        self.refused += 1
+        _warn.warning(f"handshake:{self.name}", "tier %s refused a connection: CurveZMQ handshake failed "
+                      "(event %d, value %d; a client without keys or with the wrong server key)",
+                      self.name, event["event"], event["value"])
 
     def close(self) -> None:
-        if self.monitor is not None:
-            self.monitor.close(linger=0)
-            self.monitor = None
         self._authenticator.stop()
 
 
@@ -225,7 +213,6 @@ def secure_router(router: zmq.Socket, context: zmq.Context, endpoint: str, name:
         raise KeyFileError(f"authorized keys directory {authorized_dir} holds no client certificate "
                            f"(only the server's own key)")
     admission = Admission(context, authorized, name)
-    admission.watch(router)
     router.curve_server = True
     router.curve_publickey = public
     router.curve_secretkey = secret
