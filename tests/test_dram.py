@@ -212,8 +212,10 @@ _INDEX_COST = """
 import gc, json, sys
 from tiers.node.memory_guard import anonymous_bytes
 from tiers.stores.dram import DramStore
-pages, policy = 50_000, sys.argv[1]
-store = DramStore(capacity=pages * 4096 + (16 << 20), policy=policy, block_size=4096)
+from tiers.stores.remote.pool import PoolStore
+pages, kind, policy = 50_000, sys.argv[1], sys.argv[2]
+store = {"dram": DramStore, "pool": PoolStore}[kind](capacity=pages * 4096 + (16 << 20), policy=policy,
+                                                    block_size=4096)
 page = [memoryview(bytes(4096))]
 gc.collect()
 before, counted = anonymous_bytes(), store.index_bytes()
@@ -224,11 +226,13 @@ print(json.dumps({"grew": anonymous_bytes() - before, "counted": store.index_byt
 """
 
 
+@pytest.mark.parametrize("kind", ["dram", "pool"])
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
-def test_the_index_size_the_memory_guard_allows_for_covers_what_the_pages_cost(policy):
+def test_the_index_size_the_memory_guard_allows_for_covers_what_the_pages_cost(kind, policy):
     """index_bytes() (what the daemon's memory bound adds for the store's index) is at least the anonymous
     memory the held pages really take, keys and parents as SGLang sends them: a bound that left them out
-    shut idle engines' connections once a tier held a million pages.  Measured in a fresh process: one
+    shut idle engines' connections once a tier held a million pages.  The remote pool's daemon (watched since
+    its tcp:// endpoint is) keeps the same kind of index.  Measured in a fresh process: one
     whose heap holds memory freed by earlier tests grows by less than the pages cost."""
     import json
     import os
@@ -236,7 +240,7 @@ def test_the_index_size_the_memory_guard_allows_for_covers_what_the_pages_cost(p
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, "-c", _INDEX_COST, policy], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", _INDEX_COST, kind, policy], capture_output=True, text=True, env=env,
                          timeout=120, check=True)
     cost = json.loads(out.stdout.strip().splitlines()[-1])
     assert cost["grew"] > 20 << 20, cost  # 50,000 pages: tens of MB

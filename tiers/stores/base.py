@@ -37,6 +37,13 @@ HoldPage = Callable[[int], Callable[[], None]]
 # and return each one's checksum as taken from those bytes (FillFailed when it cannot).
 FillPages = Callable[[List[int]], List[int]]
 Buffers = Sequence[memoryview]
+# RAM a page held in a Python index costs outside any arena (DRAM tier, remote pool): its key and parent as
+# SGLang sends them (64 hex characters each), its entry, the index's and the policy's entries.  Measured with
+# anonymous_bytes() over 50,000-200,000 pages: 906-912 B under LRU, 960-966 under S3-FIFO, alike in both
+# stores; tests hold index_bytes() above what they measure.  Without it the daemon's memory bound
+# (tiers/node/memory_guard.py) took a tier of a million pages for a flood of unfinished messages and shut
+# idle engines' connections.
+INDEX_BYTES_PER_PAGE = 1024
 
 
 class StoreError(Exception):

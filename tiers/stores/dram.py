@@ -28,8 +28,8 @@ from tiers.stores.dram_tenants import Tenants
 from tiers.stores.fairness import bounded_top
 from tiers.stores.page_index import ORDER_NONE, PageIndex
 from tiers.plugins import make_policy
-from tiers.stores.base import (Buffers, EvictionListener, PageKey, PageStore, PageTooLarge, SourceGone, StoreFull,
-                               StoreStats, total_size)
+from tiers.stores.base import (INDEX_BYTES_PER_PAGE, Buffers, EvictionListener, PageKey, PageStore, PageTooLarge,
+                               SourceGone, StoreFull, StoreStats, total_size)
 from tiers.plugins import StoreKind
 from tiers.wire.protocol import key_digest, pack_key_digests
 
@@ -45,12 +45,6 @@ EVICT_AHEAD_BYTES = 8 << 20
 # namespace (tiers/stores/fairness.py), so with thousands of them a batch's evictions in one hold would stall
 # the tier's readers for as long as those evictions page by page, each in a hold of its own, would have.
 EVICT_AHEAD_S = 0.001
-# RAM a held page costs outside the arena: its key and parent as SGLang sends them (64 hex characters each),
-# its PageEntry, the index's and its namespace policy's entries.  Measured with anonymous_bytes() over 200,000
-# pages: 906 B under LRU, 960 under S3-FIFO; a test holds index_bytes() above what it measures.  Without it the
-# daemon's memory bound (tiers/node/memory_guard.py) took a tier of a million pages for a flood of unfinished
-# messages and shut idle engines' connections.
-INDEX_BYTES_PER_PAGE = 1024
 
 
 class DramStore(PageStore):

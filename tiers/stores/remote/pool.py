@@ -22,7 +22,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from tiers.shm.arena import Alloc, BlockArena
 from tiers.shm.buffers import address_of, as_bytes_view, scatter_copy
 from tiers.plugins import make_policy
-from tiers.stores.base import Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull, StoreStats, total_size
+from tiers.stores.base import (INDEX_BYTES_PER_PAGE, Buffers, PageKey, PageStore, PageTooLarge, StoreError, StoreFull,
+                               StoreStats, total_size)
 
 Extents = List[Tuple[int, int]]
 
@@ -333,6 +334,11 @@ class PoolStore(PageStore):
                 self._stats.evictions += 1
                 pages += 1
             return pages, freed
+
+    def index_bytes(self) -> int:
+        """What the pages held cost outside the arena (the memory guard's allowance for them); no lock: a racing
+        count is off by a page, and the guard asks once a second."""
+        return len(self._index) * INDEX_BYTES_PER_PAGE
 
     def stats(self) -> StoreStats:
         with self._lock:
