@@ -285,6 +285,51 @@ def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node)
     assert took < 0.5, took
 
 
+def test_a_tenant_asking_for_stats_in_a_loop_costs_the_loop_one_walk_a_second(node):
+    """Attack 6, the rest: stats walk every namespace under the store's lock, on the loop (linear now, ~4 ms at
+    3,000 namespaces), and a tenant asking in a loop made the loop do that walk every time.  A tenant's stats
+    now come from a snapshot at most TENANT_STATS_S old; the operator's are fresh."""
+    from tiers.node.daemon import TENANT_STATS_S
+    endpoint = node.config.tier("dram").endpoint
+    namespaces, asks = 3000, 300
+
+    def fill_then_ask(out: dict, ctx: zmq.Context) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+
+        def call(op, *frames, **fields):
+            sock.send_multipart([P.request(op, 1, **fields), *frames])
+            reply = P.unpack(sock.recv_multipart()[0])
+            assert reply["ok"], (op, reply)
+            return reply
+        for n in range(namespaces):
+            session = call("hello", ns=f"guest-{n}", client="filler")["session"]
+            call("put", b"g" * PAGE, s=session, keys=["p"])
+        out["before"] = time.monotonic()
+        for _ in range(asks):
+            call("stats", s=session)
+        out["took"] = time.monotonic() - out["before"]
+        out["own"] = list(call("stats", s=session)["stats"]["per_namespace"])
+        sock.close(linger=0)
+
+    got = run_as(NOBODY, NOBODY, fill_then_ask)
+    assert "took" in got, got
+    admin = TierClient("tier", endpoint, "_admin", "test")
+    try:
+        spent = admin.stats()["latency_s_sum"]["stats"]  # the loop's time on every stats request so far
+        walk = admin.stats()["latency_s_sum"]["stats"] - spent  # one fresh walk (the operator's request)
+    finally:
+        admin.close()
+    print(f"\n{asks} stats requests of a tenant over {namespaces:,} namespaces in {got['took']:.2f} s: the loop "
+          f"spent {spent * 1e3:.0f} ms on them; one fresh walk {walk * 1e3:.1f} ms")
+    assert got["own"] == [f"guest-{namespaces - 1}"]
+    assert walk > 0.0005  # a walk worth saving (the store holds 3,000 namespaces)
+    # A walk a request would cost asks x walk (~0.5-1.2 s here); a walk a TENANT_STATS_S, a few of them.
+    assert spent < 0.25 * asks * walk, (spent, walk)
+    assert got["took"] < 10 * TENANT_STATS_S  # so at most ~10 walks were due
+
+
 def test_replies_a_peer_never_reads_are_dropped_and_counted(tmp_path):
     """Attack 8: a peer that asks and never reads loses its own replies, each one counted (they were dropped
     silently before); other clients are served meanwhile."""

@@ -101,7 +101,7 @@ class ConnectionGuard:
         # Each tenant's kept connections, least recently in use first (descriptor -> when it last carried a
         # request, perf_counter): its count, and its longest-idle connection at once, whatever the share's size.
         self._by_tenant: Dict[str, "OrderedDict[int, float]"] = {}
-        self._early: set = set()  # tcp descriptors placed by their first request before their accept event
+        self._early: set = set()  # descriptors placed by their first request before their accept event
         self.refused = 0
         self.reclaimed = 0
         self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(
@@ -126,7 +126,7 @@ class ConnectionGuard:
                 return
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
-                if fd in self._early:  # its first request came before this event and placed it
+                if fd in self._early:  # its first request came before this event and placed it (or shut it)
                     self._early.discard(fd)
                     continue
                 self._forget(fd)  # its earlier owner left and the number was reused before we heard
@@ -143,15 +143,19 @@ class ConnectionGuard:
         tenant's share); the request is not to be served."""
         name = self._owner.get(fd)
         if name is None:
-            # On tcp, a first request read before its connection's accept event is placed now, or under a
-            # flood the accept events queued behind it would push it out as the oldest unidentified.
-            if not self._tcp or fd in self._early:
-                return True
+            # A first request read before its connection's accept event (the loop reads requests first): the
+            # connection is placed now, as its accept would have placed it (so none past its share is served,
+            # and on tcp a flood's accepts queued behind it cannot push it out as the oldest unidentified).
+            if fd in self._early:
+                return False  # placed early and shut: what it queued meanwhile is not served
             conn = self._duplicate(fd)
             if conn is None:
-                return True
+                return True  # not one of our connections by now: left alone
             conn.close()
             self._early.add(fd)
+            if not self._tcp:
+                self._accepted(fd)
+                return fd in self._owner
             self._owner[fd] = _UNIDENTIFIED
             self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
             return self._identified(fd, now, peer)

@@ -357,5 +357,11 @@ class PageStore(ABC):
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters."""
 
+    def namespace_figures(self, namespace: str) -> Optional[dict]:
+        """One namespace's figures as stats() gives them in per_namespace (bytes, pages, hits, evictions,
+        quota, ...), None when it holds nothing: what a tenant's stats request shows it, whatever the number
+        of namespaces (stats() keeps the 32 largest).  Stores that can look one up without a walk override it."""
+        return self.stats().per_namespace.get(namespace)
+
     def close(self) -> None:
         """Release resources; a durable store flushes here."""

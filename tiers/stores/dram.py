@@ -307,6 +307,10 @@ class DramStore(PageStore):
         no lock: a racing count is off by a batch, and the memory guard asks once a second."""
         return len(self._index) * INDEX_BYTES_PER_PAGE + self._held.nbytes()
 
+    def namespace_figures(self, namespace: str) -> Optional[dict]:
+        with self._lock:
+            return self._tenants.figures(namespace)
+
     def stats(self) -> StoreStats:
         with self._lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()

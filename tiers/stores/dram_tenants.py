@@ -139,6 +139,14 @@ class Tenants:
         if self.groups:
             self.groups.changed(self.fair.group(namespace), delta, namespace, tenant.bytes, len(self.by_name))
 
+    def figures(self, namespace: str) -> Optional[dict]:
+        """One namespace's figures for a tenant's stats (no fair share: that walks every namespace)."""
+        t = self.by_name.get(namespace)
+        if t is None or not (t.bytes or t.hits or t.evictions):
+            return None
+        return {"bytes": t.bytes, "pages": len(t.policy), "hits": t.hits, "evictions": t.evictions,
+                "quota": self.fair.quota(namespace) or 0}
+
     def per_namespace(self) -> Dict[str, dict]:
         """Each namespace's figures for stats (those that hold, were read or gave way)."""
         # Counted once, not once a namespace: with thousands of namespaces that sum made stats quadratic

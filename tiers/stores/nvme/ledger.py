@@ -357,6 +357,10 @@ class Ledger:
         with self.lock:
             return self.index.nbytes()
 
+    def namespace_figures(self, ns_hash: int) -> Optional[dict]:
+        with self.lock:
+            return self.tenants.figures(ns_hash, self.index)
+
     def snapshot(self) -> StoreStats:
         with self.lock:
             snap = StoreStats(**{k: v for k, v in self.stats.__dict__.items() if k != "extra"})

@@ -284,6 +284,9 @@ class NvmeStore(PageStore):
     def index_bytes(self) -> int:
         return self._ledger.index_bytes()
 
+    def namespace_figures(self, namespace: str) -> Optional[dict]:
+        return self._ledger.namespace_figures(namespace_hash(namespace))
+
     def stats(self) -> StoreStats:
         snap = self._ledger.snapshot()
         snap.extra.update(direct_io=float(self._direct), direct_writes=float(self._direct and self._direct_writes),

@@ -154,6 +154,14 @@ class Tenants:
         tenant = self.by_hash.get(ns_hash)
         return tenant.bytes + tenant.reserved if tenant is not None else 0
 
+    def figures(self, ns_hash: int, index: PageIndex) -> Optional[dict]:
+        """One namespace's figures for a tenant's stats (no fair share: that counts every namespace)."""
+        t = self.by_hash.get(ns_hash)
+        if t is None or not (t.bytes or t.hits or t.evictions):
+            return None
+        return {"bytes": t.bytes, "pages": self.pages(t, index), "hits": t.hits, "evictions": t.evictions,
+                "quota": (self.fair.quota(t.name) or 0) if t.name else 0}
+
     def per_namespace(self, index: PageIndex) -> Dict[str, dict]:
         """Each namespace's figures for stats (those that hold, were read or gave way)."""
         active = sum(1 for t in self.by_hash.values() if t.bytes)
