@@ -111,10 +111,16 @@ class ConnectionGuard:
     def connections(self) -> int:
         return len(self._owner)
 
-    @property
-    def unidentified(self) -> int:
-        """tcp connections that have not sent a request yet."""
-        return self._held(_UNIDENTIFIED)
+    def stats(self) -> Dict[str, int]:
+        """The daemon's connection figures (unidentified: tcp connections that have sent no request yet)."""
+        return {"connections": len(self._owner), "connections_refused": self.refused,
+                "connections_reclaimed": self.reclaimed, "connections_unidentified": self._held(_UNIDENTIFIED)}
+
+    @staticmethod
+    def idle_stats() -> Dict[str, int]:
+        """The same figures before the daemon bound its endpoint."""
+        return {"connections": 0, "connections_refused": 0, "connections_reclaimed": 0,
+                "connections_unidentified": 0}
 
     def handle_monitor(self) -> None:
         for _ in range(MONITOR_BATCH):

@@ -33,6 +33,7 @@ from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.faults import CorruptReads
 from tiers.node.connections import ConnectionGuard
 from tiers.node.memory_guard import MemoryGuard
+from tiers.node.tenant_stats import TenantStats
 from tiers.node.fds import open_fds, raise_fd_limit
 from tiers.logs import RateLimitedLog
 from tiers.node.metrics import DaemonMetrics
@@ -55,10 +56,6 @@ _warn = RateLimitedLog(log)
 
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
-# A tenant's stats come from a snapshot at most this old: the store's figures walk every namespace under its lock
-# (14 ms at 10,000 namespaces, 112 at 50,000), and a tenant asking in a loop held the lock and the loop that long
-# each time.  The operator's requests (and the Prometheus exporter) are answered fresh.
-TENANT_STATS_S = 1.0
 # Flags as plain ints: pyzmq's enum arithmetic costs ~1-2 us an operation, a tenth of a lookup's own work.
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -117,7 +114,7 @@ class TierDaemon:
         self.sessions = Sessions(self.tenants, endpoint.startswith("ipc://"), curve is not None and curve.enabled)
         self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
         self._peer_tenant: Optional[Tenant] = None  # the tenant of the request being dispatched
-        self._tenant_stats: Optional[Tuple[float, dict]] = None  # (when, stats) for tenants' requests
+        self._tenant_stats = TenantStats(store, self.stats)  # what tenants' stats requests show
         self.socket_gid = socket_gid
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
@@ -411,18 +408,8 @@ class TierDaemon:
         own = self._namespace(msg)
         if own == ADMIN_NAMESPACE:
             return [P.reply_ok(msg.id, tier=self.name, stats=self.stats())]
-        now = time.monotonic()
-        if self._tenant_stats is None or now - self._tenant_stats[0] >= TENANT_STATS_S:
-            self._tenant_stats = (now, self.stats())
-        stats = dict(self._tenant_stats[1])
-        # A tenant sees its own namespace only, looked up now (the snapshot keeps the 32 largest), with the
-        # tier's fair share as of the snapshot (the same for every namespace it lists).
-        mine = self.store.namespace_figures(own)
-        if mine is not None and "fair_share" not in mine:
-            shares = [v["fair_share"] for v in stats["per_namespace"].values() if "fair_share" in v]
-            mine = {**mine, "fair_share": shares[0]} if shares else mine
-        stats["per_namespace"] = {own: mine} if mine is not None else {}
-        return [P.reply_ok(msg.id, tier=self.name, stats=stats)]
+        # A tenant's figures are a snapshot's, its own namespace's only (tiers/node/tenant_stats.py).
+        return [P.reply_ok(msg.id, tier=self.name, stats=self._tenant_stats.view(own))]
 
     def stats(self) -> dict:
         """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""
@@ -446,10 +433,6 @@ class TierDaemon:
         stats["replies_unread_bytes"] = self._peer_replies.unread_bytes()  # pages libzmq holds for peers
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit
-        guard = self._guard
-        stats["connections"] = guard.connections if guard is not None else 0
-        stats["connections_refused"] = guard.refused if guard is not None else 0
-        stats["connections_reclaimed"] = guard.reclaimed if guard is not None else 0
-        stats["connections_unidentified"] = guard.unidentified if guard is not None else 0
+        stats.update(self._guard.stats() if self._guard is not None else ConnectionGuard.idle_stats())
         stats["connections_shed_for_memory"] = self._memory.shed if self._memory is not None else 0
         return stats
