@@ -25,8 +25,8 @@ Measured (tests/test_hostile_clients.py ``-k never_ended``, a bound of 288 MiB
 over the start): three such peers at once were each shut after the daemon
 grew 455 MiB (the bound, plus what they sent between two reads of the
 memory and the loop's turn), and it was back at its start a second later.
-Peers on tcp:// endpoints are admitted by their CurveZMQ keys and not
-watched this way.
+Peers on tcp:// endpoints are watched the same way (a key CurveZMQ admitted
+can send such a message too); the test runs on both.
 """
 from __future__ import annotations
 
