@@ -27,12 +27,12 @@ and the node's engines could not connect (a daemon with a limit of 100: its
 client got "not connected" until the flood ended).  So a tcp connection is
 *unidentified* until its first request names its tenant (the key's, through
 ``tenant_of``), and unidentified connections together hold a quarter of the
-budget: a newcomer past it shuts the oldest of them once that one had
-GRACE_S, else the newcomer goes.  A client completes its handshake and sends
-its hello within milliseconds, an attacker's connection waits; to keep
-clients out, a flood would have to open a quarter of the budget every GRACE_S
-(143,360 connections a second at the units' limit of 65,536), and a
-client's connection that is shut reconnects by itself.  libzmq drops a
+budget: a newcomer past it shuts the oldest of them whose peer sent no more
+than a handshake's opening (what anyone may send without a key; the kernel
+counts a connection's bytes received) or that waited GRACE_S.  A client that
+got through CurveZMQ, whose request may be on its way, is not pushed out by a
+flood.  When none of the oldest stalled, the newcomer goes (a client's
+connection reconnects by itself, its request still queued).  libzmq drops a
 handshake not done within HANDSHAKE_S (tiers/node/endpoint.py).  Once
 identified, a connection counts against its tenant's share as on ipc.
 """
@@ -61,10 +61,17 @@ TENANT_SHARE = 4  # a configured tenant holds at most 1/4 of the connection budg
 STRANGER_CONNECTIONS = 16  # accounts in no tenant, together: enough to be told so (a hello gets forbidden)
 _STRANGERS = ""  # their name in the count (no tenant has an empty name)
 _UNIDENTIFIED = "\0unidentified"  # tcp connections before their first request (tenant names are text)
-# What an unidentified tcp connection has for its handshake and first request before a newcomer may push it
-# out: milliseconds for a client, even with the loop busy with a flood's accepts (read MONITOR_BATCH at a time).
-GRACE_S = 0.1
+# What a peer may send on a tcp connection before CurveZMQ can have admitted it: the ZMTP greeting (64 bytes)
+# and a HELLO command (200); a client past ZAP has sent its INITIATE (~250 more) and then its request.
+STALLED_BYTES = 300
+STALLED_SCAN = 16  # unidentified connections looked at, oldest first, for one that stalled
+# An unidentified connection this old goes whatever it sent (a client's handshake and hello take milliseconds).
+GRACE_S = 1.0
+_TCP_INFO_BYTES = 136  # struct tcp_info up to tcpi_bytes_received (Linux 4.1 on)
+_BYTES_AT = 128
+_BYTES_RECEIVED = struct.Struct("<Q")
 MONITOR_BATCH = 256  # monitor events read a turn of the loop: the requests queued meanwhile are read between
+REFUSED_IDS = 4096  # routing ids of connections refused at a request, remembered (the oldest forgotten)
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # Handshakes that failed before ZAP was asked (a client without CurveZMQ keys, or with the wrong server key):
@@ -102,6 +109,9 @@ class ConnectionGuard:
         # request, perf_counter): its count, and its longest-idle connection at once, whatever the share's size.
         self._by_tenant: Dict[str, "OrderedDict[int, float]"] = {}
         self._early: set = set()  # descriptors placed by their first request before their accept event
+        # Routing ids of connections refused at a request: what they queued before libzmq closes them is not
+        # served (an id is never reused while the socket lives; a descriptor number is, at once).
+        self._refused_ids: "OrderedDict[bytes, None]" = OrderedDict()
         self.refused = 0
         self.reclaimed = 0
         self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(
@@ -132,7 +142,7 @@ class ConnectionGuard:
                 return
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
-                if fd in self._early:  # its first request came before this event and placed it (or shut it)
+                if fd in self._early:  # its first request came before this event and placed it
                     self._early.discard(fd)
                     continue
                 self._forget(fd)  # its earlier owner left and the number was reused before we heard
@@ -145,32 +155,47 @@ class ConnectionGuard:
 
     def active(self, fd: int, now: float, peer: Optional[zmq.Frame] = None) -> bool:
         """A request came over connection fd, from the routing frame peer (kept ones only: a number we do not
-        hold is left alone).  False: the connection was just shut (a tcp one's first request, past its
-        tenant's share); the request is not to be served."""
+        hold is left alone).  False: the connection is past its share (checked at its first request on tcp, or
+        when that came before its accept event), now or at an earlier request of it; the request is not to be
+        served."""
         name = self._owner.get(fd)
         if name is None:
             # A first request read before its connection's accept event (the loop reads requests first): the
             # connection is placed now, as its accept would have placed it (so none past its share is served,
             # and on tcp a flood's accepts queued behind it cannot push it out as the oldest unidentified).
-            if fd in self._early:
-                return False  # placed early and shut: what it queued meanwhile is not served
+            if peer is not None and peer.bytes in self._refused_ids:
+                return False  # refused: what it queued before libzmq closes it is not served
             conn = self._duplicate(fd)
             if conn is None:
                 return True  # not one of our connections by now: left alone
             conn.close()
-            self._early.add(fd)
             if not self._tcp:
                 self._accepted(fd)
-                return fd in self._owner
-            self._owner[fd] = _UNIDENTIFIED
-            self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
-            return self._identified(fd, now, peer)
+                kept = fd in self._owner
+            else:
+                self._owner[fd] = _UNIDENTIFIED
+                self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
+                kept = self._identified(fd, now, peer)
+            if kept:
+                self._early.add(fd)
+            else:
+                self._refused_id(peer)
+            return kept
         if name == _UNIDENTIFIED:
-            return self._identified(fd, now, peer)
+            kept = self._identified(fd, now, peer)
+            if not kept:
+                self._refused_id(peer)
+            return kept
         order = self._by_tenant[name]
         order[fd] = now
         order.move_to_end(fd)
         return True
+
+    def _refused_id(self, peer: Optional[zmq.Frame]) -> None:
+        if peer is not None:
+            self._refused_ids[peer.bytes] = None
+            if len(self._refused_ids) > REFUSED_IDS:
+                self._refused_ids.popitem(last=False)
 
     def _identified(self, fd: int, now: float, peer: Optional[zmq.Frame]) -> bool:
         """A tcp connection's first request: it moves to its tenant's share, or is shut past it."""
@@ -238,24 +263,43 @@ class ConnectionGuard:
             conn.close()  # the duplicate only; libzmq keeps its own
 
     def _accepted_tcp(self, fd: int) -> None:
-        """Unidentified until its first request.  Past their share (or the node's budget) the oldest
-        unidentified connection goes once it had GRACE_S for its handshake and first request; while every one
-        is younger, the newcomer is shut instead (a client's connection reconnects on its own)."""
+        """Unidentified until its first request.  Past their share (or the node's budget) the oldest one that
+        stalled (``_stalled``) goes; when none of the oldest has, the newcomer goes instead (a client's
+        connection reconnects by itself, its request still queued)."""
         now = time.perf_counter()
         share = max(1, self.budget // TENANT_SHARE)
         if self._held(_UNIDENTIFIED) >= share or len(self._owner) >= self.budget:
-            waiting = self._by_tenant.get(_UNIDENTIFIED)
-            oldest = next(iter(waiting.items()), None) if waiting else None
-            if oldest is not None and now - oldest[1] >= GRACE_S:
-                self._refuse(oldest[0], "a tcp client", f"{share} connections at most may wait for their first "
-                                                        f"request (the oldest goes after {GRACE_S} s)")
-                self._forget(oldest[0])
-            elif oldest is not None or not self._reclaim(None, "the node's budget", node=True):
+            victim = self._stalled(now)
+            if victim is not None:
+                self._refuse(victim, "a tcp client", f"{share} connections at most may wait for their first "
+                                                     "request (the oldest that stalled in its handshake goes)")
+                self._forget(victim)
+            elif self._held(_UNIDENTIFIED) or not self._reclaim(None, "the node's budget", node=True):
                 self._refuse(fd, "a tcp client", f"{share} connections at most may wait for their first request, "
                                                  f"and the node keeps {self.budget} in all")
                 return
         self._owner[fd] = _UNIDENTIFIED
         self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
+
+    def _stalled(self, now: float) -> Optional[int]:
+        """The oldest unidentified connection (of the STALLED_SCAN oldest) whose peer sent no more than a
+        handshake's opening (STALLED_BYTES: what anyone may send without a key), or that waited GRACE_S: a
+        client that got through CurveZMQ has sent its INITIATE, and its request is on its way."""
+        for fd, since in list(self._by_tenant.get(_UNIDENTIFIED, {}).items())[:STALLED_SCAN]:
+            if now - since >= GRACE_S:
+                return fd
+            conn = self._duplicate(fd)
+            if conn is None:
+                return fd  # gone already: its place is free
+            try:
+                info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+            except OSError:
+                info = b""
+            finally:
+                conn.close()
+            if len(info) >= _TCP_INFO_BYTES and _BYTES_RECEIVED.unpack_from(info, _BYTES_AT)[0] <= STALLED_BYTES:
+                return fd
+        return None
 
     def _keep(self, fd: int, tenant, now: float) -> None:
         name = tenant.name if tenant is not None else _STRANGERS

@@ -408,8 +408,10 @@ class TierDaemon:
         own = self._namespace(msg)
         if own == ADMIN_NAMESPACE:
             return [P.reply_ok(msg.id, tier=self.name, stats=self.stats())]
-        # A tenant's figures are a snapshot's, its own namespace's only (tiers/node/tenant_stats.py).
-        return [P.reply_ok(msg.id, tier=self.name, stats=self._tenant_stats.view(own))]
+        # Its own namespace's figures only; a configured tenant's from a snapshot (tiers/node/tenant_stats.py),
+        # the operator's engines' fresh (they read counters right after their own calls).
+        view = self._tenant_stats.view(own, fresh=self._peer_tenant is OPERATOR)
+        return [P.reply_ok(msg.id, tier=self.name, stats=view)]
 
     def stats(self) -> dict:
         """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""

@@ -6,7 +6,8 @@ tenant asking in a loop made the loop do that walk every time.  So tenants
 share one snapshot at most MAX_AGE_S old, and each sees only its own
 namespace, looked up at once (PageStore.namespace_figures: the snapshot keeps
 the 32 largest namespaces, which may not include it).  The operator's requests
-and the Prometheus exporter read the daemon's stats fresh.
+(its `_admin` session and its own engines, which read counters right after
+their own calls) and the Prometheus exporter read the daemon's stats fresh.
 """
 from __future__ import annotations
 
@@ -24,8 +25,16 @@ class TenantStats:
         self._fresh = fresh  # the daemon's whole stats
         self._snapshot: Optional[Tuple[float, dict]] = None  # (when, stats)
 
-    def view(self, namespace: str) -> dict:
+    def view(self, namespace: str, fresh: bool = False) -> dict:
+        """What namespace's tenant is shown; fresh: the daemon's figures now (the operator's own engines)."""
         now = time.monotonic()
+        if fresh:
+            stats = self._fresh()
+            stats["per_namespace"] = {ns: v for ns, v in stats["per_namespace"].items() if ns == namespace}
+            mine = self._store.namespace_figures(namespace)
+            if mine is not None and namespace not in stats["per_namespace"]:
+                stats["per_namespace"][namespace] = mine
+            return stats
         if self._snapshot is None or now - self._snapshot[0] >= MAX_AGE_S:
             self._snapshot = (now, self._fresh())
         stats = dict(self._snapshot[1])
