@@ -57,6 +57,20 @@ def run_as(uid: int, gid: int, attack) -> dict:
     return json.loads(data)
 
 
+def _checked_calls(ctx: zmq.Context, endpoint: str):
+    """A DEALER to endpoint and call(op, *frames, **fields): one request, its reply asserted ok."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+
+    def call(op, *frames, **fields):
+        sock.send_multipart([P.request(op, 1, **fields), *frames])
+        reply = P.unpack(sock.recv_multipart()[0])
+        assert reply["ok"], (op, reply)
+        return reply
+    return sock, call
+
+
 def raw_call(ctx: zmq.Context, endpoint: str, op: str, poll_ms: int = 5000, **fields) -> dict:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -257,15 +271,7 @@ def test_namespaces_a_tenant_opened_and_emptied_leave_nothing_behind(small_node)
     endpoint = small_node.config.tiers[0].endpoint
 
     def churn_with_sessions(out: dict, ctx: zmq.Context) -> None:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-
-        def call(op, *frames, **fields):
-            sock.send_multipart([P.request(op, 1, **fields), *frames])
-            reply = P.unpack(sock.recv_multipart()[0])
-            assert reply["ok"], (op, reply)
-            return reply
+        sock, call = _checked_calls(ctx, endpoint)
         for n in range(2000):
             session = call("hello", ns=f"guest-{n}", client="churn")["session"]
             call("put", b"c" * PAGE, s=session, keys=["p"])
@@ -294,15 +300,7 @@ def test_a_tenant_asking_for_stats_in_a_loop_costs_the_loop_one_walk_a_second(no
     namespaces, asks = 3000, 300
 
     def fill_then_ask(out: dict, ctx: zmq.Context) -> None:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-
-        def call(op, *frames, **fields):
-            sock.send_multipart([P.request(op, 1, **fields), *frames])
-            reply = P.unpack(sock.recv_multipart()[0])
-            assert reply["ok"], (op, reply)
-            return reply
+        sock, call = _checked_calls(ctx, endpoint)
         for n in range(namespaces):
             session = call("hello", ns=f"guest-{n}", client="filler")["session"]
             call("put", b"g" * PAGE, s=session, keys=["p"])
