@@ -117,10 +117,6 @@ class ConnectionGuard:
         self.monitor: Optional[zmq.Socket] = router.get_monitor_socket(
             _EVENTS | (HANDSHAKE_FAILED if handshake_failed is not None else 0))
 
-    @property
-    def connections(self) -> int:
-        return len(self._owner)
-
     def stats(self) -> Dict[str, int]:
         """The daemon's connection figures (unidentified: tcp connections that have sent no request yet)."""
         return {"connections": len(self._owner), "connections_refused": self.refused,
@@ -165,27 +161,25 @@ class ConnectionGuard:
             # and on tcp a flood's accepts queued behind it cannot push it out as the oldest unidentified).
             if peer is not None and peer.bytes in self._refused_ids:
                 return False  # refused: what it queued before libzmq closes it is not served
-            conn = self._duplicate(fd)
-            if conn is None:
-                return True  # not one of our connections by now: left alone
-            conn.close()
-            if not self._tcp:
-                self._accepted(fd)
-                kept = fd in self._owner
-            else:
+            if self._tcp:
+                conn = self._duplicate(fd)
+                if conn is None:
+                    return True  # not one of our connections by now: left alone
+                conn.close()
                 self._owner[fd] = _UNIDENTIFIED
                 self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
-                kept = self._identified(fd, now, peer)
+                kept: Optional[bool] = self._identified(fd, now, peer)
+            else:
+                kept = self._accepted(fd)
+                if kept is None:
+                    return True  # not one of our connections by now: left alone
+                if not kept:
+                    self._refused_id(peer)
             if kept:
                 self._early.add(fd)
-            else:
-                self._refused_id(peer)
-            return kept
+            return bool(kept)
         if name == _UNIDENTIFIED:
-            kept = self._identified(fd, now, peer)
-            if not kept:
-                self._refused_id(peer)
-            return kept
+            return self._identified(fd, now, peer)
         order = self._by_tenant[name]
         order[fd] = now
         order.move_to_end(fd)
@@ -206,6 +200,7 @@ class ConnectionGuard:
             why = ""
         if why:
             self._refuse(fd, "a tcp client", why)
+            self._refused_id(peer)
             return False
         self._keep(fd, tenant, now)
         return True
@@ -240,14 +235,14 @@ class ConnectionGuard:
         conn.close()
         return None
 
-    def _accepted(self, fd: int) -> None:
+    def _accepted(self, fd: int) -> Optional[bool]:
+        """Count a connection just accepted: True kept, False shut, None no longer ours (nothing counted)."""
         conn = self._duplicate(fd)
         if conn is None:
-            return  # the connection left meanwhile: nothing to count
+            return None  # the connection left meanwhile: nothing to count
         try:
             if self._tcp:
-                self._accepted_tcp(fd)
-                return
+                return self._accepted_tcp(fd)
             uid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
             tenant = self._tenants.of_uid(uid)
             why = self._refusal(tenant)
@@ -255,14 +250,15 @@ class ConnectionGuard:
                 why = ""
             if why:
                 self._refuse(fd, f"uid {uid}", why)
-                return
+                return False
             self._keep(fd, tenant, time.perf_counter())
+            return True
         except OSError:
-            return
+            return None
         finally:
             conn.close()  # the duplicate only; libzmq keeps its own
 
-    def _accepted_tcp(self, fd: int) -> None:
+    def _accepted_tcp(self, fd: int) -> bool:
         """Unidentified until its first request.  Past their share (or the node's budget) the oldest one that
         stalled (``_stalled``) goes; when none of the oldest has, the newcomer goes instead (a client's
         connection reconnects by itself, its request still queued)."""
@@ -277,9 +273,10 @@ class ConnectionGuard:
             elif self._held(_UNIDENTIFIED) or not self._reclaim(None, "the node's budget", node=True):
                 self._refuse(fd, "a tcp client", f"{share} connections at most may wait for their first request, "
                                                  f"and the node keeps {self.budget} in all")
-                return
+                return False
         self._owner[fd] = _UNIDENTIFIED
         self._by_tenant.setdefault(_UNIDENTIFIED, OrderedDict())[fd] = now
+        return True
 
     def _stalled(self, now: float) -> Optional[int]:
         """The oldest unidentified connection (of the STALLED_SCAN oldest) whose peer sent no more than a

@@ -27,20 +27,18 @@ class TenantStats:
 
     def view(self, namespace: str, fresh: bool = False) -> dict:
         """What namespace's tenant is shown; fresh: the daemon's figures now (the operator's own engines)."""
-        now = time.monotonic()
         if fresh:
             stats = self._fresh()
-            stats["per_namespace"] = {ns: v for ns, v in stats["per_namespace"].items() if ns == namespace}
-            mine = self._store.namespace_figures(namespace)
-            if mine is not None and namespace not in stats["per_namespace"]:
-                stats["per_namespace"][namespace] = mine
-            return stats
-        if self._snapshot is None or now - self._snapshot[0] >= MAX_AGE_S:
-            self._snapshot = (now, self._fresh())
-        stats = dict(self._snapshot[1])
-        mine = self._store.namespace_figures(namespace)
-        if mine is not None and "fair_share" not in mine:  # the tier's, as of the snapshot (one for all it lists)
-            shares = [v["fair_share"] for v in stats["per_namespace"].values() if "fair_share" in v]
+        else:
+            now = time.monotonic()
+            if self._snapshot is None or now - self._snapshot[0] >= MAX_AGE_S:
+                self._snapshot = (now, self._fresh())
+            stats = dict(self._snapshot[1])
+        listed = stats["per_namespace"]
+        # Looked up now where the store can without a walk; else as the figures just taken list it.
+        mine = self._store.namespace_figures(namespace) or listed.get(namespace)
+        if mine is not None and "fair_share" not in mine:  # the tier's, as they list it (one for all)
+            shares = [v["fair_share"] for v in listed.values() if "fair_share" in v]
             mine = {**mine, "fair_share": shares[0]} if shares else mine
         stats["per_namespace"] = {namespace: mine} if mine is not None else {}
         return stats

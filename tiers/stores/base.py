@@ -359,9 +359,10 @@ class PageStore(ABC):
 
     def namespace_figures(self, namespace: str) -> Optional[dict]:
         """One namespace's figures as stats() gives them in per_namespace (bytes, pages, hits, evictions,
-        quota, ...), None when it holds nothing: what a tenant's stats request shows it, whatever the number
-        of namespaces (stats() keeps the 32 largest).  Stores that can look one up without a walk override it."""
-        return self.stats().per_namespace.get(namespace)
+        quota, ...), looked up without walking every namespace: what a tenant's stats request shows it,
+        whatever the number of namespaces (stats() keeps the 32 largest).  None: it holds nothing, or the
+        store cannot say without a walk (this default; the caller then uses the stats it took)."""
+        return None
 
     def close(self) -> None:
         """Release resources; a durable store flushes here."""
