@@ -60,11 +60,16 @@ def aligned_block() -> memoryview:
     return aligned_blocks(1)[0]
 
 
-def aligned_blocks(n: int) -> List[memoryview]:
-    """n zeroed 4 KiB buffers at 4 KiB addresses, from one allocation."""
+def aligned_buffer(n: int) -> memoryview:
+    """n zeroed 4 KiB blocks at a 4 KiB address, in one piece."""
     raw = np.zeros((n + 1) * cf.ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % cf.ALIGN
-    whole = memoryview(raw[start:start + n * cf.ALIGN])
+    return memoryview(raw[start:start + n * cf.ALIGN])
+
+
+def aligned_blocks(n: int) -> List[memoryview]:
+    """n zeroed 4 KiB buffers at 4 KiB addresses, from one allocation."""
+    whole = aligned_buffer(n)
     return [whole[k * cf.ALIGN:(k + 1) * cf.ALIGN] for k in range(n)]
 
 
@@ -108,10 +113,30 @@ class BatchWriter:
         self.blocks = 0  # blocks written or being written
         self.direct_parts = 0
 
-    def add(self, records: Sequence[Record], aligned: bool = False) -> List[int]:
-        """Write records after those added before; the first block of each.  aligned: every buffer is known
-        to start and end on a 4 KiB boundary (else each is checked: a read-only view's address costs ~1.4 us)."""
-        firsts, at = [], self.blocks
+    def preallocate(self, blocks: int) -> None:
+        """Give the file its whole size now (the put laid its records out ahead): writes that do not extend
+        the file may run at once (ext4 serializes O_DIRECT writes that extend one), so a small first part
+        starts the device early without costing its throughput.  A file system without fallocate is left
+        as it is; ENOSPC raises (the put fails as a write would)."""
+        if _libc.fallocate(self._fd, 0, 0, blocks * cf.ALIGN) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise OSError(err, os.strerror(err), self.tmp)
+
+    def punch(self, ranges: Sequence[Tuple[int, int]]) -> None:
+        """Give back (first block, blocks) ranges laid out for pages refused after all (their bytes did not
+        match their sums): never written, they would hold preallocated blocks the index does not count."""
+        for block, blocks in ranges:
+            if _libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
+                               blocks * cf.ALIGN) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), self.tmp)
+
+    def add(self, records: Sequence[Record], aligned: bool = False, block: Optional[int] = None) -> List[int]:
+        """Write records after those added before, or from block when given (a laid-out file); the first
+        block of each.  aligned: every buffer is known to start and end on a 4 KiB boundary (else each is
+        checked: a read-only view's address costs ~1.4 us)."""
+        firsts, at = [], self.blocks if block is None else block
         for rec in records:
             firsts.append(at)
             at += record_blocks(rec.payload_len)
@@ -123,8 +148,8 @@ class BatchWriter:
             if self._buffered_fd is None:
                 self._buffered_fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
             fd = self._buffered_fd
-        offset = self.blocks * cf.ALIGN
-        self.blocks = at
+        offset = firsts[0] * cf.ALIGN if firsts else self.blocks * cf.ALIGN
+        self.blocks = max(self.blocks, at)
         if self._pool is None:
             cf.pwritev_all(fd, views, offset)
         else:

@@ -169,26 +169,45 @@ class Ledger:
         with self.lock:
             if self.reserved + nbytes > self.capacity:
                 raise StoreFull(f"{self.reserved} bytes of writes in flight, capacity {self.capacity}")
-            victims = []
-            if ns_hash is not None:
-                tenant = self.tenants.tenant(ns_hash, self.index, namespace)
-                limit = self.tenants.quota(namespace) if namespace is not None else None
-                while limit is not None and tenant.bytes + tenant.reserved + nbytes > limit:
-                    victim = self.pop_victim_locked(ns_hash, only=ns_hash)
-                    if victim is None:
-                        break
-                    victims.append(victim)
-                self._within_group_quota_locked(ns_hash, nbytes, victims)
-            while self.used + self.reserved + nbytes > self.capacity:
-                victim = self.pop_victim_locked(ns_hash, nbytes)
-                if victim is None:  # cannot happen while used counts only indexed chunks
+            return self._reserve_locked(nbytes, ns_hash, namespace)
+
+    def reserve_many(self, sizes: Sequence[int], ns_hash: int, namespace: str) -> Tuple[List[Victim], List[bool]]:
+        """reserve for each of sizes (pages of one namespace) in one lock hold: the victims, and which got
+        room (the others are StoreFull: writes in flight fill the tier).  The whole claim at once evicts what
+        claims page by page would, the oldest first, until the batch fits."""
+        with self.lock:
+            total = sum(sizes)
+            if self.reserved + total <= self.capacity:
+                return self._reserve_locked(total, ns_hash, namespace), [True] * len(sizes)
+            victims: List[Victim] = []
+            got: List[bool] = []
+            for nbytes in sizes:
+                got.append(self.reserved + nbytes <= self.capacity)
+                if got[-1]:
+                    victims += self._reserve_locked(nbytes, ns_hash, namespace)
+            return victims, got
+
+    def _reserve_locked(self, nbytes: int, ns_hash: Optional[int], namespace: Optional[str]) -> List[Victim]:
+        victims = []
+        if ns_hash is not None:
+            tenant = self.tenants.tenant(ns_hash, self.index, namespace)
+            limit = self.tenants.quota(namespace) if namespace is not None else None
+            while limit is not None and tenant.bytes + tenant.reserved + nbytes > limit:
+                victim = self.pop_victim_locked(ns_hash, only=ns_hash)
+                if victim is None:
                     break
                 victims.append(victim)
-            self.reserved += nbytes
-            if ns_hash is not None:
-                self.tenants.by_hash[ns_hash].reserved += nbytes
-                self.tenants.held_changed(ns_hash, nbytes)
-            return victims
+            self._within_group_quota_locked(ns_hash, nbytes, victims)
+        while self.used + self.reserved + nbytes > self.capacity:
+            victim = self.pop_victim_locked(ns_hash, nbytes)
+            if victim is None:  # cannot happen while used counts only indexed chunks
+                break
+            victims.append(victim)
+        self.reserved += nbytes
+        if ns_hash is not None:
+            self.tenants.by_hash[ns_hash].reserved += nbytes
+            self.tenants.held_changed(ns_hash, nbytes)
+        return victims
 
     def _within_group_quota_locked(self, ns_hash: int, nbytes: int, victims: List[Victim]) -> None:
         """Evict from the largest namespace of ns_hash's tenant until its quota takes nbytes more (a chunk
@@ -238,10 +257,25 @@ class Ledger:
         replaced: List[Victim] = []
         with self.lock:
             tenant = self.tenants.tenant(ns_hash, self.index, namespace)
-            for digest, disk_size, raw_size, parent, block in pages:
-                old = self._commit_locked(tenant, digest, disk_size, raw_size, stamp, parent, file, block)
+            index, build, policy, total = self.index, self.build, tenant.policy, 0
+            for digest, disk_size, raw_size, parent, block in pages:  # _commit_locked, the sums once a batch
+                old = index.remove(digest)
                 if old is not None:
-                    replaced.append((digest, old))
+                    row = Row(*old)
+                    replaced.append((digest, self._entry(digest, row)))
+                    self._forget_locked(digest, row)
+                index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp, file=file, block=block)
+                if build is not None:
+                    build.committed(digest, tenant.ns_hash)
+                if policy is not None:
+                    policy.insert(digest, parent)
+                total += disk_size
+            self.reserved -= total
+            tenant.reserved -= total
+            self.used += total
+            tenant.bytes += total
+            self.tenants.held_changed(tenant.ns_hash, 0, tenant)  # held + reserved as before: only the order
+            self.tenants.grew(tenant.ns_hash, total)
         return replaced
 
     def _commit_locked(self, tenant: Tenant, digest: int, disk_size: int, raw_size: int, stamp: int,
