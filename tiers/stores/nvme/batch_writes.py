@@ -1,18 +1,21 @@
 """The NVMe tier's batched puts: a put's pages of one namespace into one batch chunk file (tiers/stores/nvme/batch.py).
 
-Per file: the pages are checked and encoded a part (PART_BYTES) at a time;
-each part's bytes are reserved (evicting as needed, and the victims' blocks
-given back before a byte of ours is written: the disk never holds more than
-capacity) and handed to a writer thread while the next part is prepared; one
-fdatasync at the end, the rename, the directory sync, then every page of the
-file is indexed.  A refusal is per page (too large, bytes that do not match the
+Raw pages (the default, no compression): the file is laid out first, every
+page's record reserved in one lock hold (evicting as needed, the victims'
+blocks given back before a byte of ours is written: the disk never holds more
+than capacity) and the file preallocated; then a part at a time (PART_BYTES,
+then twice the part before) the pages are filled, checked against the writer's
+checksum, given their headers in one C call and handed to the writer threads,
+several parts in flight.  Compressed pages have no size until encoded: each
+part is encoded, reserved and appended in turn.  Either way one fdatasync at
+the end, the rename, the directory sync, then every page of the file is
+indexed.  A refusal is per page (too large, bytes that do not match the
 writer's checksum, no room); a failed write refuses every page of its file.
 """
 from __future__ import annotations
 
 import errno
 import os
-from array import array
 import secrets
 import time
 from concurrent.futures import Executor
@@ -21,8 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
                                StoreIOError, accepted_page, total_size)
-from tiers._chunkscan import pack_headers
-from tiers.stores.nvme import batch, chunkfile as cf
+from tiers.stores.nvme import batch, chunkfile as cf, laid_out
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.layout import key_digest, namespace_hash
@@ -150,45 +152,18 @@ class BatchWrites:
         call a part) and written as each is ready, the first after PART_BYTES; one flush, then indexed."""
         t = self.t
         ns_hash = namespace_hash(namespace)
-        # pwritev and the hash take each page's buffers as they are: no view a buffer, no check a page
-        # beyond its size (~7 us a page here through accepted_page).
-        ok = [i for i in idx if 0 < page_bytes[i] <= t.max_page_bytes
-              and (1 + -(-page_bytes[i] // cf.ALIGN)) * cf.ALIGN <= t.capacity]
-        if len(ok) < len(idx):
-            for i in set(idx).difference(ok):
-                out[i] = PageTooLarge(f"page of {page_bytes[i]} bytes not accepted (max {t.max_page_bytes}, "
-                                      f"capacity {t.capacity})")
-        views = [pages[i] for i in ok]
-        sizes = [page_bytes[i] for i in ok]
-        disks = [(1 + -(-size // cf.ALIGN)) * cf.ALIGN for size in sizes]  # batch.record_blocks, inline
-        victims, got = t.ledger.reserve_many(disks, ns_hash, namespace)
-        t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
-        if not all(got):
-            for k in range(len(ok)):
-                if not got[k]:
-                    out[ok[k]] = StoreFull(f"{t.name}: {t.ledger.reserved} bytes of writes in flight, capacity "
-                                           f"{t.capacity}")
-            ok, views, sizes, disks = ([x for x, g in zip(seq, got) if g] for seq in (ok, views, sizes, disks))
-        if not ok:
+        lay = laid_out.lay_out(t, namespace, ns_hash, idx, pages, page_bytes, out)
+        if lay is None:
             return
-        slot = {i: k for k, i in enumerate(ok)}
-        blocks, at = [], 0
-        for disk in disks:
-            blocks.append(at)
-            at += disk // cf.ALIGN
-        held = set(range(len(ok)))  # reservations not yet given back or committed
         file_id, path = self._new_path()
         writer = self._open_writer(path)
         if isinstance(writer, StoreError):
-            self._refuse(ok, held, disks, ns_hash, out, writer)
+            self._refuse(lay, ns_hash, out, writer)
             return
-        headers: List[Optional[memoryview]] = [None] * len(ok)
-        digests: List[int] = [0] * len(ok)
-        gaps: List[Tuple[int, int]] = []
         ns_bytes = namespace.encode()
         try:
-            writer.preallocate(at)
-            for part in _parts(ok, pages):
+            writer.preallocate(lay.blocks_total)
+            for part in _parts(lay.ok, pages):
                 if fill is not None:  # the part's bytes come in now, while the part before goes to the device
                     part_sums = fill(part)
                     for i, page_sum in zip(part, part_sums):
@@ -196,70 +171,47 @@ class BatchWrites:
                 elif page_sums is not None:
                     part_sums = [page_sums[i] for i in part]
                 else:
-                    part_sums = [cf.payload_hash(views[slot[i]]) for i in part]
-                keep = []
-                for i, page_sum in zip(part, part_sums):
-                    k = slot[i]
-                    checksum = checksums[i] if checksums is not None else 0
-                    if checksum and checksum != page_sum:  # bytes changed on their way here: refused, not stored
-                        t.ledger.count("checksum_refused")
-                        out[i] = StoreIOError(f"{t.name}: the page's bytes do not match the writer's checksum")
-                        t.ledger.release(disks[k], ns_hash)
-                        held.discard(k)
-                        gaps.append((blocks[k], disks[k] // cf.ALIGN))
-                    else:
-                        keep.append((k, page_sum, checksum))
-                if not keep:
-                    continue
-                packed = batch.aligned_buffer(len(keep))
-                part_digests = pack_headers(packed, ns_bytes, [keys[ok[k]][1] for k, _s, _c in keep],
-                                            array("Q", [sizes[k] for k, _s, _c in keep]),
-                                            array("Q", [s for _k, s, _c in keep]),
-                                            array("Q", [c for _k, _s, c in keep]))
-                for j, ((k, _s, _c), digest) in enumerate(zip(keep, part_digests)):
-                    digests[k] = digest
-                    headers[k] = packed[j * cf.ALIGN:(j + 1) * cf.ALIGN]
-                ordered = [k for k, _s, _c in keep]
-                for first, end in _runs([blocks[k] for k in ordered], [disks[k] for k in ordered]):
-                    run = ordered[first:end]
-                    writer.add([batch.Record(headers[k], views[k], sizes[k]) for k in run], aligned,
-                               block=blocks[run[0]])
+                    part_sums = [cf.payload_hash(pages[i]) for i in part]
+                laid_out.write_part(t, lay, writer, part, part_sums, checksums, keys, ns_bytes, ns_hash, out,
+                                    aligned)
                 time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
-            if not held:
+            if not lay.held:
                 writer.abort()
                 return
-            if gaps:
-                writer.punch(gaps)
+            if lay.gaps:
+                writer.punch(lay.gaps)
             writer.finish(t.fsync)
             if t.fsync:
                 t.dirsync.sync(os.path.dirname(path))
         except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
             writer.abort()
-            self._refuse(ok, held, disks, ns_hash, out, exc, keep_first=True)
+            self._refuse(lay, ns_hash, out, exc)
             return
         except (OSError, ValueError) as exc:  # ValueError: a namespace and key too long for a header
             writer.abort()
-            err = (StoreFull(f"{t.name}: {exc.strerror}") if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
-                   else StoreIOError(f"{t.name}: writing {path}: {getattr(exc, 'strerror', None) or exc}"))
-            self._refuse(ok, held, disks, ns_hash, out, err)
+            full = isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+            reason = getattr(exc, "strerror", None) or exc
+            self._refuse(lay, ns_hash, out, StoreFull(f"{t.name}: {reason}") if full
+                         else StoreIOError(f"{t.name}: writing {path}: {reason}"))
             return
-        done = sorted(held)
+        done = sorted(lay.held)
         stamp = max(1, int(time.monotonic()))
         for digest, replaced in t.ledger.commit_many(
                 ns_hash, namespace, stamp, file_id,
-                [(digests[k], disks[k], sizes[k], _parent_digest(namespace, parents[ok[k]]), blocks[k])
-                 for k in done]):
+                [(lay.digests[k], lay.disks[k], lay.sizes[k], _parent_digest(namespace, parents[lay.ok[k]]),
+                  lay.blocks[k]) for k in done]):
             t.replaced(digest, replaced)
-        t.ledger.wrote(sum(sizes[k] for k in done), sum(sizes[k] for k in done), len(done))
+        written = sum(lay.sizes[k] for k in done)
+        t.ledger.wrote(written, written, len(done))
 
-    def _refuse(self, ok: List[int], held: set, disks: List[int], ns_hash: int, out: list, err: StoreError,
-                keep_first: bool = False) -> None:
-        """Every page of a file that failed is refused (keep_first: a refusal a page already has stays) and
-        its reservation given back."""
-        for k in held:
-            self.t.ledger.release(disks[k], ns_hash)
-        for i in ok:
-            out[i] = (out[i] or err) if keep_first else err
+    def _refuse(self, lay: laid_out.Layout, ns_hash: int, out: list, err: StoreError) -> None:
+        """Every page of a file that failed is refused (a refusal a page has already stays) and the
+        reservations still held given back."""
+        for k in lay.held:
+            self.t.ledger.release(lay.disks[k], ns_hash)
+        lay.held.clear()
+        for i in lay.ok:
+            out[i] = out[i] or err
 
     def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
                     fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
@@ -370,14 +322,3 @@ def _parts(idx: List[int], pages, first: int = PART_BYTES) -> List[List[int]]:
 
 def _parent_digest(namespace: str, parent) -> Optional[int]:
     return key_digest(namespace, parent) if isinstance(parent, str) and parent else None
-
-
-def _runs(blocks: List[int], disks: List[int]) -> List[Tuple[int, int]]:
-    """(first, end) positions of records that lie back to back on disk (one write each)."""
-    runs: List[Tuple[int, int]] = []
-    for k in range(len(blocks)):
-        if runs and blocks[runs[-1][1] - 1] + disks[runs[-1][1] - 1] // cf.ALIGN == blocks[k]:
-            runs[-1] = (runs[-1][0], k + 1)
-        else:
-            runs.append((k, k + 1))
-    return runs
