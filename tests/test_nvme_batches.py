@@ -127,8 +127,8 @@ def test_a_batch_cut_short_by_a_crash_is_never_served(make_store, tmp_path):
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "scan"])
 def test_a_page_refused_after_its_file_was_laid_out_leaves_a_hole_and_a_restart_skips_it(make_store, tmp_path,
                                                                                          snapshot):
-    """A batch file is laid out and preallocated before its pages' bytes are checked: a page whose bytes do
-    not match its writer's checksum is refused there, and its record's blocks go back (a hole), so the disk
+    """A batch file is laid out (each record's block and room) before its pages' bytes are checked: a page
+    whose bytes do not match its writer's checksum is refused there and its record is a hole, so the disk
     holds what the index counts; a restart, by snapshot or by scan, finds the other pages and not that one."""
     store = make_store(index_snapshot=snapshot)
     keys = [("ns", f"h{i}") for i in range(6)]
@@ -136,11 +136,11 @@ def test_a_page_refused_after_its_file_was_laid_out_leaves_a_hole_and_a_restart_
     import xxhash
     sums = [xxhash.xxh3_64_intdigest(d) for d in data]
     sums[2] ^= 1
-    sums[5] ^= 1  # the last record too: the file keeps its size, its tail a hole
+    sums[5] ^= 1  # the last record too: the file ends before it
     out = store.put_many_with_sums(keys, [[memoryview(d)] for d in data], [None] * 6, time.time() + 30, sums)
     assert [i for i, e in enumerate(out) if e is not None] == [2, 5]
     (path,) = batch_files(tmp_path / "nvme")
-    assert os.path.getsize(path) == 6 * RECORD and disk_bytes(tmp_path / "nvme") == 4 * RECORD
+    assert os.path.getsize(path) == 5 * RECORD and disk_bytes(tmp_path / "nvme") == 4 * RECORD
     assert store.stats().used_bytes == 4 * RECORD
     store.close()
     again = make_store(index_snapshot=snapshot)

@@ -113,19 +113,9 @@ class BatchWriter:
         self.blocks = 0  # blocks written or being written
         self.direct_parts = 0
 
-    def preallocate(self, blocks: int) -> None:
-        """Give the file its whole size now (the put laid its records out ahead): writes that do not extend
-        the file may run at once (ext4 serializes O_DIRECT writes that extend one), so a small first part
-        starts the device early without costing its throughput.  A file system without fallocate is left
-        as it is; ENOSPC raises (the put fails as a write would)."""
-        if _libc.fallocate(self._fd, 0, 0, blocks * cf.ALIGN) != 0:
-            err = ctypes.get_errno()
-            if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                raise OSError(err, os.strerror(err), self.tmp)
-
     def punch(self, ranges: Sequence[Tuple[int, int]]) -> None:
         """Give back (first block, blocks) ranges laid out for pages refused after all (their bytes did not
-        match their sums): never written, they would hold preallocated blocks the index does not count."""
+        match their sums): a hole already where nothing was written past them, and certain to be one."""
         for block, blocks in ranges:
             if _libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
                                blocks * cf.ALIGN) != 0:

@@ -3,11 +3,11 @@
 Raw pages (the default, no compression): the file is laid out first, every
 page's record reserved in one lock hold (evicting as needed, the victims'
 blocks given back before a byte of ours is written: the disk never holds more
-than capacity) and the file preallocated; then a part at a time (PART_BYTES,
-then twice the part before) the pages are filled, checked against the writer's
-checksum, given their headers in one C call and handed to the writer threads,
-several parts in flight.  Compressed pages have no size until encoded: each
-part is encoded, reserved and appended in turn.  Either way one fdatasync at
+than capacity); then a part at a time (PART_BYTES, then twice the part
+before) the pages are filled, checked against the writer's checksum, given
+their headers in one C call and handed to a writer thread while the next part
+is prepared.  Compressed pages have no size until encoded: each part is
+encoded, reserved and appended in turn.  Either way one fdatasync at
 the end, the rename, the directory sync, then every page of the file is
 indexed.  A refusal is per page (too large, bytes that do not match the
 writer's checksum, no room); a failed write refuses every page of its file.
@@ -31,16 +31,14 @@ from tiers.stores.nvme.layout import key_digest, namespace_hash
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
 
 BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
-# Bytes of raw pages prepared (filled, checked, given headers) and handed to the device at a time, the first
-# part of a file; each next part is twice the one before, up to MAX_PART_BYTES.  The file is laid out and
-# preallocated first, so parts go to the device as they are ready, two at once (the writers), none
-# extending the file: 64 KiB pages as parts of 8, 24, 32 and 64 pages ran as fast as one write of the batch
-# here (10.1 against 10.4-11.0 ms for 8.5 MiB), and the device starts after 8 pages' work, not 64.
-PART_BYTES = 512 << 10
-# Compressed pages have no size until encoded: their file is not laid out ahead, each part extends it, and
-# ext4 serializes such writes, so a write's size is the device's queue depth (one 8.5 MiB O_DIRECT pwritev
-# of 64 KiB records ran 1.03 GB/s here, 1 MiB ones 0.88; from 4 MiB on they are equal).
-ENCODED_PART_BYTES = 4 << 20
+# Bytes prepared (filled, checked, given headers) and handed to the device at a time within one file, the
+# first part; each next part is twice the one before, up to MAX_PART_BYTES.  The first part's preparation is
+# the device's idle start, yet smaller writes cost throughput: each part extends the file and ext4 serializes
+# O_DIRECT writes that extend one, so a write's size is the device's queue depth (one 8.5 MiB O_DIRECT
+# pwritev of 64 KiB records ran 1.03 GB/s here, 1 MiB ones 0.88; from 4 MiB on they are equal).  A file
+# preallocated whole, parts of 512 KiB doubling, several in flight, started the device 1.5 ms sooner and
+# wrote 256 KiB pages 25-30% slower through the daemon (scripts/ab_nvme_put.py, both orders): not kept.
+PART_BYTES = 4 << 20
 MAX_PART_BYTES = 64 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -148,8 +146,8 @@ class BatchWrites:
     def _write_raw_file(self, namespace: str, idx: List[int], keys, pages, page_bytes: List[int], parents,
                         checksums, page_sums, fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put, stored raw, into one new batch file laid out ahead: every page's room reserved
-        in one lock hold and the file preallocated, then parts filled, checked, given their headers (one C
-        call a part) and written as each is ready, the first after PART_BYTES; one flush, then indexed."""
+        in one lock hold, then parts filled, checked, given their headers (one C call a part) and written
+        while the next is prepared; one flush, then indexed."""
         t = self.t
         ns_hash = namespace_hash(namespace)
         lay = laid_out.lay_out(t, namespace, ns_hash, idx, pages, page_bytes, out)
@@ -162,7 +160,6 @@ class BatchWrites:
             return
         ns_bytes = namespace.encode()
         try:
-            writer.preallocate(lay.blocks_total)
             for part in _parts(lay.ok, pages):
                 if fill is not None:  # the part's bytes come in now, while the part before goes to the device
                     part_sums = fill(part)
@@ -226,7 +223,7 @@ class BatchWrites:
             return
         written: List[Tuple[_Pending, int]] = []
         try:
-            for part in _parts(idx, pages, ENCODED_PART_BYTES):
+            for part in _parts(idx, pages):
                 if fill is not None:  # the part's bytes come in now, while the part before goes to the device
                     for i, checksum in zip(part, fill(part)):
                         page_sums[i] = checksum
@@ -306,11 +303,11 @@ class BatchWrites:
                 return file_id, path
 
 
-def _parts(idx: List[int], pages, first: int = PART_BYTES) -> List[List[int]]:
-    """idx cut into parts of first bytes, then twice the part before, up to MAX_PART_BYTES (a page at least):
+def _parts(idx: List[int], pages) -> List[List[int]]:
+    """idx cut into parts of PART_BYTES, then twice the part before, up to MAX_PART_BYTES (a page at least):
     the device starts early, and later writes are larger."""
     parts: List[List[int]] = [[]]
-    at, limit = 0, first
+    at, limit = 0, PART_BYTES
     for i in idx:
         if at >= limit:
             parts.append([])

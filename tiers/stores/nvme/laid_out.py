@@ -1,10 +1,11 @@
 """Raw pages into a batch file laid out ahead (tiers/stores/nvme/batch_writes.py's default path).
 
-Before a byte is written the file's records get their blocks and their room
-(one lock hold for the file) and the file its whole size, so its parts go to
-the device as each is ready, none extending the file.  Each part's pages are
-checked against their writers' checksums and their headers and key digests
-packed in one C call (tiers/_chunkscan.c pack_headers).
+Before a byte is written each of the file's records gets its block and its
+room on disk (one lock hold for the file: the victims' blocks are given back
+first).  Each part's pages are then checked against their writers' checksums,
+their headers and key digests packed in one C call (tiers/_chunkscan.c
+pack_headers), and runs of them handed to the writer threads at their blocks;
+a page refused there leaves a hole.
 """
 from __future__ import annotations
 
