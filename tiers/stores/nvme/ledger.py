@@ -29,7 +29,7 @@ from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.batch import batch_path
 from tiers.stores.nvme.build_log import BuildLog
 from tiers.stores.nvme.layout import chunk_path
-from tiers.stores.nvme.tenants import Tenant, Tenants
+from tiers.stores.nvme.tenants import Tenants
 
 
 @dataclass
@@ -246,9 +246,8 @@ class Ledger:
         """A reserved write is on disk under its final name (its own file, or a record of batch chunk file):
         index it, replacing any older version; the version replaced (the caller gives back its record when
         it lies in a batch chunk, or its file when the new one does), or None."""
-        with self.lock:
-            return self._commit_locked(self.tenants.tenant(ns_hash, self.index, namespace), digest, disk_size,
-                                       raw_size, stamp, parent, file, block)
+        replaced = self.commit_many(ns_hash, namespace, stamp, file, [(digest, disk_size, raw_size, parent, block)])
+        return replaced[0][1] if replaced else None
 
     def commit_many(self, ns_hash: int, namespace: str, stamp: int, file: int,
                     pages: Sequence[Tuple[int, int, int, Optional[int], int]]) -> List[Victim]:
@@ -258,7 +257,7 @@ class Ledger:
         with self.lock:
             tenant = self.tenants.tenant(ns_hash, self.index, namespace)
             index, build, policy, total = self.index, self.build, tenant.policy, 0
-            for digest, disk_size, raw_size, parent, block in pages:  # _commit_locked, the sums once a batch
+            for digest, disk_size, raw_size, parent, block in pages:  # the byte counts once a batch, below
                 old = index.remove(digest)
                 if old is not None:
                     row = Row(*old)
@@ -276,27 +275,6 @@ class Ledger:
             tenant.bytes += total
             self.tenants.held_changed(tenant.ns_hash, 0, tenant)  # held + reserved as before: only the order
             self.tenants.grew(tenant.ns_hash, total)
-        return replaced
-
-    def _commit_locked(self, tenant: Tenant, digest: int, disk_size: int, raw_size: int, stamp: int,
-                       parent: Optional[int], file: int, block: int) -> Optional[Entry]:
-        self.reserved -= disk_size
-        tenant.reserved -= disk_size
-        old = self.index.remove(digest)
-        replaced = None
-        if old is not None:
-            row = Row(*old)
-            replaced = self._entry(digest, row)
-            self._forget_locked(digest, row)
-        self.index.insert(digest, tenant.number, disk_size, raw=raw_size, stamp=stamp, file=file, block=block)
-        if self.build is not None:
-            self.build.committed(digest, tenant.ns_hash)
-        self.used += disk_size
-        tenant.bytes += disk_size
-        self.tenants.held_changed(tenant.ns_hash, 0, tenant)  # held + reserved as before: only the order
-        self.tenants.grew(tenant.ns_hash, disk_size)
-        if tenant.policy is not None:
-            tenant.policy.insert(digest, parent)
         return replaced
 
     def _forget_locked(self, digest: int, row: Row) -> None:
