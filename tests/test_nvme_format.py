@@ -28,6 +28,33 @@ def test_header_round_trip_and_every_byte_checked():
             cf.parse_header(damaged)
 
 
+def test_a_parts_headers_packed_in_c_are_the_python_headers_byte_for_byte():
+    """The batch put packs a part's headers and key digests in one C call (tiers/_chunkscan.c pack_headers):
+    each block is what chunkfile.pack_header writes and parse_header accepts, each digest the page's
+    key_digest; a namespace and key that do not fit a header are a ValueError, not a torn block."""
+    from array import array
+    from tiers._chunkscan import pack_headers
+    keys = ["a" * 64, "k\u00e9y-\u4e2d", "x"]
+    raw = array("Q", [65536, 4096, 1 << 33])
+    sums = array("Q", [11, 22, (1 << 64) - 1])
+    writer = array("Q", [11, 0, (1 << 64) - 1])  # 0: the writer sent no checksum (no flag)
+    blocks = bytearray(3 * cf.HEADER_SIZE)
+    digests = pack_headers(blocks, "ns/\u00fc".encode(), keys, raw, sums, writer)
+    for k, key in enumerate(keys):
+        want = bytearray(cf.HEADER_SIZE)
+        cf.pack_header(memoryview(want), "ns/\u00fc", key, 0, raw[k], raw[k], sums[k], writer[k])
+        got = blocks[k * cf.HEADER_SIZE:(k + 1) * cf.HEADER_SIZE]
+        assert got == want
+        header = cf.parse_header(got)
+        assert (header.key, header.raw_len, header.payload_hash, header.page_sum) == (key, raw[k], sums[k], writer[k])
+        assert digests[k] == key_digest("ns/\u00fc", key)
+    with pytest.raises(ValueError, match="too long"):
+        pack_headers(bytearray(cf.HEADER_SIZE), b"ns", ["k" * 4040], array("Q", [1]), array("Q", [1]),
+                     array("Q", [1]))
+    with pytest.raises(ValueError, match="a 4 KiB block"):
+        pack_headers(bytearray(100), b"ns", ["k"], array("Q", [1]), array("Q", [1]), array("Q", [1]))
+
+
 def test_names_are_hashes_under_a_two_level_fanout(tmp_path):
     digest, ns_hash = key_digest("ns", "../../etc/passwd"), namespace_hash("ns")
     path = chunk_path(str(tmp_path), ns_hash, digest)
