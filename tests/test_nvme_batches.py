@@ -151,6 +151,44 @@ def test_a_page_refused_after_its_file_was_laid_out_leaves_a_hole_and_a_restart_
     assert again.stats().used_bytes == 4 * RECORD and again.stats().extra["corrupt_removed"] == 0
 
 
+def test_a_batch_into_a_full_tier_evicts_at_most_a_bounded_amount_a_lock_hold(make_store):
+    """Every lookup of the tier waits on the ledger's lock: a put of a whole 64 MiB file into a full tier
+    reserves its records (and evicts for them) RESERVE_HOLD_BYTES at a time, each in a hold of its own."""
+    import threading
+    from tiers.stores.nvme import ledger as ledger_mod
+    n = 3 * (ledger_mod.RESERVE_HOLD_BYTES // RECORD) + 5
+    store = make_store(capacity=n * RECORD, fsync=False)
+    put_batch(store, [f"old{i}" for i in range(n)], range(n))  # full
+    ledger = store._ledger
+    holds, evicted = [0], []
+
+    class CountedLock:
+        def __init__(self):
+            self.inner = threading.Lock()
+
+        def __enter__(self):
+            self.inner.acquire()
+            holds[0] += 1
+
+        def __exit__(self, *exc):
+            self.inner.release()
+    ledger.lock = CountedLock()
+    real_pop = ledger.pop_victim_locked
+
+    def counted_pop(*args, **kw):
+        victim = real_pop(*args, **kw)
+        if victim is not None:
+            evicted.append(holds[0])
+        return victim
+    ledger.pop_victim_locked = counted_pop
+    keys = put_batch(store, [f"new{i}" for i in range(n)], range(1000, 1000 + n))
+    per_hold = {h: evicted.count(h) for h in set(evicted)}
+    assert len(evicted) == n and len(per_hold) >= 4, per_hold
+    assert max(per_hold.values()) * RECORD <= ledger_mod.RESERVE_HOLD_BYTES, per_hold
+    found, data = read_all(store, keys)
+    assert found == [True] * n and data == [page(1000 + i) for i in range(n)]
+
+
 def test_a_page_rewritten_lives_in_its_newest_batch(make_store):
     store = make_store()
     put_batch(store, ["x", "y"], [1, 2])

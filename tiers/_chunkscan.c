@@ -191,8 +191,8 @@ static void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 /* pack_headers(blocks, namespace, keys, raw_lens, payload_sums, writer_sums) -> [digest, ...]: the header of
    each raw (uncompressed) page of a part, block k of blocks for keys[k], and each page's key digest
    (xxh3_128 of namespace, NUL, key: tiers/wire/protocol.py key_digest).  The arrays are uint64, one a key.
-   ValueError (nothing to trust in blocks) when a namespace and key do not fit a header; the caller then
-   takes the page-by-page path, which refuses that page alone.  The Python path did ~3 us of struct packing,
+   ValueError (nothing to trust in blocks) when a namespace and key do not fit a header: the caller refuses
+   the file's pages (the protocol's limits on namespaces and keys keep them far below it).  The Python path did ~3 us of struct packing,
    hashing and a dataclass a page; a part of 64 pages is one call. */
 static PyObject *pack_headers(PyObject *self, PyObject *args) {
     (void)self;

@@ -44,6 +44,7 @@ import socket
 import struct
 import time
 from collections import OrderedDict
+from itertools import islice
 from typing import Callable, Dict, Optional
 
 import zmq
@@ -282,7 +283,8 @@ class ConnectionGuard:
         """The oldest unidentified connection (of the STALLED_SCAN oldest) whose peer sent no more than a
         handshake's opening (STALLED_BYTES: what anyone may send without a key), or that waited GRACE_S: a
         client that got through CurveZMQ has sent its INITIATE, and its request is on its way."""
-        for fd, since in list(self._by_tenant.get(_UNIDENTIFIED, {}).items())[:STALLED_SCAN]:
+        # islice: under a flood thousands wait, and every newcomer past the share looks here.
+        for fd, since in list(islice(self._by_tenant.get(_UNIDENTIFIED, {}).items(), STALLED_SCAN)):
             if now - since >= GRACE_S:
                 return fd
             conn = self._duplicate(fd)

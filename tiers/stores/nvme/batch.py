@@ -126,7 +126,8 @@ class BatchWriter:
         """Write records after those added before, or from block when given (a laid-out file); the first
         block of each.  aligned: every buffer is known to start and end on a 4 KiB boundary (else each is
         checked: a read-only view's address costs ~1.4 us)."""
-        firsts, at = [], self.blocks if block is None else block
+        at = self.blocks if block is None else block
+        offset, firsts = at * cf.ALIGN, []
         for rec in records:
             firsts.append(at)
             at += record_blocks(rec.payload_len)
@@ -138,7 +139,6 @@ class BatchWriter:
             if self._buffered_fd is None:
                 self._buffered_fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
             fd = self._buffered_fd
-        offset = firsts[0] * cf.ALIGN if firsts else self.blocks * cf.ALIGN
         self.blocks = max(self.blocks, at)
         if self._pool is None:
             cf.pwritev_all(fd, views, offset)

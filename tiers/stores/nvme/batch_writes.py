@@ -91,7 +91,7 @@ class BatchWrites:
             page_sums = [0] * len(keys)
             if checksums is None:  # the daemon hashed for the writer: a page's checksum is its fill's sum,
                 checksums = page_sums  # read by _record once its part is filled
-        sizes = [sum(b.nbytes for b in page) for page in pages]
+        sizes = [total_size(page) for page in pages]
         namespace = keys[0][0] if keys else ""
         if all(key[0] == namespace for key in keys):  # an engine's put: one namespace
             groups = {namespace: list(range(len(keys)))}
@@ -146,7 +146,7 @@ class BatchWrites:
     def _write_raw_file(self, namespace: str, idx: List[int], keys, pages, page_bytes: List[int], parents,
                         checksums, page_sums, fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put, stored raw, into one new batch file laid out ahead: every page's room reserved
-        in one lock hold, then parts filled, checked, given their headers (one C call a part) and written
+        first, then parts filled, checked, given their headers (one C call a part) and written
         while the next is prepared; one flush, then indexed."""
         t = self.t
         ns_hash = namespace_hash(namespace)

@@ -1,7 +1,7 @@
 """Raw pages into a batch file laid out ahead (tiers/stores/nvme/batch_writes.py's default path).
 
 Before a byte is written each of the file's records gets its block and its
-room on disk (one lock hold for the file: the victims' blocks are given back
+room on disk (Ledger.reserve_many: the victims' blocks are given back
 first).  Each part's pages are then checked against their writers' checksums,
 their headers and key digests packed in one C call (tiers/_chunkscan.c
 pack_headers), and runs of them handed to the writer threads at their blocks;
@@ -30,7 +30,6 @@ class Layout:
     sizes: List[int]  # each page's bytes
     disks: List[int]  # each record's bytes on disk (header, payload, padding)
     blocks: List[int]  # each record's first 4 KiB block
-    blocks_total: int
     slot: Dict[int, int]  # position -> k
     held: Set[int]  # records whose reservation is neither given back nor committed
     gaps: List[Tuple[int, int]]  # (block, blocks) of records refused after the layout: punched out
@@ -44,12 +43,16 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
     at once); refusals to out.  None when no page got room."""
     # pwritev and the hash take each page's buffers as they are: no view a buffer, no check a page
     # beyond its size (~7 us a page here through accepted_page).
-    ok = [i for i in idx if 0 < page_bytes[i] <= t.max_page_bytes
-          and (1 + -(-page_bytes[i] // cf.ALIGN)) * cf.ALIGN <= t.capacity]
-    for i in set(idx).difference(ok):
-        out[i] = PageTooLarge(f"page of {page_bytes[i]} bytes not accepted (max {t.max_page_bytes}, capacity "
-                              f"{t.capacity})")
-    disks = [(1 + -(-page_bytes[i] // cf.ALIGN)) * cf.ALIGN for i in ok]  # batch.record_blocks, inline
+    ok: List[int] = []
+    disks: List[int] = []
+    for i in idx:
+        disk = batch.record_blocks(page_bytes[i]) * cf.ALIGN
+        if 0 < page_bytes[i] <= t.max_page_bytes and disk <= t.capacity:
+            ok.append(i)
+            disks.append(disk)
+        else:
+            out[i] = PageTooLarge(f"page of {page_bytes[i]} bytes not accepted (max {t.max_page_bytes}, "
+                                  f"capacity {t.capacity})")
     victims, got = t.ledger.reserve_many(disks, ns_hash, namespace)
     t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
     if not all(got):
@@ -64,7 +67,7 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
     for disk in disks:
         blocks.append(at)
         at += disk // cf.ALIGN
-    return Layout(ok, [pages[i] for i in ok], [page_bytes[i] for i in ok], disks, blocks, at,
+    return Layout(ok, [pages[i] for i in ok], [page_bytes[i] for i in ok], disks, blocks,
                   {i: k for k, i in enumerate(ok)}, set(range(len(ok))), [], [None] * len(ok), [0] * len(ok))
 
 

@@ -32,6 +32,9 @@ from tiers.stores.nvme.layout import chunk_path
 from tiers.stores.nvme.tenants import Tenants
 
 
+RESERVE_HOLD_BYTES = 8 << 20  # records a batch reserves (and evicts for) in one hold of the lock at most
+
+
 @dataclass
 class Entry:
     """A chunk as its row read when asked: gen names that version (a newer write of the page is another)."""
@@ -172,20 +175,28 @@ class Ledger:
             return self._reserve_locked(nbytes, ns_hash, namespace)
 
     def reserve_many(self, sizes: Sequence[int], ns_hash: int, namespace: str) -> Tuple[List[Victim], List[bool]]:
-        """reserve for each of sizes (pages of one namespace) in one lock hold: the victims, and which got
-        room (the others are StoreFull: writes in flight fill the tier).  The whole claim at once evicts what
-        claims page by page would, the oldest first, until the batch fits."""
-        with self.lock:
-            total = sum(sizes)
-            if self.reserved + total <= self.capacity:
-                return self._reserve_locked(total, ns_hash, namespace), [True] * len(sizes)
-            victims: List[Victim] = []
-            got: List[bool] = []
-            for nbytes in sizes:
-                got.append(self.reserved + nbytes <= self.capacity)
-                if got[-1]:
-                    victims += self._reserve_locked(nbytes, ns_hash, namespace)
-            return victims, got
+        """reserve for each of sizes (pages of one namespace): the victims, and which got room (the others
+        are StoreFull: writes in flight fill the tier).  Up to RESERVE_HOLD_BYTES of claims a lock hold (every
+        lookup waits on it), evicting what claims page by page would, the oldest first."""
+        victims: List[Victim] = []
+        got: List[bool] = []
+        first = 0
+        while first < len(sizes):
+            last, total = first + 1, sizes[first]
+            while last < len(sizes) and total + sizes[last] <= RESERVE_HOLD_BYTES:
+                total += sizes[last]
+                last += 1
+            with self.lock:
+                if self.reserved + total <= self.capacity:
+                    victims += self._reserve_locked(total, ns_hash, namespace)
+                    got += [True] * (last - first)
+                else:
+                    for nbytes in sizes[first:last]:
+                        got.append(self.reserved + nbytes <= self.capacity)
+                        if got[-1]:
+                            victims += self._reserve_locked(nbytes, ns_hash, namespace)
+            first = last
+        return victims, got
 
     def _reserve_locked(self, nbytes: int, ns_hash: Optional[int], namespace: Optional[str]) -> List[Victim]:
         victims = []
