@@ -1,9 +1,9 @@
 """The NVMe tier's batched puts: a put's pages of one namespace into one batch chunk file (tiers/stores/nvme/batch.py).
 
 Raw pages (the default, no compression): the file is laid out first, every
-page's record reserved in one lock hold (evicting as needed, the victims'
-blocks given back before a byte of ours is written: the disk never holds more
-than capacity); then a part at a time (PART_BYTES, then twice the part
+page's record reserved (at most 8 MiB of records a lock hold, evicting as
+needed, the victims' blocks given back before a byte of ours is written: the
+disk never holds more than capacity); then a part at a time (PART_BYTES, then twice the part
 before) the pages are filled, checked against the writer's checksum, given
 their headers in one C call and handed to a writer thread while the next part
 is prepared.  Compressed pages have no size until encoded: each part is
