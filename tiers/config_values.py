@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any, Callable, List, Optional
 
-from tiers.plugins import POLICY_FILE, PluginError, policy_class, policy_names
+from tiers.plugins import BUILTIN_POLICIES, POLICY_FILE, PluginError, policy_class, policy_names
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
               "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -124,5 +124,7 @@ def _policy(value: Any, where: str) -> str:
             policy_class(value)
         except PluginError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        return value
+    if value in BUILTIN_POLICIES:  # no look at the installed plug-ins' metadata (a daemon's start)
         return value
     return _choice(*policy_names())(value, where)

@@ -163,6 +163,9 @@ def ping(endpoint: str, timeout: float = 0.5, curve: Optional[security.CurveSett
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A daemon still starting has no socket yet: libzmq retries the connect every RECONNECT_IVL (100 ms by
+    # default), which a start's wait would add to every restart it times.
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)
     try:
         security.apply_client(sock, endpoint, curve)  # CurveZMQ keys of a tcp:// endpoint that has them
         sock.connect(endpoint)
