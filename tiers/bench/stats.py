@@ -8,6 +8,11 @@ import time
 from typing import Callable, Dict, List, Optional
 
 
+def size_label(page_bytes: int) -> str:
+    """The page size in figure names: "64KiB", "1MiB"."""
+    return f"{page_bytes >> 20}MiB" if page_bytes % (1 << 20) == 0 else f"{page_bytes >> 10}KiB"
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-12) / 1e9
 

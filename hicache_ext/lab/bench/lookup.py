@@ -1,4 +1,4 @@
-"""Prefix-lookup latency through the real backend (``batch_exists``), and the ZeroMQ round trip under it."""
+"""Prefix-lookup latency through the real backend (``batch_exists``), with the ZeroMQ round trip under it."""
 from __future__ import annotations
 
 import os
@@ -78,19 +78,3 @@ def _latencies(figs: Figures, rank: Rank, batches: dict, calls: int, echo=None) 
         figs.set(f"{name}.p99", percentile(values, 99) * 1e6, "us")
     return True
 
-
-def run_zmq(figs: Figures, args, progress: Progress) -> None:
-    """The 64-byte ZeroMQ round trip to another process, ipc and tcp (the floor under any lookup)."""
-    calls = 500 if args.quick else 2000
-    for transport, endpoint in (("ipc", f"ipc://{os.path.join(args.work_dir, 'echo.sock')}"),
-                                ("tcp", "tcp://127.0.0.1:%d" % _port())):
-        progress.step(f"zmq: {transport} round trips")
-        os.makedirs(args.work_dir, exist_ok=True)
-        samples = limits.zmq_round_trips(endpoint, calls)
-        figs.set(f"limit.zmq_rtt.{transport}.p50", percentile(samples, 50) * 1e6, "us")
-        figs.set(f"limit.zmq_rtt.{transport}.p99", percentile(samples, 99) * 1e6, "us")
-
-
-def _port() -> int:
-    from tiers.stores.remote.loopback import free_ports
-    return free_ports(1)[0]

@@ -8,8 +8,8 @@ import subprocess
 import time
 
 from hicache_ext.lab.bench.project import measure
-from hicache_ext.lab.bench.rig import MiB, Rank, size_label
-from tiers.bench.stats import Figures, Progress
+from hicache_ext.lab.bench.rig import MiB, Rank
+from tiers.bench.stats import Figures, Progress, size_label
 from tiers.ops.node_runner import stop_process
 from tiers.stores.remote.loopback import free_ports
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, Optional
 
-from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, size_label, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
 from tiers.bench import limits
-from tiers.bench.stats import Figures, Progress, gbps, timed
+from tiers.bench.stats import Figures, Progress, gbps, size_label, timed
 from tiers.stores.remote.loopback import free_ports, pool_config
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")

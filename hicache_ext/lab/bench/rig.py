@@ -28,11 +28,6 @@ def page_shape(page_bytes: int):
     return shape, page_bytes // token
 
 
-def size_label(page_bytes: int) -> str:
-    """The page size in figure names: "64KiB", "1MiB"."""
-    return f"{page_bytes // MiB}MiB" if page_bytes % MiB == 0 else f"{page_bytes // KiB}KiB"
-
-
 def _size(nbytes: int) -> str:
     return f"{max(1, -(-nbytes // MiB))}MiB"
 

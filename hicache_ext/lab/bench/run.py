@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import shlex
@@ -10,9 +11,8 @@ import sys
 import time
 import traceback
 
-from hicache_ext.lab.bench.rig import size_label
 from tiers.bench import machine, report
-from tiers.bench.stats import Figures, Progress
+from tiers.bench.stats import Figures, Progress, size_label
 
 PER_SIZE = ("dram", "sealed", "file", "nvme", "remote", "policies", "mooncake")  # in this order for each page size
 ONCE = ("zmq", "lookup", "ranks", "restart")
@@ -20,12 +20,17 @@ LAST = ("ttft",)  # a real SGLang server: after everything else, at the model's 
 PARTS = ONCE[:2] + PER_SIZE + ONCE[2:] + LAST
 
 
+# Each part's module and function, imported when the part runs: all but the round trips load torch and SGLang
+# (10 s here), which a run of the round trips alone (scripts/ab_bench.py's quickest A/B) need not pay.
+RUNNERS = {"zmq": "round_trip:run_zmq", "lookup": "lookup:run_lookup", "ranks": "ranks:run_ranks",
+           "restart": "restart:run_restart", "ttft": "ttft:run_ttft", "dram": "project:run_dram",
+           "sealed": "project:run_sealed", "nvme": "project:run_nvme", "remote": "project:run_remote",
+           "policies": "project:run_policies", "file": "peers:run_file", "mooncake": "peers:run_mooncake"}
+
+
 def _runner(part: str):
-    from hicache_ext.lab.bench import lookup, peers, project, ranks, restart, ttft
-    return {"zmq": lookup.run_zmq, "lookup": lookup.run_lookup, "ranks": ranks.run_ranks,
-            "restart": restart.run_restart, "ttft": ttft.run_ttft,
-            "dram": project.run_dram, "sealed": project.run_sealed, "nvme": project.run_nvme, "remote": project.run_remote,
-            "policies": project.run_policies, "file": peers.run_file, "mooncake": peers.run_mooncake}[part]
+    module, _, function = RUNNERS[part].partition(":")
+    return getattr(importlib.import_module(f"hicache_ext.lab.bench.{module}"), function)
 
 
 def _command_line() -> str:

@@ -24,9 +24,9 @@ import shutil
 from pathlib import Path
 from typing import Dict, List
 
-from hicache_ext.lab.bench.rig import MiB, Node, Rank, node_toml, size_label, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, node_toml, tier_toml
 from hicache_ext.lab.server import ModelSpec, SGLangServer, ServerOptions, random_llama
-from tiers.bench.stats import Figures, Progress
+from tiers.bench.stats import Figures, Progress, size_label
 from tiers.stores.remote.loopback import free_ports, pool_config
 
 PAGE_TOKENS = 16
