@@ -437,3 +437,40 @@ def test_chunks_without_a_page_checksum_still_read(make_store):
     cf.pack_header(block, "ns", "old", 0, PAGE, PAGE, hdr.payload_hash, hdr.payload_hash ^ 1)
     with pytest.raises(cf.CorruptChunk, match="page checksum"):
         cf.parse_header(block)
+def test_a_scan_estimated_large_is_not_waited_for_and_runs_below_the_serving_threads(make_store, monkeypatch):
+    """The store waits up to START_WAIT_S for a small directory's scan, but not for one its first fan-out
+    directories estimate at LARGE_SCAN_CHUNKS or more: it serves at once (here the wait is 30 s and the
+    directories past the first four are held back, so only the estimate can end it).  The scan's threads
+    run at nice SCAN_NICE, below the threads that serve."""
+    from tiers.stores.nvme import index, rebuild
+    store = make_store(capacity=256 * CHUNK)
+    keys = [("a", f"k{i}") for i in range(64)]
+    for i, key in enumerate(keys):
+        store.put(key, [memoryview(page(i))])
+    store.close()
+
+    release, lock, started, nice = threading.Event(), threading.Lock(), [0], []
+    real_top = index._scan_top
+
+    def held_back(top):
+        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        with lock:
+            started[0] += 1
+            first = started[0] <= 4
+        if not first:
+            release.wait(30)
+        return real_top(top)
+    monkeypatch.setattr(index, "_scan_top", held_back)
+    monkeypatch.setattr(rebuild, "START_WAIT_S", 30.0)
+    monkeypatch.setattr(rebuild, "LARGE_SCAN_CHUNKS", 10)  # 64 chunks over ~55 fan-out directories
+    began = time.monotonic()
+    store = make_store(capacity=256 * CHUNK, index_snapshot=False)
+    try:
+        assert time.monotonic() - began < 10, "the store waited for a scan it knew to be large"
+        assert store.stats().extra["index_building"] == 1.0
+    finally:
+        release.set()
+    assert store._build.done.wait(30)
+    assert store.contains(keys) == [True] * len(keys)
+    assert bytes(store.get_bytes(keys[7])) == page(7)
+    assert nice and set(nice) == {os.getpriority(os.PRIO_PROCESS, 0) + index.SCAN_NICE}
