@@ -70,7 +70,7 @@ def output_file(path: str) -> str:
 
 # A daemon's start is on the path of every restart (a tier serves again only once its process is up): `serve`
 # needs its own module, not the simulator, the planner and the plugins' entry points that every other command
-# module imports (0.3 s of a 0.6 s start here).  Its parser is the one the full one holds.
+# module imports (0.3 s of a 0.7 s start here).  Its parser is the one the full one holds.
 DAEMON_COMMANDS = {"serve": "tiers.cli.serve"}
 
 
