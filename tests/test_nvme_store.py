@@ -437,6 +437,8 @@ def test_chunks_without_a_page_checksum_still_read(make_store):
     cf.pack_header(block, "ns", "old", 0, PAGE, PAGE, hdr.payload_hash, hdr.payload_hash ^ 1)
     with pytest.raises(cf.CorruptChunk, match="page checksum"):
         cf.parse_header(block)
+
+
 def test_a_scan_estimated_large_is_not_waited_for_and_runs_below_the_serving_threads(make_store, monkeypatch):
     """The store waits up to START_WAIT_S for a small directory's scan, but not for one its first fan-out
     directories estimate at LARGE_SCAN_CHUNKS or more: it serves at once (here the wait is 30 s and the

@@ -126,12 +126,12 @@ def _admin_stats(tier) -> dict:
                         curve=tier.curve)
     try:
         give_up = time.monotonic() + 20
-        while True:
-            stats = client.stats()
-            if stats is not None or time.monotonic() > give_up:
-                assert stats is not None, "the daemon gave no stats within 20 s of the flood"
-                return stats
+        stats = client.stats()
+        while stats is None and time.monotonic() < give_up:
             time.sleep(0.2)
+            stats = client.stats()
+        assert stats is not None, "the daemon gave no stats within 20 s of the flood"
+        return stats
     finally:
         client.close()
 

@@ -242,9 +242,8 @@ static void drop_row(PageIndex *ix, uint32_t row) {
     ix->used--;
 }
 
-/* A new row for a digest not in the index (the caller made room: grow_slots for used + 1, grow_rows when no
-   row is free): filled, placed in the table, in its tenant's list (a scanned row at the cold end); its row. */
-/* A new row in order, not yet in a slot (add_row, or the caller puts it in the slot its probe found). */
+/* add_row without the place: filled and in its tenant's list, not yet in a slot (the caller puts it in the
+   empty slot its probe found). */
 static uint32_t new_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t reads,
                         uint32_t stamp, uint16_t tenant, int scanned, uint32_t file, uint32_t block) {
     uint32_t row;
@@ -264,6 +263,8 @@ static uint32_t new_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, 
     return row;
 }
 
+/* A new row for a digest not in the index (the caller made room: grow_slots for used + 1, grow_rows when no
+   row is free): filled, placed in the table, in its tenant's list (a scanned row at the cold end); its row. */
 static uint32_t add_row(PageIndex *ix, uint64_t lo, uint64_t hi, uint32_t size, uint32_t reads,
                         uint32_t stamp, uint16_t tenant, int scanned, uint32_t file, uint32_t block) {
     uint32_t row = new_row(ix, lo, hi, size, reads, stamp, tenant, scanned, file, block);

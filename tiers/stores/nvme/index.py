@@ -44,6 +44,8 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SCAN_NICE)
     except OSError:  # not permitted somewhere: a scan at the daemon's priority is only slower to leave room
         pass
+
+
 # One chunk the scan found (tiers/_chunkscan.c): its digest's low and high 64 bits, namespace hash, on-disk
 # bytes, mtime in seconds.
 # file, block: where a page of a batch chunk lies (0, 0: a chunk of its own, named by its digest)
