@@ -140,15 +140,19 @@ while True:
         assert store.stats().extra["corrupt_removed"] == 0
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "small"
+def _tmpfs(mnt, size: str):
+    """A tmpfs of size mounted at mnt for the test (skipped where mounting is not allowed)."""
     mnt.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {result.stderr.decode().strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    yield from _tmpfs(tmp_path / "small", "4m")
 
 
 def test_enospc_evicts_and_retries(small_fs):
@@ -172,11 +176,11 @@ def test_enospc_clean_refusal_keeps_serving(small_fs):
         assert all(bytes(store.get_bytes(("ns", f"k{i}"))) == page(i, 256 << 10) for i in range(3))
         # Someone else fills the device: nothing left of ours to evict -> refusal, not a crash.
         store.clear()
-        with open(small_fs / "hog", "wb") as fh:
-            try:
+        try:
+            with open(small_fs / "hog", "wb") as fh:
                 fh.write(b"\0" * (4 << 20))
-            except OSError:
-                pass
+        except OSError:
+            pass  # the device is full (the write, or the flush at close): what the hog is for
         with pytest.raises(StoreFull):
             store.put(("ns", "k"), [memoryview(page(1, 512 << 10))])
         assert leftovers(small_fs) == [] and store.stats().pages == 0
@@ -258,3 +262,66 @@ def test_a_read_without_descriptors_is_a_miss_that_keeps_the_page(tmp_path, batc
         assert s.stats().extra.get("corrupt_removed", 0) == 0
     finally:
         s.close()
+
+
+@pytest.fixture
+def own_fs(tmp_path):
+    """A tmpfs of our own: its used blocks are one counter, read at any moment without walking files that
+    come and go."""
+    yield from _tmpfs(tmp_path / "own", "64m")
+
+
+def test_sigkill_and_restart_scans_never_take_the_disk_past_capacity(own_fs):
+    """A writer that never stops is SIGKILLed at random moments, three times, each restart scanning the
+    directory slowly (10 ms a fan-out directory, serving meanwhile) while the writes go on.  Sampled every
+    few milliseconds, the file system's used bytes never pass the capacity (plus the store's own small
+    files), and after each kill the usage ceiling left on disk covers every byte of chunks there."""
+    from tiers.stores.nvme.ceiling import UsageCeiling
+    root, capacity, size = own_fs / "nvme", 4 << 20, 64 << 10
+    code = f"""
+import sys, time
+sys.path.insert(0, {os.getcwd()!r})
+from tiers.stores.nvme import NvmeStore, index, rebuild
+from tiers.stores.base import StoreFull
+rebuild.START_WAIT_S = 0.0
+real_top = index._scan_top
+def slow_top(top):
+    time.sleep(0.01)
+    return real_top(top)
+index._scan_top = slow_top
+store = NvmeStore({str(root)!r}, {capacity}, fsync=False)
+print("ready", flush=True)
+i = 0
+while True:
+    try:
+        store.put(("ns", f"{{sys.argv[1]}}-{{i}}"), [memoryview(bytes([i % 251]) * {size})])
+    except StoreFull:
+        time.sleep(0.001)  # the scan has not counted enough yet
+    i += 1
+"""
+    slack = 64 << 10  # the store's own files: LOCK, usage.ceiling and its temp, a fan-out directory or two
+
+    def used() -> int:
+        st = os.statvfs(own_fs)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    rng = random.Random(5)
+    peak = 0
+    for round_ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", code, f"r{round_}"], stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline().strip() == b"ready"
+            until = time.monotonic() + rng.uniform(1.0, 3.5)  # the slow scan takes ~2.6 s
+            while time.monotonic() < until:
+                peak = max(peak, used())
+                assert peak <= capacity + slack, f"round {round_}: {peak} bytes on the file system"
+                time.sleep(0.002)
+        finally:
+            proc.kill()
+            proc.wait()
+        on_disk = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _s, fs in os.walk(root) for f in fs
+                      if f not in ("LOCK", "usage.ceiling"))
+        assert on_disk <= UsageCeiling(str(root), capacity).load(), f"round {round_}: the ceiling left is too low"
+    assert peak >= capacity // 2  # the writer did fill the tier
+    with closing(NvmeStore(str(root), capacity)) as store:
+        assert store._build.done.wait(30) and store.stats().used_bytes <= capacity

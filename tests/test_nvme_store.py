@@ -302,7 +302,6 @@ def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_stor
     """The scan is held back; meanwhile the store serves writes, and what it decides wins over the scan:
     a page written since keeps its new bytes, one deleted or of a cleared namespace stays gone (its old
     file is removed when the scan meets it), the rest appears once the scan has passed."""
-    from tiers.stores.nvme import index, rebuild
     store = make_store(capacity=64 * CHUNK)
     for i in range(6):
         store.put(("a", f"old{i}"), [memoryview(page(i))])
@@ -310,15 +309,7 @@ def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_stor
         store.put(("b", f"old{i}"), [memoryview(page(100 + i))])
     store.close()
     files_before = len(chunk_files(store.root))
-
-    release = threading.Event()
-    real_parts = index.scan_parts
-
-    def held_back(root, stop=None):
-        release.wait(30)
-        yield from real_parts(root, stop)
-    monkeypatch.setattr(index, "scan_parts", held_back)
-    monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
+    release = _held_back_scan(monkeypatch)
     store = make_store(capacity=64 * CHUNK, policy="fifo", index_snapshot=False)  # reads do not reorder it
     try:
         assert store.stats().extra["index_building"] == 1.0
@@ -476,3 +467,77 @@ def test_a_scan_estimated_large_is_not_waited_for_and_runs_below_the_serving_thr
     assert store.contains(keys) == [True] * len(keys)
     assert bytes(store.get_bytes(keys[7])) == page(7)
     assert nice and set(nice) == {os.getpriority(os.PRIO_PROCESS, 0) + index.SCAN_NICE}
+
+
+def _held_back_scan(monkeypatch) -> threading.Event:
+    """The restart scan waits for the event returned (the store serves meanwhile)."""
+    from tiers.stores.nvme import index, rebuild
+    release = threading.Event()
+    real_parts = index.scan_parts
+
+    def held_back(root, stop=None):
+        release.wait(30)
+        yield from real_parts(root, stop)
+    monkeypatch.setattr(index, "scan_parts", held_back)
+    monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
+    return release
+
+
+def test_writes_during_a_restart_scan_never_take_the_disk_past_capacity(make_store, monkeypatch):
+    """A full tier restarts without its snapshot (as after a crash): the chunks the scan has not counted yet
+    are still on disk, so a write that would need their room is refused (StoreFull, naming the rebuild)
+    instead of taking the disk past capacity; once the scan has counted them, writes evict as usual."""
+    from tiers.stores.base import StoreFull
+    capacity = 32 * CHUNK
+    store = make_store(capacity=capacity)
+    for i in range(32):
+        store.put(("a", f"old{i}"), [memoryview(page(i))])
+    store.close()
+    release = _held_back_scan(monkeypatch)
+    store = make_store(capacity=capacity, index_snapshot=False)
+    try:
+        assert store.stats().extra["unscanned_bytes"] >= 32 * CHUNK
+        for i in range(8):
+            with pytest.raises(StoreFull, match="index rebuild"):
+                store.put(("a", f"new{i}"), [memoryview(page(100 + i))])
+            assert sum(os.path.getsize(p) for p in chunk_files(store.root)) <= capacity
+    finally:
+        release.set()
+    assert store._build.done.wait(30)
+    assert store.stats().extra["unscanned_bytes"] == 0
+    for i in range(8):
+        store.put(("a", f"new{i}"), [memoryview(page(100 + i))])
+        assert sum(os.path.getsize(p) for p in chunk_files(store.root)) <= capacity
+    assert all(bytes(store.get_bytes(("a", f"new{i}"))) == page(100 + i) for i in range(8))
+    held_old = [i for i in range(32) if store.contains([("a", f"old{i}")])[0]]
+    assert len(held_old) == 24 and all(bytes(store.get_bytes(("a", f"old{i}"))) == page(i) for i in held_old)
+
+
+def test_a_tier_not_full_takes_writes_during_its_restart_scan_within_its_ceiling(make_store, monkeypatch):
+    """The usage ceiling on disk (tiers/stores/nvme/ceiling.py) tells a restart how much the unscanned chunks
+    can add up to: a quarter-full tier takes writes during its scan without evicting anything, raising the
+    ceiling durably as it goes, and the disk stays within capacity throughout."""
+    from tiers.stores.nvme.ceiling import UsageCeiling
+    capacity = 64 * CHUNK
+    store = make_store(capacity=capacity)
+    for i in range(16):
+        store.put(("a", f"old{i}"), [memoryview(page(i))])
+    store.close()
+    ceiling = UsageCeiling(store.root, capacity)
+    assert 16 * CHUNK <= ceiling.load() <= 16 * CHUNK + ceiling.step
+    release = _held_back_scan(monkeypatch)
+    store = make_store(capacity=capacity, index_snapshot=False)
+    try:
+        for i in range(40):
+            store.put(("a", f"new{i}"), [memoryview(page(100 + i))])
+            assert sum(os.path.getsize(p) for p in chunk_files(store.root)) <= capacity
+        # Raised on disk before the bytes went there: a crash now would assume them.
+        assert UsageCeiling(store.root, capacity).load() >= 56 * CHUNK
+    finally:
+        release.set()
+    assert store._build.done.wait(30)
+    st = store.stats()
+    assert st.evictions == 0 and st.pages == 56 and st.extra["foreign_files"] == 0
+    assert all(bytes(store.get_bytes(("a", f"old{i}"))) == page(i) for i in range(16))
+    assert all(bytes(store.get_bytes(("a", f"new{i}"))) == page(100 + i) for i in range(40))
+    assert st.extra["usage_ceiling"] <= 56 * CHUNK + UsageCeiling(None, capacity).step  # settled at the scan's end

@@ -8,6 +8,7 @@ under its lock.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Set, Tuple
 
@@ -22,6 +23,9 @@ class BuildLog:
     # Once a Python policy's eviction order is being built outside the lock: what the serving store did
     # since, in order, replayed onto it under the lock at the end ("fresh" | "gone" | "touch", digest, ns hash).
     journal: Optional[List[Tuple[str, int, int]]] = None
+    # Whole seconds when the rebuild began: a file with an mtime before it was left by the last run; one from
+    # this second on may be a write of this one (renamed into place, not yet indexed, when the scan met it).
+    started_s: int = field(default_factory=lambda: int(time.time()))
 
     def committed(self, digest: int, ns_hash: int) -> None:
         self.fresh.append(digest)

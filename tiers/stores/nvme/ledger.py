@@ -1,4 +1,5 @@
-"""The NVMe tier's bookkeeping: the index of chunks, byte counts and counters, under one lock, no I/O.
+"""The NVMe tier's bookkeeping: the index of chunks, byte counts and counters, under one lock, no I/O
+(but for raising the usage ceiling's small file, outside the lock: tiers/stores/nvme/ceiling.py).
 
 The store owns sizes and the policy only says what to evict (the cachetools
 split).  Capacity counts on-disk bytes: committed chunks plus reservations
@@ -28,11 +29,13 @@ from tiers.plugins import make_policy
 from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.batch import batch_path
 from tiers.stores.nvme.build_log import BuildLog
+from tiers.stores.nvme.ceiling import UsageCeiling
 from tiers.stores.nvme.layout import chunk_path
 from tiers.stores.nvme.tenants import Tenants
 
 
 RESERVE_HOLD_BYTES = 8 << 20  # records a batch reserves (and evicts for) in one hold of the lock at most
+CEILING_TRIES = 8  # raises of the usage ceiling a reservation tries while other writers take what it raised
 
 
 @dataclass
@@ -66,7 +69,8 @@ class Ledger:
     the same lock.
     """
 
-    def __init__(self, root: str, capacity: int, policy: str, quotas: Optional[Dict[str, int]] = None):
+    def __init__(self, root: str, capacity: int, policy: str, quotas: Optional[Dict[str, int]] = None,
+                 ceiling: Optional[UsageCeiling] = None):
         self.root = root
         self.capacity = capacity
         self.lock = threading.Lock()
@@ -76,6 +80,11 @@ class Ledger:
         self.tenants = Tenants(capacity, quotas, policy, native_order=self.native_order)
         self.used = 0
         self.reserved = 0
+        # The bound a restart will assume for the chunks on disk (tiers/stores/nvme/ceiling.py), and the bytes
+        # of chunks a rebuild's scan has not counted yet (at most the last run's ceiling less what it scanned):
+        # writes get room only beside both, so the disk never holds more than capacity, rebuild or not.
+        self.ceiling = ceiling or UsageCeiling(None, capacity)
+        self.unscanned = 0
         self.stats = StoreStats(capacity_bytes=capacity)
         self.build: Optional[BuildLog] = None  # set while the index is rebuilt behind the serving store
         self.extra: Dict[str, float] = {"corrupt_removed": 0, "read_errors": 0, "enospc_retries": 0,
@@ -103,6 +112,15 @@ class Ledger:
             self.index = PageIndex(self._order)
             self.tenants.clear()
             self.used = 0
+
+    def settle_ceiling(self) -> None:
+        """Everything on disk is counted (a snapshot loaded, a scan ended, a clean close): the usage ceiling
+        comes down to what is held and in flight, a step above."""
+        with self.lock:
+            self.unscanned = 0
+            lowered = self.ceiling.lower(self.used + self.reserved)
+        if lowered:
+            self.ceiling.persist()
 
     def path_of(self, ns_hash: int, digest: int, file: int) -> str:
         """The file a page lies in: its own, or a batch chunk."""
@@ -169,9 +187,10 @@ class Ledger:
 
     def reserve(self, nbytes: int, ns_hash: Optional[int] = None, namespace: Optional[str] = None) -> List[Victim]:
         """Claim nbytes for a page of namespace, evicting as needed (StoreFull when writes in flight fill it)."""
+        self.raise_ceiling(nbytes)
         with self.lock:
-            if self.reserved + nbytes > self.capacity:
-                raise StoreFull(f"{self.reserved} bytes of writes in flight, capacity {self.capacity}")
+            if self.reserved + nbytes > self.room_locked():
+                raise StoreFull(self._full_locked())
             return self._reserve_locked(nbytes, ns_hash, namespace)
 
     def reserve_many(self, sizes: Sequence[int], ns_hash: int, namespace: str) -> Tuple[List[Victim], List[bool]]:
@@ -186,17 +205,42 @@ class Ledger:
             while last < len(sizes) and total + sizes[last] <= RESERVE_HOLD_BYTES:
                 total += sizes[last]
                 last += 1
+            self.raise_ceiling(total)
             with self.lock:
-                if self.reserved + total <= self.capacity:
+                room = self.room_locked()
+                if self.reserved + total <= room:
                     victims += self._reserve_locked(total, ns_hash, namespace)
                     got += [True] * (last - first)
                 else:
                     for nbytes in sizes[first:last]:
-                        got.append(self.reserved + nbytes <= self.capacity)
+                        got.append(self.reserved + nbytes <= room)
                         if got[-1]:
                             victims += self._reserve_locked(nbytes, ns_hash, namespace)
             first = last
         return victims, got
+
+    def room_locked(self) -> int:
+        """Bytes the indexed chunks and the writes in flight may take together: the capacity, or the ceiling
+        on disk if lower, less what the scan has not counted yet."""
+        return min(self.capacity, self.ceiling.value) - self.unscanned
+
+    def _full_locked(self) -> str:
+        if self.unscanned:
+            return (f"{self.unscanned} bytes of chunks not counted yet by the index rebuild and {self.reserved} "
+                    f"of writes in flight fill the capacity of {self.capacity}")
+        return f"{self.reserved} bytes of writes in flight, capacity {self.capacity}"
+
+    def raise_ceiling(self, nbytes: int) -> None:
+        """Before reserving nbytes: the usage ceiling raised past what the disk may then hold (outside the
+        lock: it writes a file), again while other writers take what was raised, a few times at most.  A
+        writer that reserves between the last raise and its lock, or a raise that could not be written,
+        leaves the reservation to evict within the ceiling as it stands (the disk stays under it)."""
+        for _ in range(CEILING_TRIES):
+            if not self.ceiling.ensure(self.used + self.reserved + self.unscanned + nbytes):
+                return
+            ceiling = self.ceiling.value
+            if self.used + self.reserved + self.unscanned + nbytes <= ceiling or ceiling >= self.capacity:
+                return
 
     def _reserve_locked(self, nbytes: int, ns_hash: Optional[int], namespace: Optional[str]) -> List[Victim]:
         victims = []
@@ -209,9 +253,10 @@ class Ledger:
                     break
                 victims.append(victim)
             self._within_group_quota_locked(ns_hash, nbytes, victims)
-        while self.used + self.reserved + nbytes > self.capacity:
+        room = self.room_locked()
+        while self.used + self.reserved + nbytes > room:
             victim = self.pop_victim_locked(ns_hash, nbytes)
-            if victim is None:  # cannot happen while used counts only indexed chunks
+            if victim is None:  # cannot happen: the callers checked that reserved + nbytes fit the room
                 break
             victims.append(victim)
         self.reserved += nbytes
@@ -392,6 +437,9 @@ class Ledger:
             snap.used_bytes = self.used
             extra = dict(self.extra)
             extra["reserved_bytes"] = self.reserved
+            extra["unscanned_bytes"] = self.unscanned  # a bound: what the restart scan has not counted yet
+            extra["usage_ceiling"] = self.ceiling.value  # what a restart after a crash would assume is on disk
+            extra["usage_ceiling_failures"] = self.ceiling.failed
             extra["index_building"] = float(self.build is not None)  # 1 while the restart scan runs
             extra["index_bytes"] = index_bytes  # the native index's rows and slots (tiers/stores/page_index.py)
             per_ns = self.tenants.per_namespace(self.index)

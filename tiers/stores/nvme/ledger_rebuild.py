@@ -25,6 +25,8 @@ PLACE_SLICE = 65536  # scanned chunks placed in order under one hold of the lock
 def start_build(ledger: Ledger) -> None:
     with ledger.lock:
         ledger.build = BuildLog()
+        # Until the scan counts them, the chunks on disk may add up to the ceiling the last run left.
+        ledger.unscanned = ledger.ceiling.value
 
 
 def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
@@ -35,6 +37,7 @@ def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
     stale: List[Victim] = []
     with ledger.lock:
         build, index, tenants = ledger.build, ledger.index, ledger.tenants
+        counted = _left_by_last_run(index, build, records)
         if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
             keep = np.ones(len(records), dtype=bool)
             for i, (digest, ns_hash) in enumerate(zip(digests_of(records), records["ns"].tolist())):
@@ -48,8 +51,23 @@ def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
         for number, nbytes in index.insert_scanned(records.tobytes(), numbers).items():
             tenants.numbered[number].bytes += nbytes
             ledger.used += nbytes
+        ledger.unscanned = max(0, ledger.unscanned - counted)
         tenants.regrouped()
     return stale
+
+
+def _left_by_last_run(index, build: BuildLog, records: np.ndarray) -> int:
+    """Bytes of scanned chunks the last run left, counted now (indexed below, or stale and unlinked by the
+    caller): what comes off the ledger's ``unscanned``.  Not a chunk of this run's (indexed already, or
+    renamed into place and not yet indexed: its mtime is this rebuild's), nor a batch record a newer write
+    replaced (its bytes stay in the batch file, uncounted, as they would without a rebuild); taking
+    either off would let the disk pass its capacity."""
+    if not len(records):
+        return 0
+    packed = records.view(np.uint8).reshape(len(records), records.itemsize)[:, :16].tobytes()  # lo, hi
+    indexed = np.frombuffer(index.contains_packed(packed), dtype=np.uint8).astype(bool)
+    old = (records["mtime"] < build.started_s) & ~indexed
+    return int(records["size"][old].sum())
 
 
 def reserve_rows(ledger: Ledger, rows: int) -> None:
@@ -76,6 +94,7 @@ def place_scanned(ledger: Ledger) -> List[Victim]:
         del order
     with ledger.lock:
         ledger.build = None
+        ledger.unscanned = 0
         return _enforce_capacity_locked(ledger)
 
 
@@ -93,6 +112,7 @@ def finish_build(ledger: Ledger, policies: Dict[int, EvictionPolicy]) -> List[Vi
     with ledger.lock:
         ledger.index.place_scanned()  # their stamps back to "never refreshed"
         build, ledger.build = ledger.build, None
+        ledger.unscanned = 0
         for op, digest, ns_hash in build.journal or ():
             policy = policies.get(ns_hash)
             if policy is None:

@@ -114,6 +114,7 @@ class IndexBuild:
             index.trim()  # the scan's and the placement's freed buffers back to the system
             for victim in victims:
                 self._discard(*victim)
+            self._ledger.settle_ceiling()  # after the victims' files are gone: they were on disk until now
             seconds = time.perf_counter() - started
             self._ledger.extra.update(rebuild_seconds=seconds, rebuild_files=files,
                                       temp_removed=totals.temps_removed, torn_removed=totals.torn_removed,
@@ -123,7 +124,11 @@ class IndexBuild:
                      totals.torn_removed, stale)
         except Exception:  # a scan that fails leaves a partial index: misses, never wrong pages
             log.exception("%s: the index rebuild failed; chunks not indexed read as misses", self.name)
-            self._finish(order)
+            for victim in self._finish(order):
+                self._discard(*victim)
+            # Not settled: chunks the scan did not reach are still on disk, under the ceiling as it stands.
+            with self._ledger.lock:
+                self._ledger.unscanned = 0
         finally:
             self.done.set()
             self._settled.set()

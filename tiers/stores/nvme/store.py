@@ -28,6 +28,7 @@ from tiers.logs import RateLimitedLog
 from tiers.stores.nvme import batch, chunkfile as cf, snapshot
 from tiers.stores.nvme.batch_reads import BatchReadSource, BatchReads
 from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
+from tiers.stores.nvme.ceiling import UsageCeiling
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.rebuild import IndexBuild
@@ -69,7 +70,7 @@ class NvmeStore(PageStore):
         self.name = name
         self.io_threads = io_threads  # the daemon's I/O pool size for this store (several reads in flight)
         self._codec = Codec(compression, compression_level)
-        self._ledger = Ledger(self.root, capacity, policy, quotas)
+        self._ledger = Ledger(self.root, capacity, policy, quotas, ceiling=UsageCeiling(self.root, capacity))
         self._snapshots = index_snapshot
         self._dirsync = DirSyncer()
         warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
@@ -156,6 +157,7 @@ class NvmeStore(PageStore):
         self._build = IndexBuild(self.root, self._ledger, self.name, self._dirs, self._removal.discard,
                                  self._removal.unlink_stale)
         started = time.perf_counter()
+        self._ledger.ceiling.load()  # what a scan may find on disk at most (tiers/stores/nvme/ceiling.py)
         loaded = snapshot.load(self.root, self._ledger, self._dirs) if self._snapshots else None
         if loaded is not None:
             self._ledger.extra.update(rebuild_seconds=time.perf_counter() - started, rebuild_files=loaded,
@@ -166,6 +168,7 @@ class NvmeStore(PageStore):
             for victim in self._ledger.evict_bytes(self._ledger.used - self.capacity, full_disk=False) \
                     if self._ledger.used > self.capacity else ():
                 self._removal.discard(*victim)  # capacity lowered since
+            self._ledger.settle_ceiling()
         elif not self._build.start():
             log.info("%s: serving while the index is rebuilt in the background (chunks not yet indexed miss)",
                      self.name)
@@ -306,6 +309,8 @@ class NvmeStore(PageStore):
                     log.info("%s: index of %d chunks saved for the next start", self.name, rows)
             except OSError as exc:  # the next start scans instead
                 log.warning("%s: could not save the index snapshot: %s", self.name, exc)
+        if self._build.done.is_set() and self._lock_fd is not None:
+            self._ledger.settle_ceiling()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

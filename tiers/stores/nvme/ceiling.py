@@ -1,0 +1,127 @@
+"""How many bytes of chunks the NVMe tier's directory may hold, as a restart after a crash will assume.
+
+After a crash the index is rebuilt by a scan while the store already serves
+(tiers/stores/nvme/rebuild.py), and until the scan ends the ledger cannot
+count the chunks it has not reached.  Writes made meanwhile would then take
+the disk past ``capacity`` (on a node whose tier fills its disk: a full
+disk for every tenant on it).  So the store keeps a ceiling on disk: a
+small checksummed file, ``usage.ceiling``, saying the chunks on disk add up
+to at most so many bytes.  It is raised, durably, before a write would take
+the bytes held and reserved past it (a step of capacity / 32 at a time: a
+few dozen small fsyncs to fill a tier), and set to what is held at a clean
+close and once a rebuild has counted everything.  A restart after a crash
+then treats ``ceiling - bytes scanned so far`` as held by chunks it has not
+reached, and admits a write only with room for it beside them.
+
+Without the file (a directory from before it, or a file that does not
+check) the ceiling is taken as the capacity: safe, and the scan's writes
+then evict scanned chunks to make room, or wait for the scan.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import zlib
+from typing import Optional
+
+log = logging.getLogger("hicache.nvme")
+
+NAME = "usage.ceiling"
+MAGIC = b"HCNVCEIL"
+_FORMAT = struct.Struct("<8sQI")  # magic, bytes, crc32 of the two before
+STEPS = 32  # a raise goes this fraction of the capacity past what is needed
+
+
+class UsageCeiling:
+    """The persisted bound on the bytes of chunks in root (root None: kept in memory only, as capacity)."""
+
+    def __init__(self, root: Optional[str], capacity: int):
+        self.path = os.path.join(root, NAME) if root is not None else None
+        self.capacity = capacity
+        self.step = max(1, capacity // STEPS)
+        self.value = capacity  # until loaded or set: nothing lower is known to hold
+        self.failed = 0  # raises that could not be written (the tier then evicts below the last one written)
+        self._lock = threading.Lock()
+
+    def load(self) -> Optional[int]:
+        """The bound the last run left, or None (no file, or one that does not check)."""
+        if self.path is None:
+            return None
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(_FORMAT.size + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("usage ceiling %s unreadable (%s): the restart assumes a full tier", self.path, exc)
+            return None
+        if len(data) != _FORMAT.size:
+            return None
+        magic, value, crc = _FORMAT.unpack(data)
+        if magic != MAGIC or crc != zlib.crc32(data[:-4]):
+            log.warning("usage ceiling %s does not check: the restart assumes a full tier", self.path)
+            return None
+        self.value = value
+        return value
+
+    def ensure(self, needed: int) -> bool:
+        """Raise the ceiling, durably, to needed bytes and a step past them (at most the capacity: beyond it
+        the ledger evicts) before they are written; False when it could not be written.  A call that finds
+        it high enough costs one compare."""
+        if needed <= self.value or self.value >= self.capacity:
+            return True
+        with self._lock:
+            if needed <= self.value or self.value >= self.capacity:
+                return True
+            value = min(self.capacity, needed + self.step)
+            if not self._write(value):
+                return False
+            self.value = value  # only once on disk: until then writes are held below the old value
+            return True
+
+    def lower(self, held: int) -> bool:
+        """What is held now is counted exactly (called under the ledger's lock, so no write is reserved
+        meanwhile): the ceiling comes down to a step above it, in memory at once (writes are held below it
+        from now on) and on disk at the next persist().  True when it came down."""
+        target = min(max(self.capacity, held), held + self.step)
+        if target >= self.value:
+            return False
+        self.value = target
+        return True
+
+    def persist(self) -> None:
+        """Write the value lowered in memory (the file keeps the old, higher one meanwhile: still a bound)."""
+        with self._lock:
+            self._write(self.value)
+
+    def _write(self, value: int) -> bool:
+        if self.path is None:
+            return True
+        tmp = self.path + ".tmp"
+        body = _FORMAT.pack(MAGIC, value, 0)[:-4]
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, body + struct.pack("<I", zlib.crc32(body)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            # Not raised: the ledger keeps the tier below the value last written (it evicts instead of growing).
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self.failed += 1
+            log.warning("usage ceiling %s not written (%s); the tier stays within %d bytes", self.path, exc,
+                        self.value)
+            return False
+        return True
