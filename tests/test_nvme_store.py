@@ -15,6 +15,7 @@ from tiers.stores.nvme.chunkfile import HEADER_SIZE
 from tiers.plugins import policy_names
 from tiers.stores.base import PageTooLarge, StoreIOError
 from tiers.testing import RecordingListener
+from tests.support.nvme_scan import held_back_scan
 
 PAGE = 1000
 CHUNK = HEADER_SIZE + PAGE  # on-disk bytes of an uncompressed PAGE
@@ -309,7 +310,7 @@ def test_a_restart_serves_at_once_while_the_index_is_rebuilt_behind_it(make_stor
         store.put(("b", f"old{i}"), [memoryview(page(100 + i))])
     store.close()
     files_before = len(chunk_files(store.root))
-    release = _held_back_scan(monkeypatch)
+    release = held_back_scan(monkeypatch)
     store = make_store(capacity=64 * CHUNK, policy="fifo", index_snapshot=False)  # reads do not reorder it
     try:
         assert store.stats().extra["index_building"] == 1.0
@@ -469,20 +470,6 @@ def test_a_scan_estimated_large_is_not_waited_for_and_runs_below_the_serving_thr
     assert nice and set(nice) == {os.getpriority(os.PRIO_PROCESS, 0) + index.SCAN_NICE}
 
 
-def _held_back_scan(monkeypatch) -> threading.Event:
-    """The restart scan waits for the event returned (the store serves meanwhile)."""
-    from tiers.stores.nvme import index, rebuild
-    release = threading.Event()
-    real_parts = index.scan_parts
-
-    def held_back(root, stop=None):
-        release.wait(30)
-        yield from real_parts(root, stop)
-    monkeypatch.setattr(index, "scan_parts", held_back)
-    monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
-    return release
-
-
 def test_writes_during_a_restart_scan_never_take_the_disk_past_capacity(make_store, monkeypatch):
     """A full tier restarts without its snapshot (as after a crash): the chunks the scan has not counted yet
     are still on disk, so a write that would need their room is refused (StoreFull, naming the rebuild)
@@ -493,7 +480,7 @@ def test_writes_during_a_restart_scan_never_take_the_disk_past_capacity(make_sto
     for i in range(32):
         store.put(("a", f"old{i}"), [memoryview(page(i))])
     store.close()
-    release = _held_back_scan(monkeypatch)
+    release = held_back_scan(monkeypatch)
     store = make_store(capacity=capacity, index_snapshot=False)
     try:
         assert store.stats().extra["unscanned_bytes"] >= 32 * CHUNK
@@ -525,7 +512,7 @@ def test_a_tier_not_full_takes_writes_during_its_restart_scan_within_its_ceiling
     store.close()
     ceiling = UsageCeiling(store.root, capacity)
     assert 16 * CHUNK <= ceiling.load() <= 16 * CHUNK + ceiling.step
-    release = _held_back_scan(monkeypatch)
+    release = held_back_scan(monkeypatch)
     store = make_store(capacity=capacity, index_snapshot=False)
     try:
         for i in range(40):

@@ -10,7 +10,7 @@ function takes the ledger's lock itself.
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.build_log import BuildLog
 from tiers.stores.nvme.index import digests_of
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.page_index import Row
 
 PLACE_SLICE = 65536  # scanned chunks placed in order under one hold of the lock (~5 ms)
 
@@ -32,20 +33,23 @@ def start_build(ledger: Ledger) -> None:
 def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
     """Index chunks the scan found (tiers/stores/nvme/index.py RECORD), unless the serving store decided
     about them meanwhile: a digest written since wins; one deleted, evicted or of a cleared namespace is
-    stale ((digest, path) returned, for the caller to unlink).  They go to the cold end of their
+    stale ((digest, path) returned, for the caller to unlink), and so is a batch record of the last run
+    whose page was written again since (_superseded).  They go to the cold end of their
     namespace's order, placed by mtime at the end of the scan (place_scanned)."""
-    stale: List[Victim] = []
     with ledger.lock:
         build, index, tenants = ledger.build, ledger.index, ledger.tenants
-        counted = _left_by_last_run(index, build, records)
+        counted, indexed = _left_by_last_run(index, build, records)
+        stale = _superseded(ledger, build, records, indexed)
+        counted += sum(entry.disk_size for _digest, entry in stale)
         if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
             keep = np.ones(len(records), dtype=bool)
             for i, (digest, ns_hash) in enumerate(zip(digests_of(records), records["ns"].tolist())):
-                if digest not in index and build.stale(digest, ns_hash):
+                if not indexed[i] and build.stale(digest, ns_hash):
                     keep[i] = False
-                    file, block = int(records["file"][i]), int(records["block"][i])
-                    stale.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash,
-                                                int(records["size"][i]), file=file, block=block)))
+                    file, block, size = int(records["file"][i]), int(records["block"][i]), int(records["size"][i])
+                    stale.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash, size,
+                                                file=file, block=block)))
+                    counted += size if records["mtime"][i] < build.started_s else 0
             records = records[keep]
         numbers = {ns: tenants.tenant(ns, index).number for ns in np.unique(records["ns"]).tolist()}
         for number, nbytes in index.insert_scanned(records.tobytes(), numbers).items():
@@ -56,18 +60,40 @@ def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
     return stale
 
 
-def _left_by_last_run(index, build: BuildLog, records: np.ndarray) -> int:
-    """Bytes of scanned chunks the last run left, counted now (indexed below, or stale and unlinked by the
-    caller): what comes off the ledger's ``unscanned``.  Not a chunk of this run's (indexed already, or
-    renamed into place and not yet indexed: its mtime is this rebuild's), nor a batch record a newer write
-    replaced (its bytes stay in the batch file, uncounted, as they would without a rebuild); taking
-    either off would let the disk pass its capacity."""
+def _left_by_last_run(index, build: BuildLog, records: np.ndarray) -> Tuple[int, np.ndarray]:
+    """Bytes of scanned chunks the last run left that will be indexed, or found stale, now: what comes off
+    the ledger's ``unscanned``; and which records' digests are indexed already.  Not a chunk of this run's
+    (indexed already, or renamed into place and not yet indexed: its mtime is this rebuild's): taking it off
+    would let the disk pass its capacity."""
     if not len(records):
-        return 0
+        return 0, np.zeros(0, dtype=bool)
     packed = records.view(np.uint8).reshape(len(records), records.itemsize)[:, :16].tobytes()  # lo, hi
     indexed = np.frombuffer(index.contains_packed(packed), dtype=np.uint8).astype(bool)
+    # Stale ones are counted by the caller, with the superseded records.
     old = (records["mtime"] < build.started_s) & ~indexed
-    return int(records["size"][old].sum())
+    if build.gone or build.cleared:
+        old &= np.array([not build.stale(d, ns) for d, ns in zip(digests_of(records), records["ns"].tolist())])
+    chosen = np.flatnonzero(old)
+    if len(chosen) > 1:  # a page twice (a crash between a rewrite and the old record's give-back): indexed once
+        chosen = chosen[np.unique(records[["lo", "hi"]][chosen], return_index=True)[1]]
+    return int(records["size"][chosen].sum()), indexed
+
+
+def _superseded(ledger: Ledger, build: BuildLog, records: np.ndarray, indexed: np.ndarray) -> List[Victim]:
+    """Batch records of the last run whose page was written again since this rebuild began (the index names
+    another record): given back now, where the scan finds them (otherwise their blocks would stay in the
+    file, counted by no one, for good)."""
+    out: List[Victim] = []
+    for i in np.flatnonzero(indexed & (records["file"] != 0) & (records["mtime"] < build.started_s)).tolist():
+        digest = (int(records["hi"][i]) << 64) | int(records["lo"][i])
+        values = ledger.index.get(digest)
+        file, block = int(records["file"][i]), int(records["block"][i])
+        if values is None or (Row(*values).file, Row(*values).block) == (file, block):
+            continue
+        ns_hash = int(records["ns"][i])
+        out.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash, int(records["size"][i]),
+                                  file=file, block=block)))
+    return out
 
 
 def reserve_rows(ledger: Ledger, rows: int) -> None:

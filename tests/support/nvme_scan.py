@@ -1,0 +1,18 @@
+"""The NVMe tier's restart scan held back, so a test can act while the store serves an index being rebuilt."""
+from __future__ import annotations
+
+import threading
+
+
+def held_back_scan(monkeypatch) -> threading.Event:
+    """The next restart scan waits for the event returned (at most 30 s) and the store serves at once."""
+    from tiers.stores.nvme import index, rebuild
+    release = threading.Event()
+    real_parts = index.scan_parts
+
+    def held_back(root, stop=None):
+        release.wait(30)
+        yield from real_parts(root, stop)
+    monkeypatch.setattr(index, "scan_parts", held_back)
+    monkeypatch.setattr(rebuild, "START_WAIT_S", 0.0)
+    return release
