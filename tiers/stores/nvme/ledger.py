@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from tiers.stores.fairness import bounded_top
 from tiers.stores.page_index import ORDER_NONE, PageIndex, Row, order_for
 from tiers.plugins import make_policy
 from tiers.stores.base import StoreFull, StoreStats
@@ -419,32 +418,3 @@ class Ledger:
             if read_error:
                 self.extra["read_errors"] += 1
         return False
-
-    def index_bytes(self) -> int:
-        """The native index's rows and slots (tiers/stores/page_index.py)."""
-        with self.lock:
-            return self.index.nbytes()
-
-    def namespace_figures(self, ns_hash: int) -> Optional[dict]:
-        with self.lock:
-            return self.tenants.figures(ns_hash, self.index)
-
-    def snapshot(self) -> StoreStats:
-        with self.lock:
-            snap = StoreStats(**{k: v for k, v in self.stats.__dict__.items() if k != "extra"})
-            snap.pages = len(self.index)
-            index_bytes = self.index.nbytes()
-            snap.used_bytes = self.used
-            extra = dict(self.extra)
-            extra["reserved_bytes"] = self.reserved
-            extra["unscanned_bytes"] = self.unscanned  # a bound: what the restart scan has not counted yet
-            extra["usage_ceiling"] = self.ceiling.value  # what a restart after a crash would assume is on disk
-            extra["usage_ceiling_failures"] = self.ceiling.failed
-            extra["index_building"] = float(self.build is not None)  # 1 while the restart scan runs
-            extra["index_bytes"] = index_bytes  # the native index's rows and slots (tiers/stores/page_index.py)
-            per_ns = self.tenants.per_namespace(self.index)
-        snap.per_namespace = bounded_top(per_ns)
-        raw, stored = extra.pop("raw_bytes_in"), extra.pop("stored_bytes_in")
-        extra["compression_ratio"] = raw / stored if stored else 1.0  # of pages written since start
-        snap.extra = extra
-        return snap

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tiers.logs import RateLimitedLog
-from tiers.stores.nvme import batch, chunkfile as cf, snapshot
+from tiers.stores.nvme import batch, chunkfile as cf, ledger_figures, snapshot
 from tiers.stores.nvme.batch_reads import BatchReadSource, BatchReads
 from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
 from tiers.stores.nvme.ceiling import UsageCeiling
@@ -285,13 +285,13 @@ class NvmeStore(PageStore):
         return self._reads.get_many(keys, pages, deadline)
 
     def index_bytes(self) -> int:
-        return self._ledger.index_bytes()
+        return ledger_figures.index_bytes(self._ledger)
 
     def namespace_figures(self, namespace: str) -> Optional[dict]:
-        return self._ledger.namespace_figures(namespace_hash(namespace))
+        return ledger_figures.namespace_figures(self._ledger, namespace_hash(namespace))
 
     def stats(self) -> StoreStats:
-        snap = self._ledger.snapshot()
+        snap = ledger_figures.stats(self._ledger)
         snap.extra.update(direct_io=float(self._direct), direct_writes=float(self._direct and self._direct_writes),
                           fsync=float(self.fsync), dir_syncs=self._dirsync.syncs)
         return snap
