@@ -528,3 +528,23 @@ def test_a_tier_not_full_takes_writes_during_its_restart_scan_within_its_ceiling
     assert all(bytes(store.get_bytes(("a", f"old{i}"))) == page(i) for i in range(16))
     assert all(bytes(store.get_bytes(("a", f"new{i}"))) == page(100 + i) for i in range(40))
     assert st.extra["usage_ceiling"] <= 56 * CHUNK + UsageCeiling(None, capacity).step  # settled at the scan's end
+
+
+def test_a_clear_brings_the_usage_ceiling_down_and_single_deletes_do_not_rewrite_it(make_store):
+    """A full tier cleared leaves a ceiling near zero on disk (a crash then does not make the restart assume
+    a full tier and refuse writes during its scan); deleting pages one at a time rewrites it only once it
+    is two steps slack, not at every delete."""
+    from tiers.stores.nvme.ceiling import NAME, UsageCeiling
+    capacity = 64 * CHUNK
+    store = make_store(capacity=capacity)
+    for i in range(64):
+        store.put(("a", f"k{i}"), [memoryview(page(i))])
+    step = UsageCeiling(None, capacity).step
+    assert UsageCeiling(store.root, capacity).load() == capacity
+    path = os.path.join(store.root, NAME)
+    before = os.stat(path).st_mtime_ns
+    assert store.delete([("a", "k0")]) == 1
+    assert os.stat(path).st_mtime_ns == before  # one page less: not worth an fsync
+    store.clear("a")
+    assert UsageCeiling(store.root, capacity).load() == step
+    assert store.stats().extra["usage_ceiling"] == step

@@ -81,12 +81,13 @@ class UsageCeiling:
             self.value = value  # only once on disk: until then writes are held below the old value
             return True
 
-    def lower(self, held: int) -> bool:
+    def lower(self, held: int, slack_steps: int = 0) -> bool:
         """What is held now is counted exactly (called under the ledger's lock, so no write is reserved
         meanwhile): the ceiling comes down to a step above it, in memory at once (writes are held below it
-        from now on) and on disk at the next persist().  True when it came down."""
+        from now on) and on disk at the next persist(); only when it is slack_steps steps or more above
+        that.  True when it came down."""
         target = min(max(self.capacity, held), held + self.step)
-        if target >= self.value:
+        if target + slack_steps * self.step > self.value or target >= self.value:
             return False
         self.value = target
         return True

@@ -112,12 +112,16 @@ class Ledger:
             self.tenants.clear()
             self.used = 0
 
-    def settle_ceiling(self) -> None:
-        """Everything on disk is counted (a snapshot loaded, a scan ended, a clean close): the usage ceiling
-        comes down to what is held and in flight, a step above."""
+    def settle_ceiling(self, slack_steps: int = 0) -> None:
+        """The usage ceiling down to what is held and in flight, a step above, once everything on disk is
+        counted (a snapshot loaded, a scan ended, a clean close; a clear, delete or operator's eviction: then
+        only when it is slack_steps or more above, so a stream of deletes is not a stream of fsyncs).
+        Nothing is lowered while a rebuild's scan still runs."""
         with self.lock:
+            if self.build is not None and slack_steps:
+                return
             self.unscanned = 0
-            lowered = self.ceiling.lower(self.used + self.reserved)
+            lowered = self.ceiling.lower(self.used + self.reserved, slack_steps)
         if lowered:
             self.ceiling.persist()
 

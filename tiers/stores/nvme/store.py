@@ -217,6 +217,7 @@ class NvmeStore(PageStore):
     def _remove(self, digests: Iterable[int]) -> int:
         victims: List[Victim] = self._ledger.pop_many(digests)
         self._removal.discard_many(victims)  # a batch file's records punched together (one call a file, not a page)
+        self._ledger.settle_ceiling(slack_steps=2)  # a clear of a full tier: a restart then need not assume it full
         return len(victims)
 
     def delete(self, keys: Iterable[PageKey]) -> int:
@@ -234,6 +235,7 @@ class NvmeStore(PageStore):
         victims = self._ledger.evict_bytes(nbytes, None if namespace is None else namespace_hash(namespace),
                                            full_disk=False)
         self._removal.discard_many(victims, evicted=True)
+        self._ledger.settle_ceiling(slack_steps=2)
         return len(victims), sum(entry.disk_size for _d, entry in victims)
 
     # ---------------------------------------------------- batch chunks
