@@ -272,10 +272,11 @@ def own_fs(tmp_path):
 
 
 def test_sigkill_and_restart_scans_never_take_the_disk_past_capacity(own_fs):
-    """A writer that never stops is SIGKILLed at random moments, three times, each restart scanning the
-    directory slowly (10 ms a fan-out directory, serving meanwhile) while the writes go on.  Sampled every
-    few milliseconds, the file system's used bytes never pass the capacity (plus the store's own small
-    files), and after each kill the usage ceiling left on disk covers every byte of chunks there."""
+    """A writer that never stops (single pages and batches of 8 in turn) is SIGKILLed at random moments,
+    three times, each restart scanning the directory slowly (10 ms a fan-out directory, serving meanwhile)
+    while the writes go on.  Sampled every few milliseconds, the file system's used bytes never pass the
+    capacity (plus the store's own small files); after each kill the usage ceiling left on disk covers
+    every byte of chunks there; at the end every page held reads back the bytes it was written with."""
     from tiers.stores.nvme.ceiling import UsageCeiling
     root, capacity, size = own_fs / "nvme", 4 << 20, 64 << 10
     code = f"""
@@ -293,10 +294,19 @@ store = NvmeStore({str(root)!r}, {capacity}, fsync=False)
 print("ready", flush=True)
 i = 0
 while True:
-    try:
-        store.put(("ns", f"{{sys.argv[1]}}-{{i}}"), [memoryview(bytes([i % 251]) * {size})])
-    except StoreFull:
-        time.sleep(0.001)  # the scan has not counted enough yet
+    if i >= 20000:  # the keys the test checks at the end
+        time.sleep(1)
+        continue
+    if i % 2:  # a page in a file of its own
+        try:
+            store.put(("ns", f"{{sys.argv[1]}}-{{i}}"), [memoryview(bytes([i % 251]) * {size})])
+        except StoreFull:
+            time.sleep(0.001)  # the scan has not counted enough yet
+    else:  # a batch of 8 in one batch file
+        keys = [("ns", f"{{sys.argv[1]}}-{{i}}-{{j}}") for j in range(8)]
+        pages = [[memoryview(bytes([(i + j) % 251]) * {size})] for j in range(8)]
+        if any(store.put_many(keys, pages, [None] * 8, time.time() + 30)):
+            time.sleep(0.001)
     i += 1
 """
     slack = 64 << 10  # the store's own files: LOCK, usage.ceiling and its temp, a fan-out directory or two
@@ -325,3 +335,14 @@ while True:
     assert peak >= capacity // 2  # the writer did fill the tier
     with closing(NvmeStore(str(root), capacity)) as store:
         assert store._build.done.wait(30) and store.stats().used_bytes <= capacity
+        expected = {}  # every key the writer may have written, and its bytes
+        for round_ in range(3):
+            for i in range(20000):
+                if i % 2:
+                    expected[("ns", f"r{round_}-{i}")] = bytes([i % 251])
+                else:
+                    expected.update({("ns", f"r{round_}-{i}-{j}"): bytes([(i + j) % 251]) for j in range(8)})
+        keys = list(expected)
+        held = [key for key, present in zip(keys, store.contains(keys)) if present]
+        assert len(held) == store.stats().pages > 0  # every page held is one the writer wrote...
+        assert all(bytes(store.get_bytes(key)) == expected[key] * size for key in held)  # ...with its bytes
