@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tiers.stores.nvme import NvmeStore
-from tiers.stores.nvme import batch
+from tiers.stores.nvme import batch, ceiling
 from tiers.stores.nvme.chunkfile import ALIGN, HEADER_SIZE
 
 PAGE = 64 << 10
@@ -53,7 +53,8 @@ def read_all(store, keys):
 
 
 @pytest.fixture
-def make_store(tmp_path):
+def make_store(tmp_path, monkeypatch):
+    monkeypatch.setattr(ceiling, "MIN_STEP_BYTES", 0)  # as a large tier's (tiers/stores/nvme/ceiling.py)
     stores = []
 
     def make(capacity=64 * RECORD, **kw):

@@ -282,8 +282,9 @@ def test_sigkill_and_restart_scans_never_take_the_disk_past_capacity(own_fs):
     code = f"""
 import sys, time
 sys.path.insert(0, {os.getcwd()!r})
-from tiers.stores.nvme import NvmeStore, index, rebuild
+from tiers.stores.nvme import NvmeStore, ceiling, index, rebuild
 from tiers.stores.base import StoreFull
+ceiling.MIN_STEP_BYTES = 0  # steps of capacity / 32, as a large tier's: the ceiling is raised and lowered often
 rebuild.START_WAIT_S = 0.0
 real_top = index._scan_top
 def slow_top(top):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tiers.ops.config import parse_config
-from tiers.stores.nvme import NvmeStore
+from tiers.stores.nvme import NvmeStore, ceiling
 from tiers.stores.nvme.chunkfile import HEADER_SIZE
 from tiers.plugins import policy_names
 from tiers.stores.base import PageTooLarge, StoreIOError
@@ -43,7 +43,10 @@ def chunk_files(root):
 
 
 @pytest.fixture
-def make_store(tmp_path):
+def make_store(tmp_path, monkeypatch):
+    # The usage ceiling in steps of capacity / 32, as a large tier's: a tier this small would keep it at its
+    # capacity, and take no write during a restart's scan (tiers/stores/nvme/ceiling.py MIN_STEP_BYTES).
+    monkeypatch.setattr(ceiling, "MIN_STEP_BYTES", 0)
     stores = []
 
     def make(capacity=1 << 20, **kw):
@@ -503,15 +506,16 @@ def test_writes_during_a_restart_scan_never_take_the_disk_past_capacity(make_sto
 def test_a_tier_not_full_takes_writes_during_its_restart_scan_within_its_ceiling(make_store, monkeypatch):
     """The usage ceiling on disk (tiers/stores/nvme/ceiling.py) tells a restart how much the unscanned chunks
     can add up to: a quarter-full tier takes writes during its scan without evicting anything, raising the
-    ceiling durably as it goes, and the disk stays within capacity throughout."""
+    ceiling durably as it goes, and the disk stays within capacity throughout (steps of capacity / 32: a
+    tier this small would otherwise step by its whole capacity)."""
     from tiers.stores.nvme.ceiling import UsageCeiling
     capacity = 64 * CHUNK
     store = make_store(capacity=capacity)
     for i in range(16):
         store.put(("a", f"old{i}"), [memoryview(page(i))])
     store.close()
-    ceiling = UsageCeiling(store.root, capacity)
-    assert 16 * CHUNK <= ceiling.load() <= 16 * CHUNK + ceiling.step
+    left = UsageCeiling(store.root, capacity)
+    assert 16 * CHUNK <= left.load() <= 16 * CHUNK + left.step
     release = held_back_scan(monkeypatch)
     store = make_store(capacity=capacity, index_snapshot=False)
     try:
@@ -548,3 +552,13 @@ def test_a_clear_brings_the_usage_ceiling_down_and_single_deletes_do_not_rewrite
     store.clear("a")
     assert UsageCeiling(store.root, capacity).load() == step
     assert store.stats().extra["usage_ceiling"] == step
+
+
+def test_the_usage_ceilings_step_is_coarse_for_small_tiers():
+    """A raise costs two fsyncs on a writer's way: capacity / 32 at a time, but 256 MiB at least, and a
+    tier under that keeps its ceiling at its capacity (one raise, ever)."""
+    from tiers.stores.nvme.ceiling import MIN_STEP_BYTES, UsageCeiling
+    assert MIN_STEP_BYTES == 256 << 20
+    assert UsageCeiling(None, 64 << 20).step == 64 << 20
+    assert UsageCeiling(None, 4 << 30).step == 256 << 20
+    assert UsageCeiling(None, 64 << 30).step == 2 << 30

@@ -7,9 +7,10 @@ the disk past ``capacity`` (on a node whose tier fills its disk: a full
 disk for every tenant on it).  So the store keeps a ceiling on disk: a
 small checksummed file, ``usage.ceiling``, saying the chunks on disk add up
 to at most so many bytes.  It is raised, durably, before a write would take
-the bytes held and reserved past it (a step of capacity / 32 at a time: a
-few dozen small fsyncs to fill a tier), and set to what is held at a clean
-close and once a rebuild has counted everything.  A restart after a crash
+the bytes held and reserved past it (a step of capacity / 32 at a time, 256 MiB
+at least: a few dozen small fsyncs to fill a tier), and brought down to what
+is held at a clean close, once a rebuild has counted everything, and after a
+clear that left it two steps above.  A restart after a crash
 then treats ``ceiling - bytes scanned so far`` as held by chunks it has not
 reached, and admits a write only with room for it beside them.
 
@@ -31,7 +32,12 @@ log = logging.getLogger("hicache.nvme")
 NAME = "usage.ceiling"
 MAGIC = b"HCNVCEIL"
 _FORMAT = struct.Struct("<8sQI")  # magic, bytes, crc32 of the two before
-STEPS = 32  # a raise goes this fraction of the capacity past what is needed
+STEPS = 32  # a raise goes this fraction of the capacity past what is needed...
+# ...and at least this far: each raise is a file written and two fsyncs (1-3 ms here) on a writer's way, and
+# a tier a few batches fill (a bench's, cleared between repetitions) would pay one a batch.  Below 8 GiB the
+# ceiling is therefore coarser than capacity / 32, and a tier under 256 MiB keeps it at its capacity: a
+# restart after a crash takes it as full until its scan (short, at that size) has counted its chunks.
+MIN_STEP_BYTES = 256 << 20
 
 
 class UsageCeiling:
@@ -40,7 +46,7 @@ class UsageCeiling:
     def __init__(self, root: Optional[str], capacity: int):
         self.path = os.path.join(root, NAME) if root is not None else None
         self.capacity = capacity
-        self.step = max(1, capacity // STEPS)
+        self.step = max(1, capacity // STEPS, min(capacity, MIN_STEP_BYTES))
         self.value = capacity  # until loaded or set: nothing lower is known to hold
         self.failed = 0  # raises that could not be written (the tier then evicts below the last one written)
         self._lock = threading.Lock()
