@@ -67,7 +67,8 @@ def _left_by_last_run(index, build: BuildLog, records: np.ndarray) -> Tuple[int,
     would let the disk pass its capacity."""
     if not len(records):
         return 0, np.zeros(0, dtype=bool)
-    packed = records.view(np.uint8).reshape(len(records), records.itemsize)[:, :16].tobytes()  # lo, hi
+    rows = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), records.itemsize)
+    packed = rows[:, :16].tobytes()  # each digest's lo and hi, as contains_packed takes them
     indexed = np.frombuffer(index.contains_packed(packed), dtype=np.uint8).astype(bool)
     # Stale ones are counted by the caller, with the superseded records.
     old = (records["mtime"] < build.started_s) & ~indexed
