@@ -27,6 +27,8 @@ import threading
 import zlib
 from typing import Optional
 
+from tiers.stores.nvme import chunkfile as cf
+
 log = logging.getLogger("hicache.nvme")
 
 NAME = "usage.ceiling"
@@ -109,24 +111,13 @@ class UsageCeiling:
         tmp = self.path + ".tmp"
         body = _FORMAT.pack(MAGIC, value, 0)[:-4]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, body + struct.pack("<I", zlib.crc32(body)))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            cf.unlink_quietly(tmp)  # one a crash left behind
+            cf.write_file(tmp, [memoryview(body + struct.pack("<I", zlib.crc32(body)))], fsync=True, direct=False)
             os.replace(tmp, self.path)
-            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            cf.fsync_dir(os.path.dirname(self.path))
         except OSError as exc:
             # Not raised: the ledger keeps the tier below the value last written (it evicts instead of growing).
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            cf.unlink_quietly(tmp)
             self.failed += 1
             log.warning("usage ceiling %s not written (%s); the tier stays within %d bytes", self.path, exc,
                         self.value)

@@ -118,9 +118,8 @@ class Ledger:
         only when it is slack_steps or more above, so a stream of deletes is not a stream of fsyncs).
         Nothing is lowered while a rebuild's scan still runs."""
         with self.lock:
-            if self.build is not None and slack_steps:
+            if self.build is not None:
                 return
-            self.unscanned = 0
             lowered = self.ceiling.lower(self.used + self.reserved, slack_steps)
         if lowered:
             self.ceiling.persist()

@@ -10,7 +10,7 @@ function takes the ledger's lock itself.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import numpy as np
 
@@ -38,19 +38,15 @@ def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
     namespace's order, placed by mtime at the end of the scan (place_scanned)."""
     with ledger.lock:
         build, index, tenants = ledger.build, ledger.index, ledger.tenants
-        counted, indexed = _left_by_last_run(index, build, records)
-        stale = _superseded(ledger, build, records, indexed)
-        counted += sum(entry.disk_size for _digest, entry in stale)
+        indexed = _indexed(index, records)
+        gone = np.zeros(len(records), dtype=bool)
         if build.gone or build.cleared:  # rare: something was deleted or cleared during the scan
-            keep = np.ones(len(records), dtype=bool)
-            for i, (digest, ns_hash) in enumerate(zip(digests_of(records), records["ns"].tolist())):
-                if not indexed[i] and build.stale(digest, ns_hash):
-                    keep[i] = False
-                    file, block, size = int(records["file"][i]), int(records["block"][i]), int(records["size"][i])
-                    stale.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash, size,
-                                                file=file, block=block)))
-                    counted += size if records["mtime"][i] < build.started_s else 0
-            records = records[keep]
+            gone = ~indexed & np.array([build.stale(d, ns) for d, ns in
+                                        zip(digests_of(records), records["ns"].tolist())], dtype=bool)
+        stale = _superseded(ledger, build, records, indexed)
+        counted = _left_by_last_run(build, records, indexed, gone) + sum(e.disk_size for _d, e in stale)
+        stale += [_victim(ledger, records, i) for i in np.flatnonzero(gone).tolist()]
+        records = records[~gone] if gone.any() else records
         numbers = {ns: tenants.tenant(ns, index).number for ns in np.unique(records["ns"]).tolist()}
         for number, nbytes in index.insert_scanned(records.tobytes(), numbers).items():
             tenants.numbered[number].bytes += nbytes
@@ -60,24 +56,25 @@ def add_scanned(ledger: Ledger, records: np.ndarray) -> List[Victim]:
     return stale
 
 
-def _left_by_last_run(index, build: BuildLog, records: np.ndarray) -> Tuple[int, np.ndarray]:
-    """Bytes of scanned chunks the last run left that will be indexed, or found stale, now: what comes off
-    the ledger's ``unscanned``; and which records' digests are indexed already.  Not a chunk of this run's
-    (indexed already, or renamed into place and not yet indexed: its mtime is this rebuild's): taking it off
-    would let the disk pass its capacity."""
+def _indexed(index, records: np.ndarray) -> np.ndarray:
+    """Which records' digests the index holds already (one native call)."""
     if not len(records):
-        return 0, np.zeros(0, dtype=bool)
+        return np.zeros(0, dtype=bool)
     rows = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), records.itemsize)
     packed = rows[:, :16].tobytes()  # each digest's lo and hi, as contains_packed takes them
-    indexed = np.frombuffer(index.contains_packed(packed), dtype=np.uint8).astype(bool)
-    # Stale ones are counted by the caller, with the superseded records.
+    return np.frombuffer(index.contains_packed(packed), dtype=np.uint8).astype(bool)
+
+
+def _left_by_last_run(build: BuildLog, records: np.ndarray, indexed: np.ndarray, gone: np.ndarray) -> int:
+    """Bytes of the last run's chunks the scan counts now, by indexing them or (gone: deleted, evicted or
+    cleared meanwhile) by unlinking them; the caller adds the superseded ones.  What comes off the ledger's
+    ``unscanned``.  Not a chunk of this run's (indexed already, or renamed into place and not yet indexed:
+    its mtime is this rebuild's): taking it off would let the disk pass its capacity."""
     old = (records["mtime"] < build.started_s) & ~indexed
-    if build.gone or build.cleared:
-        old &= np.array([not build.stale(d, ns) for d, ns in zip(digests_of(records), records["ns"].tolist())])
-    chosen = np.flatnonzero(old)
+    chosen = np.flatnonzero(old & ~gone)
     if len(chosen) > 1:  # a page twice (a crash between a rewrite and the old record's give-back): indexed once
         chosen = chosen[np.unique(records[["lo", "hi"]][chosen], return_index=True)[1]]
-    return int(records["size"][chosen].sum()), indexed
+    return int(records["size"][chosen].sum()) + int(records["size"][old & gone].sum())
 
 
 def _superseded(ledger: Ledger, build: BuildLog, records: np.ndarray, indexed: np.ndarray) -> List[Victim]:
@@ -86,15 +83,20 @@ def _superseded(ledger: Ledger, build: BuildLog, records: np.ndarray, indexed: n
     file, counted by no one, for good)."""
     out: List[Victim] = []
     for i in np.flatnonzero(indexed & (records["file"] != 0) & (records["mtime"] < build.started_s)).tolist():
-        digest = (int(records["hi"][i]) << 64) | int(records["lo"][i])
+        digest, entry = _victim(ledger, records, i)
         values = ledger.index.get(digest)
-        file, block = int(records["file"][i]), int(records["block"][i])
-        if values is None or (Row(*values).file, Row(*values).block) == (file, block):
-            continue
-        ns_hash = int(records["ns"][i])
-        out.append((digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash, int(records["size"][i]),
-                                  file=file, block=block)))
+        row = Row(*values) if values is not None else None
+        if row is not None and (row.file, row.block) != (entry.file, entry.block):
+            out.append((digest, entry))
     return out
+
+
+def _victim(ledger: Ledger, records: np.ndarray, i: int) -> Victim:
+    """Scanned record i as (digest, Entry), for the caller to unlink or give back."""
+    digest = (int(records["hi"][i]) << 64) | int(records["lo"][i])
+    ns_hash, file = int(records["ns"][i]), int(records["file"][i])
+    return digest, Entry(ledger.path_of(ns_hash, digest, file), ns_hash, int(records["size"][i]), file=file,
+                         block=int(records["block"][i]))
 
 
 def reserve_rows(ledger: Ledger, rows: int) -> None:

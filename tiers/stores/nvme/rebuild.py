@@ -124,11 +124,9 @@ class IndexBuild:
                      totals.torn_removed, stale)
         except Exception:  # a scan that fails leaves a partial index: misses, never wrong pages
             log.exception("%s: the index rebuild failed; chunks not indexed read as misses", self.name)
+            # Not settled: chunks the scan did not reach are still on disk, under the ceiling as it stands.
             for victim in self._finish(order):
                 self._discard(*victim)
-            # Not settled: chunks the scan did not reach are still on disk, under the ceiling as it stands.
-            with self._ledger.lock:
-                self._ledger.unscanned = 0
         finally:
             self.done.set()
             self._settled.set()
