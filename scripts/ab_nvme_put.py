@@ -8,7 +8,8 @@ daemons import `tiers` from each), one rank of SGLang's real host pool and
 backend on each, and per round writes a fresh batch through each (in turn,
 the order swapped every round) after the raw limit of `hicache-tiers bench`
 (one file and one fdatasync for the batch). It prints each tree's median
-GB/s and its ratio to the limit's median.  Each tree needs its C extensions
+GB/s and its ratio to the limit's median, and the median of each tree's rate over the first tree's in
+the same round.  Each tree needs its C extensions
 built in place (`git worktree add ../wt && cd ../wt && python3 -c "from
 setuptools import setup; setup()" build_ext --inplace`).
 
@@ -99,6 +100,12 @@ def paired(args, size: int, root: str) -> str:
     lim = statistics.median(limit)
     cells = [f"{tree}: {statistics.median(r):.2f} GB/s ({statistics.median(r) / lim:.2f}x)"
              for tree, r in zip(args.tree_list, rates)]
+    # The disk drifts between rounds more than most changes are worth: each tree's rate over the first
+    # tree's in the same round (the two puts seconds apart), the median of those and its spread.
+    for tree, r in list(zip(args.tree_list, rates))[1:]:
+        paired = sorted(b / a for a, b in zip(rates[0], r))
+        cells.append(f"{tree} / {args.tree_list[0]} in the same round: {statistics.median(paired):.2f}x "
+                     f"({paired[len(paired) // 4]:.2f}-{paired[(3 * len(paired)) // 4]:.2f} between quartiles)")
     return f"{size >> 10} KiB pages, {args.pages} a put: limit {lim:.2f} GB/s; " + "; ".join(cells)
 
 

@@ -109,11 +109,85 @@ def test_a_restart_finds_every_page_of_every_batch(make_store, snapshot):
                                                        if i != 3]
 
 
-def test_a_batch_cut_short_by_a_crash_is_never_served(make_store, tmp_path):
+def test_a_batch_file_cut_short_by_a_crash_is_removed_whole_at_restart(make_store, tmp_path):
+    """A batch file is written under its own name and acknowledged after its flush, so a crash before that
+    can leave one cut short: records that end past the file's end, a header never written.  The restart
+    removes such a file whole (none of its pages was acknowledged), instead of indexing the records before
+    the cut and leaving the rest on disk, counted by no one."""
     store = make_store()
     keys = put_batch(store, [f"c{i}" for i in range(4)], range(4))
     store.close()
-    # What a crash mid-write leaves: a temporary file that was never renamed into place.
+    whole = open(batch_files(tmp_path / "nvme")[0], "rb").read()
+    cut_short = batch.batch_path(str(tmp_path / "nvme"), 77)
+    never_written = batch.batch_path(str(tmp_path / "nvme"), 78)
+    for path in (cut_short, never_written):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(cut_short, "wb") as f:
+        f.write(whole[:RECORD + 100])  # its first record whole, the second cut inside its header
+    with open(never_written, "wb") as f:
+        f.write(whole[:RECORD] + bytes(HEADER_SIZE) + whole[RECORD + HEADER_SIZE:])  # the second header zeros
+    again = make_store(index_snapshot=False)
+    assert again._build.done.wait(10)
+    assert not os.path.exists(cut_short) and not os.path.exists(never_written)
+    st = again.stats()
+    assert st.extra["torn_removed"] == 2
+    assert st.pages == 4 and st.used_bytes == 4 * RECORD == disk_bytes(tmp_path / "nvme")
+    found, data = read_all(again, keys)
+    assert found == [True] * 4 and data == [page(i) for i in range(4)]
+
+
+def test_a_restart_scan_leaves_alone_a_batch_being_written_meanwhile(make_store, monkeypatch):
+    """A put that is halfway through its batch file (its first part on disk, the rest still being filled)
+    while the restart scan walks the batch directory: the scan leaves the file alone (it is this run's and
+    not yet flushed, so it looks cut short), and the put then completes, every page stored and read back.
+    Before, the scan removed a file being written as a crash's leftover and the put was refused."""
+    import threading
+    import xxhash
+    from tests.support.nvme_scan import held_back_scan
+    from tiers.stores.nvme import batch_writes
+    n = batch_writes.FIRST_PART_PAGES + 4  # two parts
+    store = make_store(capacity=4 * n * RECORD)
+    old = put_batch(store, [f"o{i}" for i in range(3)], range(3))
+    store.close()
+    release = held_back_scan(monkeypatch)
+    store = make_store(capacity=4 * n * RECORD, index_snapshot=False)
+    wanted = [page(700 + i) for i in range(n)]
+    buffers = [bytearray(PAGE) for _ in range(n)]
+    second_part, go = threading.Event(), threading.Event()
+
+    def fill(positions):
+        if positions[0] != 0:  # the first part is on its way to the disk: hold the second
+            second_part.set()
+            assert go.wait(30)
+        for p in positions:
+            buffers[p][:] = wanted[p]
+        return [xxhash.xxh3_64_intdigest(wanted[p]) for p in positions]
+    keys = [("ns", f"w{i}") for i in range(n)]
+    out = []
+    put = threading.Thread(target=lambda: out.extend(store.put_many_filled(
+        keys, [[memoryview(b)] for b in buffers], [None] * n, time.time() + 60, None, fill)))
+    put.start()
+    try:
+        assert second_part.wait(30)
+        release.set()  # the scan runs now, the put's file half written under its own name
+        assert store._build.done.wait(30)
+    finally:
+        release.set()
+        go.set()
+        put.join(60)
+    assert out == [None] * n
+    st = store.stats()
+    assert st.extra["torn_removed"] == 0 and st.pages == n + 3
+    found, data = read_all(store, keys + old)
+    assert found == [True] * (n + 3) and data == wanted + [page(i) for i in range(3)]
+
+
+def test_an_older_versions_temporary_batch_file_is_removed(make_store, tmp_path):
+    store = make_store()
+    keys = put_batch(store, [f"c{i}" for i in range(4)], range(4))
+    store.close()
+    # What a crash mid-write left before batch files were written under their own name: a temporary file
+    # that was never renamed into place.
     path = batch.batch_path(str(tmp_path / "nvme"), 77)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
@@ -268,7 +342,8 @@ def test_parts_filled_as_they_are_written_and_a_failed_fill_keeps_nothing_of_its
     import xxhash
     from tiers.stores.base import FillFailed
     from tiers.stores.nvme import batch_writes
-    n = 3 * (batch_writes.PART_BYTES // PAGE) + 1  # three parts: PART_BYTES, twice that, one page
+    first = min(batch_writes.FIRST_PART_PAGES, batch_writes.PART_BYTES // PAGE)
+    n = 3 * first + 1  # three parts: the first, twice that, one page
     store = make_store(capacity=2 * n * RECORD)
     wanted = [page(500 + i) for i in range(n)]
     buffers = [bytearray(PAGE) for _ in range(n)]

@@ -26,8 +26,8 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     },
     "nvme": {
         "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),
-        "fsync": (_bool, True, "fdatasync each chunk file before its rename and fsync the directory after, "
-                               "before acknowledging (false: a power loss may drop recent pages, never return bad ones)"),
+        "fsync": (_bool, True, "fdatasync each chunk file and fsync the directory of a new one before "
+                               "acknowledging (false: a power loss may drop recent pages, never return bad ones)"),
         "compression": (_choice("none", "zstd", "zstd-shuffle"), "none",
                         "chunk codec; zstd-shuffle splits bf16 byte planes first; capacity counts on-disk bytes"),
         "compression_level": (_int, 1, "zstd level (1 is fastest; higher levels gained nothing on bf16 KV data)"),

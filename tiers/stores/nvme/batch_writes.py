@@ -7,10 +7,12 @@ disk never holds more than capacity); then a part at a time (PART_BYTES, then tw
 before) the pages are filled, checked against the writer's checksum, given
 their headers in one C call and handed to a writer thread while the next part
 is prepared.  Compressed pages have no size until encoded: each part is
-encoded, reserved and appended in turn.  Either way one fdatasync at
-the end, the rename, the directory sync, then every page of the file is
-indexed.  A refusal is per page (too large, bytes that do not match the
-writer's checksum, no room); a failed write refuses every page of its file.
+encoded, reserved and appended in turn.  The file is made under its own
+name, and its directory is fsynced once the last part is handed to the
+device, while the device writes it; one fdatasync at the end, then every
+page of the file is indexed.  A refusal is per page (too large, bytes that
+do not match the writer's checksum, no room); a failed write refuses every
+page of its file.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import secrets
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
                                StoreIOError, accepted_page, total_size)
@@ -38,7 +40,12 @@ BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at mos
 # pwritev of 64 KiB records ran 1.03 GB/s here, 1 MiB ones 0.88; from 4 MiB on they are equal).  A file
 # preallocated whole, parts of 512 KiB doubling, several in flight, started the device 1.5 ms sooner and
 # wrote 256 KiB pages 25-30% slower through the daemon (scripts/ab_nvme_put.py, both orders): not kept.
+# The first part is also at most FIRST_PART_PAGES pages: its preparation is ~10 us a page of Python and
+# hashing before the device has anything to do.  At 64 KiB pages (1 MiB first parts instead of 4 MiB) that
+# wrote 8% faster through the daemon, paired round by round (scripts/ab_nvme_put.py, 16 rounds); a 1 MiB
+# first part at 1 MiB pages (one page) wrote 31% slower, so larger pages keep PART_BYTES.
 PART_BYTES = 4 << 20
+FIRST_PART_PAGES = 16
 MAX_PART_BYTES = 64 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -80,6 +87,9 @@ class BatchWrites:
     def __init__(self, target: BatchTarget):
         self.t = target
         self._made: set = set()  # batch directories known to exist
+        # Ids of the files being written (from before their creation until indexed or removed): a restart
+        # scan running meanwhile leaves them alone (tiers/stores/nvme/batch.py scan_files).
+        self.writing: Set[int] = set()
 
     def put_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], parents: Sequence[Optional[str]],
                  checksums: Optional[Sequence[int]], page_sums: Optional[Sequence[int]] = None,
@@ -154,6 +164,16 @@ class BatchWrites:
         if lay is None:
             return
         file_id, path = self._new_path()
+        try:
+            self._write_raw_parts(namespace, ns_hash, lay, file_id, path, keys, pages, parents, checksums,
+                                  page_sums, fill, out, aligned)
+        finally:
+            self.writing.discard(file_id)
+
+    def _write_raw_parts(self, namespace: str, ns_hash: int, lay: laid_out.Layout, file_id: int, path: str, keys,
+                         pages, parents, checksums, page_sums, fill: Optional[FillPages], out: list,
+                         aligned: bool) -> None:
+        t = self.t
         writer = self._open_writer(path)
         if isinstance(writer, StoreError):
             self._refuse(lay, ns_hash, out, writer)
@@ -177,9 +197,9 @@ class BatchWrites:
                 return
             if lay.gaps:
                 writer.punch(lay.gaps)
+            if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
+                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs held up their parts)
             writer.finish(t.fsync)
-            if t.fsync:
-                t.dirsync.sync(os.path.dirname(path))
         except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
             writer.abort()
             self._refuse(lay, ns_hash, out, exc)
@@ -213,9 +233,17 @@ class BatchWrites:
     def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
                     fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
+        file_id, path = self._new_path()
+        try:
+            self._write_encoded(namespace, idx, file_id, path, keys, pages, parents, checksums, page_sums, fill,
+                                out, aligned)
+        finally:
+            self.writing.discard(file_id)
+
+    def _write_encoded(self, namespace: str, idx: List[int], file_id: int, path: str, keys, pages, parents,
+                       checksums, page_sums, fill: Optional[FillPages], out: list, aligned: bool) -> None:
         t = self.t
         ns_hash = namespace_hash(namespace)
-        file_id, path = self._new_path()
         writer = self._open_writer(path)
         if isinstance(writer, StoreError):
             for i in idx:
@@ -250,9 +278,9 @@ class BatchWrites:
             if not written:
                 writer.abort()
                 return
+            if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
+                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs held up their parts)
             writer.finish(t.fsync)
-            if t.fsync:
-                t.dirsync.sync(os.path.dirname(path))
         except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
             writer.abort()
             for r, _block in written:
@@ -293,9 +321,10 @@ class BatchWrites:
         while True:
             file_id = secrets.randbits(32) or 1
             path = batch.batch_path(self.t.root, file_id)
-            # One stat a put: a .tmp of the same id (a put choosing it at the same moment) fails the writer's
-            # O_EXCL open instead; directories are made once (nothing removes them; at most 4,096).
-            if not os.path.exists(path):
+            # One stat a put: a put choosing the same id at the same moment fails the writer's O_EXCL open
+            # instead; directories are made once (nothing removes them; at most 4,096).
+            if file_id not in self.writing and not os.path.exists(path):
+                self.writing.add(file_id)  # before the file exists: a scan never meets it unregistered
                 directory = os.path.dirname(path)
                 if directory not in self._made:
                     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -304,10 +333,13 @@ class BatchWrites:
 
 
 def _parts(idx: List[int], pages) -> List[List[int]]:
-    """idx cut into parts of PART_BYTES, then twice the part before, up to MAX_PART_BYTES (a page at least):
-    the device starts early, and later writes are larger."""
+    """idx cut into parts: the first of PART_BYTES or FIRST_PART_PAGES pages, whichever is less, then each
+    twice the one before, up to MAX_PART_BYTES (a page at least): the device starts early, and later writes
+    are larger."""
     parts: List[List[int]] = [[]]
     at, limit = 0, PART_BYTES
+    if idx:
+        limit = min(PART_BYTES, FIRST_PART_PAGES * total_size(pages[idx[0]]))
     for i in idx:
         if at >= limit:
             parts.append([])

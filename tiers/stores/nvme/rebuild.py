@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Container, Dict, List, Optional
 
 import numpy as np
 
@@ -43,8 +43,10 @@ class IndexBuild:
     """Scan root into ledger on a thread of its own."""
 
     def __init__(self, root: str, ledger: Ledger, name: str, dirs: LeafDirs,
-                 discard: Callable[[int, object], None], unlink_stale: Callable[[int, object], None]):
+                 discard: Callable[[int, object], None], unlink_stale: Callable[[int, object], None],
+                 writing: Container[int] = ()):
         self.root, self.name = root, name
+        self._writing = writing  # ids of the batch files this run's puts are writing: the scan leaves them
         self._ledger = ledger
         self._dirs = dirs  # the store's set of leaf directories known to exist: filled as they are found
         self._discard = discard
@@ -97,10 +99,12 @@ class IndexBuild:
                 part.records, part.leaves = b"", []
                 totals.merge(part)
             # Batch chunks (tiers/stores/nvme/batch.py): a file of many pages each, walked record by record.
-            for records, temps in batch.scan_files(self.root, index.RECORD):
+            for scanned in batch.scan_files(self.root, index.RECORD, self._writing):
                 if self._stop.is_set():
                     return
-                totals.temps_removed += temps
+                records = scanned.records
+                totals.temps_removed += scanned.temps
+                totals.torn_removed += scanned.torn
                 for start in range(0, len(records), ADD_SLICE):
                     for digest, entry in ledger_rebuild.add_scanned(self._ledger, records[start:start + ADD_SLICE]):
                         self._unlink_stale(digest, entry)

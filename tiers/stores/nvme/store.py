@@ -155,7 +155,7 @@ class NvmeStore(PageStore):
         """Index the chunk files: from the snapshot of a clean shutdown, else by a scan (at once for a small
         directory, else in the background while serving)."""
         self._build = IndexBuild(self.root, self._ledger, self.name, self._dirs, self._removal.discard,
-                                 self._removal.unlink_stale)
+                                 self._removal.unlink_stale, self._batches.writing)
         started = time.perf_counter()
         self._ledger.ceiling.load()  # what a scan may find on disk at most (tiers/stores/nvme/ceiling.py)
         loaded = snapshot.load(self.root, self._ledger, self._dirs) if self._snapshots else None
