@@ -198,7 +198,7 @@ class BatchWrites:
             if lay.gaps:
                 writer.punch(lay.gaps)
             if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
-                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs held up their parts)
+                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
             writer.finish(t.fsync)
         except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
             writer.abort()
@@ -279,7 +279,7 @@ class BatchWrites:
                 writer.abort()
                 return
             if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
-                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs held up their parts)
+                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
             writer.finish(t.fsync)
         except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
             writer.abort()
