@@ -21,8 +21,9 @@ import os
 import secrets
 import time
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from tiers.stores.base import (Buffers, FillFailed, FillPages, PageKey, PageTooLarge, StoreError, StoreFull,
                                StoreIOError, accepted_page, total_size)
@@ -163,63 +164,53 @@ class BatchWrites:
         lay = laid_out.lay_out(t, namespace, ns_hash, idx, pages, page_bytes, out)
         if lay is None:
             return
-        file_id, path = self._new_path()
-        try:
-            self._write_raw_parts(namespace, ns_hash, lay, file_id, path, keys, pages, parents, checksums,
-                                  page_sums, fill, out, aligned)
-        finally:
-            self.writing.discard(file_id)
-
-    def _write_raw_parts(self, namespace: str, ns_hash: int, lay: laid_out.Layout, file_id: int, path: str, keys,
-                         pages, parents, checksums, page_sums, fill: Optional[FillPages], out: list,
-                         aligned: bool) -> None:
-        t = self.t
-        writer = self._open_writer(path)
-        if isinstance(writer, StoreError):
-            self._refuse(lay, ns_hash, out, writer)
-            return
-        ns_bytes = namespace.encode()
-        try:
-            for part in _parts(lay.ok, pages):
-                if fill is not None:  # the part's bytes come in now, while the part before goes to the device
-                    part_sums = fill(part)
-                    for i, page_sum in zip(part, part_sums):
-                        page_sums[i] = page_sum  # the writer's checksums too when the daemon hashed for it
-                elif page_sums is not None:
-                    part_sums = [page_sums[i] for i in part]
-                else:
-                    part_sums = [cf.payload_hash(pages[i]) for i in part]
-                laid_out.write_part(t, lay, writer, part, part_sums, checksums, keys, ns_bytes, ns_hash, out,
-                                    aligned)
-                time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
-            if not lay.held:
-                writer.abort()
+        with self._new_file() as (file_id, path):
+            writer = self._open_writer(path)
+            if isinstance(writer, StoreError):
+                self._refuse(lay, ns_hash, out, writer)
                 return
-            if lay.gaps:
-                writer.punch(lay.gaps)
-            if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
-                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
-            writer.finish(t.fsync)
-        except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
-            writer.abort()
-            self._refuse(lay, ns_hash, out, exc)
-            return
-        except (OSError, ValueError) as exc:  # ValueError: a namespace and key too long for a header
-            writer.abort()
-            full = isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
-            reason = getattr(exc, "strerror", None) or exc
-            self._refuse(lay, ns_hash, out, StoreFull(f"{t.name}: {reason}") if full
-                         else StoreIOError(f"{t.name}: writing {path}: {reason}"))
-            return
-        done = sorted(lay.held)
-        stamp = max(1, int(time.monotonic()))
-        for digest, replaced in t.ledger.commit_many(
-                ns_hash, namespace, stamp, file_id,
-                [(lay.digests[k], lay.disks[k], lay.sizes[k], _parent_digest(namespace, parents[lay.ok[k]]),
-                  lay.blocks[k]) for k in done]):
-            t.replaced(digest, replaced)
-        written = sum(lay.sizes[k] for k in done)
-        t.ledger.wrote(written, written, len(done))
+            ns_bytes = namespace.encode()
+            try:
+                for part in _parts(lay.ok, pages):
+                    if fill is not None:  # the part's bytes come in now, while the part before goes to the device
+                        part_sums = fill(part)
+                        for i, page_sum in zip(part, part_sums):
+                            page_sums[i] = page_sum  # the writer's checksums too when the daemon hashed for it
+                    elif page_sums is not None:
+                        part_sums = [page_sums[i] for i in part]
+                    else:
+                        part_sums = [cf.payload_hash(pages[i]) for i in part]
+                    laid_out.write_part(t, lay, writer, part, part_sums, checksums, keys, ns_bytes, ns_hash, out,
+                                        aligned)
+                    time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
+                if not lay.held:
+                    writer.abort()
+                    return
+                if lay.gaps:
+                    writer.punch(lay.gaps)
+                if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
+                    t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
+                writer.finish(t.fsync)
+            except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
+                writer.abort()
+                self._refuse(lay, ns_hash, out, exc)
+                return
+            except (OSError, ValueError) as exc:  # ValueError: a namespace and key too long for a header
+                writer.abort()
+                full = isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+                reason = getattr(exc, "strerror", None) or exc
+                self._refuse(lay, ns_hash, out, StoreFull(f"{t.name}: {reason}") if full
+                             else StoreIOError(f"{t.name}: writing {path}: {reason}"))
+                return
+            done = sorted(lay.held)
+            stamp = max(1, int(time.monotonic()))
+            for digest, replaced in t.ledger.commit_many(
+                    ns_hash, namespace, stamp, file_id,
+                    [(lay.digests[k], lay.disks[k], lay.sizes[k], _parent_digest(namespace, parents[lay.ok[k]]),
+                      lay.blocks[k]) for k in done]):
+                t.replaced(digest, replaced)
+            written = sum(lay.sizes[k] for k in done)
+            t.ledger.wrote(written, written, len(done))
 
     def _refuse(self, lay: laid_out.Layout, ns_hash: int, out: list, err: StoreError) -> None:
         """Every page of a file that failed is refused (a refusal a page has already stays) and the
@@ -233,76 +224,68 @@ class BatchWrites:
     def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
                     fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
-        file_id, path = self._new_path()
-        try:
-            self._write_encoded(namespace, idx, file_id, path, keys, pages, parents, checksums, page_sums, fill,
-                                out, aligned)
-        finally:
-            self.writing.discard(file_id)
-
-    def _write_encoded(self, namespace: str, idx: List[int], file_id: int, path: str, keys, pages, parents,
-                       checksums, page_sums, fill: Optional[FillPages], out: list, aligned: bool) -> None:
-        t = self.t
-        ns_hash = namespace_hash(namespace)
-        writer = self._open_writer(path)
-        if isinstance(writer, StoreError):
-            for i in idx:
-                out[i] = writer
-            return
-        written: List[Tuple[_Pending, int]] = []
-        try:
-            for part in _parts(idx, pages):
-                if fill is not None:  # the part's bytes come in now, while the part before goes to the device
-                    for i, checksum in zip(part, fill(part)):
-                        page_sums[i] = checksum
-                records: List[_Pending] = []
-                victims: List[Victim] = []
-                headers = batch.aligned_blocks(len(part))  # one allocation a part, not one a page
-                for j, i in enumerate(part):
-                    try:
-                        record = self._record(i, keys[i], pages[i], parents[i], checksums[i],
-                                              None if page_sums is None else page_sums[i], headers[j])
-                        victims += t.ledger.reserve(record.disk, ns_hash, namespace)
-                        records.append(record)
-                    except StoreFull as exc:
-                        out[i] = StoreFull(f"{t.name}: {exc}")
-                    except StoreError as exc:
-                        out[i] = exc
-                t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
-                if records:
-                    # Headers and padding are aligned blocks; raw payloads the caller vouched for need no check.
-                    firsts = writer.add([batch.Record(r.header, r.payload, r.stored) for r in records],
-                                        aligned and all(r.raw for r in records))
-                    written += zip(records, firsts)
-                    time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
-            if not written:
-                writer.abort()
+        with self._new_file() as (file_id, path):
+            t = self.t
+            ns_hash = namespace_hash(namespace)
+            writer = self._open_writer(path)
+            if isinstance(writer, StoreError):
+                for i in idx:
+                    out[i] = writer
                 return
-            if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
-                t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
-            writer.finish(t.fsync)
-        except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
-            writer.abort()
-            for r, _block in written:
-                t.ledger.release(r.disk, ns_hash)
-            for i in idx:
-                out[i] = out[i] or exc
-            return
-        except OSError as exc:
-            writer.abort()
-            for r, _block in written:
-                t.ledger.release(r.disk, ns_hash)
-            err = (StoreFull(f"{t.name}: {exc.strerror}") if exc.errno in _FULL_ERRNOS
-                   else StoreIOError(f"{t.name}: writing {path}: {exc.strerror}"))
-            for r, _block in written:
-                out[r.position] = err
-            return
-        stamp = max(1, int(time.monotonic()))
-        for digest, replaced in t.ledger.commit_many(ns_hash, namespace, stamp, file_id,
-                                                     [(r.digest, r.disk, r.size, r.parent, block)
-                                                      for r, block in written]):
-            t.replaced(digest, replaced)
-        t.ledger.wrote(sum(r.size for r, _b in written), sum(r.stored for r, _b in written), len(written))
+            written: List[Tuple[_Pending, int]] = []
+            try:
+                for part in _parts(idx, pages):
+                    if fill is not None:  # the part's bytes come in now, while the part before goes to the device
+                        for i, checksum in zip(part, fill(part)):
+                            page_sums[i] = checksum
+                    records: List[_Pending] = []
+                    victims: List[Victim] = []
+                    headers = batch.aligned_blocks(len(part))  # one allocation a part, not one a page
+                    for j, i in enumerate(part):
+                        try:
+                            record = self._record(i, keys[i], pages[i], parents[i], checksums[i],
+                                                  None if page_sums is None else page_sums[i], headers[j])
+                            victims += t.ledger.reserve(record.disk, ns_hash, namespace)
+                            records.append(record)
+                        except StoreFull as exc:
+                            out[i] = StoreFull(f"{t.name}: {exc}")
+                        except StoreError as exc:
+                            out[i] = exc
+                    t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
+                    if records:
+                        # Headers and padding are aligned blocks; raw payloads the caller vouched for need no check.
+                        firsts = writer.add([batch.Record(r.header, r.payload, r.stored) for r in records],
+                                            aligned and all(r.raw for r in records))
+                        written += zip(records, firsts)
+                        time.sleep(0)  # the GIL to the writer thread now, not at the next switch interval (5 ms)
+                if not written:
+                    writer.abort()
+                    return
+                if t.fsync:  # the new name made durable while the device writes the last part (on this thread: on a
+                    t.dirsync.sync(os.path.dirname(path))  # writer's, concurrent puts' syncs would hold up their parts)
+                writer.finish(t.fsync)
+            except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
+                writer.abort()
+                for r, _block in written:
+                    t.ledger.release(r.disk, ns_hash)
+                for i in idx:
+                    out[i] = out[i] or exc
+                return
+            except OSError as exc:
+                writer.abort()
+                for r, _block in written:
+                    t.ledger.release(r.disk, ns_hash)
+                err = (StoreFull(f"{t.name}: {exc.strerror}") if exc.errno in _FULL_ERRNOS
+                       else StoreIOError(f"{t.name}: writing {path}: {exc.strerror}"))
+                for r, _block in written:
+                    out[r.position] = err
+                return
+            stamp = max(1, int(time.monotonic()))
+            for digest, replaced in t.ledger.commit_many(ns_hash, namespace, stamp, file_id,
+                                                         [(r.digest, r.disk, r.size, r.parent, block)
+                                                          for r, block in written]):
+                t.replaced(digest, replaced)
+            t.ledger.wrote(sum(r.size for r, _b in written), sum(r.stored for r, _b in written), len(written))
 
     def _open_writer(self, path: str):
         """A BatchWriter for a new file at path, or the StoreIOError that refuses its pages."""
@@ -316,21 +299,27 @@ class BatchWrites:
         except OSError as exc:
             return StoreIOError(f"{self.t.name}: creating {path}: {exc.strerror}")
 
-    def _new_path(self) -> Tuple[int, str]:
-        """A file id no batch chunk holds (random: nothing to recover at start), and its path."""
+    @contextmanager
+    def _new_file(self) -> Iterator[Tuple[int, str]]:
+        """A file id no batch chunk holds (random: nothing to recover at start) and its path, in writing (so a
+        restart scan leaves the file alone) from before the file exists until the block ends: it is indexed
+        or removed by then."""
         while True:
             file_id = secrets.randbits(32) or 1
             path = batch.batch_path(self.t.root, file_id)
             # One stat a put: a put choosing the same id at the same moment fails the writer's O_EXCL open
             # instead; directories are made once (nothing removes them; at most 4,096).
             if file_id not in self.writing and not os.path.exists(path):
-                self.writing.add(file_id)  # before the file exists: a scan never meets it unregistered
-                directory = os.path.dirname(path)
-                if directory not in self._made:
-                    os.makedirs(directory, mode=0o700, exist_ok=True)
-                    self._made.add(directory)
-                return file_id, path
-
+                break
+        self.writing.add(file_id)
+        try:
+            directory = os.path.dirname(path)
+            if directory not in self._made:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                self._made.add(directory)
+            yield file_id, path
+        finally:
+            self.writing.discard(file_id)
 
 def _parts(idx: List[int], pages) -> List[List[int]]:
     """idx cut into parts: the first of PART_BYTES or FIRST_PART_PAGES pages, whichever is less, then each
