@@ -186,7 +186,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------ lookups
     @never_raises(0)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return P.leading_run(self._route().held(list(keys), extra_info))
+        return P.leading_run(self._route().held(keys, extra_info))  # held makes the list it sends
 
     @never_raises(False)
     def exists(self, key: str) -> bool:
