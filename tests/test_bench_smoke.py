@@ -19,6 +19,13 @@ def test_percentile_and_ratios():
     assert figs.ratio("dram.1MiB.write", "limit.memcpy.1MiB") == 0.5
     rows = report.target_rows(figs, ["1MiB"])
     assert rows[0] == ("DRAM write >= 0.7x memcpy (1 MiB pages)", "0.50x", "**no**")
+    # issue 28's bounds by page size: 0.75x holds at 64 KiB (0.7x) and not at 256 KiB (0.8x)
+    for m in ("64KiB", "256KiB"):
+        figs.add(f"dram.{m}.write", 3.0)
+        figs.add(f"limit.memcpy.{m}", 4.0)
+    assert report.target_rows(figs, ["64KiB", "256KiB"])[:2] == [
+        ("DRAM write >= 0.7x memcpy (64 KiB pages)", "0.75x", "yes"),
+        ("DRAM write >= 0.8x memcpy (256 KiB pages)", "0.75x", "**no**")]
     figs.set("lookup.128.p50", 150.0, "us")
     figs.set("lookup.zmq_rtt.p50", 100.0, "us")
     assert ("128-key lookup p50 <= 1.5x a bare ZeroMQ round trip", "1.50x (150 us, round trip 100 us)",
