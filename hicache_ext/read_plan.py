@@ -189,7 +189,6 @@ class Promoter:
         self._thread.shutdown(wait=True)
 
 
-
 class EngineCalls:
     """The engine calls (lookups, reads) in flight, counted by a ``with`` around each.  A class, not a
     generator context manager: it is on every lookup and read, and the generator cost 1.5 us more a call."""
