@@ -68,3 +68,22 @@ def file_driver(tmp_path):
         return backend, H.PageDriver(backend, pool, cfg, "file")
 
     return make
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(items):
+    """The README's command runs the suite on two workers (pytest-xdist, ``--dist loadgroup``): a module's
+    tests stay together on one worker (module fixtures start daemons once), and every module that launches
+    SGLang servers shares one group, so at most one of them runs at a time (four servers take ~12 GB).
+    Those modules come first, then the other long ones: a long module started last would end the run alone
+    on one core."""
+    def weight(item):
+        return 0 if item.get_closest_marker("server") else 1 if item.get_closest_marker("slow") else 2
+    module_weight = {}
+    for item in items:
+        name = item.module.__name__
+        module_weight[name] = min(module_weight.get(name, 2), weight(item))
+    items.sort(key=lambda item: module_weight[item.module.__name__])  # stable: collection order within a weight
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("servers" if module_weight[name] == 0 else name))

@@ -16,6 +16,8 @@ from tiers.sim.profile import Profile  # noqa: E402
 # The test-only SGLang plug-in that shrinks HiCache's 10 GiB host-memory reserve (a shared 24 GiB test
 # machine often has less free): on the server's PYTHONPATH when the checkout has it.
 PLUGIN_DIR = Path(__file__).resolve().parent / "server_plugin"
+pytestmark = pytest.mark.server
+
 CASES = ("recompute", "device", "host", "l3_dram")
 
 

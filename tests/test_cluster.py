@@ -19,7 +19,8 @@ from hicache_ext.lab.cluster.rehearsal import Cluster, Layout  # noqa: E402
 
 ENGINE_SIDE = True  # the engines import SGLang (in their own processes)
 WHY_NOT = namespaces_permitted()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces not permitted here: {WHY_NOT}")
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces not permitted here: {WHY_NOT}"),
+              pytest.mark.slow]
 
 PAGES, PAGE = 16, 256 << 10
 SCHEDULING_SLACK_S = 0.25  # calls are timed around SGLang's page function; 2 busy vCPUs delay the return

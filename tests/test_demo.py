@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.nodes import dram_tier, node_toml, nvme_tier
 
 ENGINE_SIDE = True  # runs the SGLang backend in a subprocess (tests/conftest.py)
@@ -24,9 +26,9 @@ def test_demo_moves_and_verifies_pages(tmp_path):
     assert "tier dram: 24 pages" in out and "(write_back, the default by measurement" in out
 
 
+@pytest.mark.server
 def test_demo_server_serves_a_shared_prefix_from_each_tier(tmp_path):
     """`hicache-tiers demo --server`, as the README shows it: a real SGLang server, hits from device and L3."""
-    import pytest
     pytest.importorskip("uvicorn", reason="the SGLang HTTP server's packages are not installed (scripts/install.sh)")
     cmd = [sys.executable, "-m", "tiers.cli", "demo", "--server", "--requests", "2", "--prefix-tokens", "512",
            "--suffix-tokens", "16", "--model-layers", "2", "--model-hidden", "128"]

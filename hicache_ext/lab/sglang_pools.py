@@ -44,6 +44,20 @@ ALLOCATORS = ("default", "shm")
 _BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
+# SGLang leaves 10 GiB of the host's memory free when it checks a HiCache pool against it (a server's pools
+# are tens of GB).  The lab's pools are what a demo, a bench or a test asks for (MiBs, a few GiB at most):
+# they are checked against the memory free less LAB_HOST_MEMORY_RESERVE_BYTES, so that one built beside
+# running SGLang servers (the suite runs on two workers) is not refused while the memory is there.
+LAB_HOST_MEMORY_RESERVE_BYTES = 512 << 20
+
+
+def _lab_memory_budget():
+    """SGLang's budget scope, for the host pool built inside it: the memory free less the lab's reserve."""
+    from sglang.srt.mem_cache.pool_host.base import available_host_memory_bytes, host_memory_budget_scope
+    free = available_host_memory_bytes(allow_cgroup_fallback=True)
+    return host_memory_budget_scope(max(0, free - LAB_HOST_MEMORY_RESERVE_BYTES))
+
+
 def _check(layout: str, layouts, allocator: str, pages: int, page_size: int) -> None:
     if layout not in layouts:
         raise ValueError(f"layout {layout!r} not in {layouts}")
@@ -66,10 +80,11 @@ def build_mha_host_pool(layout: str = "page_first", allocator: str = "default", 
                               head_dim=head_dim, layer_num=layers, device="cpu",
                               enable_memory_saver=False, enable_alt_stream=False)
     info = device.get_device_pool_infos()[0].buffer_info
-    pool = get_mha_host_pool_cls(info)(
-        info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-        device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
-        host_token_capacity=pages * page_size)
+    with _lab_memory_budget():
+        pool = get_mha_host_pool_cls(info)(
+            info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+            device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
+            host_token_capacity=pages * page_size)
     pool.harness_device_pool = device
     return pool
 
@@ -88,11 +103,12 @@ def build_mla_host_pool(layout: str = "page_first", allocator: str = "default", 
     info = device.get_device_pool_infos()[0].buffer_info
     if layout == "page_first_kv_split":
         info = _split_buffer_info(info, device)
-    pool = MLATokenToKVPoolHost(
-        info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
-        override_kv_cache_dim=device.kv_cache_dim, device_capacity_tokens=device.size,
-        start_layer=device.start_layer, end_layer=device.end_layer, target_layer_num=layers,
-        host_token_capacity=pages * page_size)
+    with _lab_memory_budget():
+        pool = MLATokenToKVPoolHost(
+            info, 0, 0, page_size, layout, pin_memory=False, device="cpu", allocator_type=allocator,
+            override_kv_cache_dim=device.kv_cache_dim, device_capacity_tokens=device.size,
+            start_layer=device.start_layer, end_layer=device.end_layer, target_layer_num=layers,
+            host_token_capacity=pages * page_size)
     pool.harness_device_pool = device
     return pool
 
