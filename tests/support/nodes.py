@@ -82,6 +82,27 @@ def thaw(pid: int) -> None:
         pass
 
 
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP a daemon and return once every thread of it is stopped: kill() only queues the signal, and on a
+    busy machine a thread may still run (answer a transfer) after it returned."""
+    import os
+    import signal
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            states = []
+            for task in tasks:
+                with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                    states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return True  # gone: nothing of it runs
+        return all(state in ("T", "t") for state in states)
+    if not eventually(stopped, timeout, 0.001):
+        raise AssertionError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory (VmRSS), for memory-bound checks."""
     with open(f"/proc/{pid}/status") as fh:

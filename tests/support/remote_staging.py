@@ -10,8 +10,6 @@ read's transfers hang until the test thaws it.
 from __future__ import annotations
 
 import mmap
-import os
-import signal
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
@@ -22,7 +20,7 @@ from tiers.shm.buffers import address_of
 from tiers.stores.remote.engine import Engine, EngineConfig
 from tiers.stores.remote.loopback import free_ports, pool_config
 from tiers.stores.remote.store import RemoteStore
-from tests.support.nodes import eventually
+from tests.support.nodes import eventually, freeze
 
 
 @contextmanager
@@ -53,7 +51,7 @@ def freeze_after_locate(store, pid: int) -> None:
 
     def locate(*args, **kwargs):
         grant = original(*args, **kwargs)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)  # stopped before the read's transfers start
         client.locate = original
         return grant
     client.locate = locate
