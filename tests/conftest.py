@@ -72,7 +72,7 @@ def file_driver(tmp_path):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(items):
-    """The README's command runs the suite on two workers (pytest-xdist, ``--dist loadgroup``): a module's
+    """On two workers (pytest-xdist, ``-n 2 --dist loadgroup --no-loadscope-reorder``, README): a module's
     tests stay together on one worker (module fixtures start daemons once), and every module that launches
     SGLang servers shares one group, so at most one of them runs at a time (four servers take ~12 GB).
     Those modules come first, then the other long ones: a long module started last would end the run alone

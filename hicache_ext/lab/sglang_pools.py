@@ -47,7 +47,7 @@ _BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # SGLang leaves 10 GiB of the host's memory free when it checks a HiCache pool against it (a server's pools
 # are tens of GB).  The lab's pools are what a demo, a bench or a test asks for (MiBs, a few GiB at most):
 # they are checked against the memory free less LAB_HOST_MEMORY_RESERVE_BYTES, so that one built beside
-# running SGLang servers (the suite runs on two workers) is not refused while the memory is there.
+# running SGLang servers (the suite on two workers) is not refused while the memory is there.
 LAB_HOST_MEMORY_RESERVE_BYTES = 512 << 20
 
 
