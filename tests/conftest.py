@@ -87,3 +87,23 @@ def pytest_collection_modifyitems(items):
     for item in items:
         name = item.module.__name__
         item.add_marker(pytest.mark.xdist_group("servers" if module_weight[name] == 0 else name))
+
+
+# On two workers the modules that launch SGLang servers run on one of them while the other goes through the
+# rest, many of whose tests hold a daemon to a deadline of a second or two.  A server's start is ~40 s of CPU
+# (three processes, each importing sglang): at equal priority it takes half the machine from the other
+# worker's daemons.  Started at nice SERVER_NICE (inherited by the server and the test's own daemons), the
+# server modules use what the other worker leaves; the worker is put back to 0 for the modules after them.
+SERVER_NICE = 10
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures of the test (and a module's servers) are set up
+def pytest_runtest_setup(item):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: nothing runs beside the servers
+    want = SERVER_NICE if item.get_closest_marker("server") else 0
+    if os.getpriority(os.PRIO_PROCESS, 0) != want:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+        except OSError:  # lowering it again needs CAP_SYS_NICE: the rest of this worker's tests stay niced
+            pass

@@ -76,9 +76,15 @@ def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, 
         # Freezes land anywhere in the first half of a read (the daemon's part comes first).
         spans = []
         for _ in range(3):
-            started = time.perf_counter()
-            assert engine.driver.prefetch(keys, engine.indices(PAGES, PAGES)) == PAGES
-            spans.append(time.perf_counter() - started)
+            # A whole read's time: the deadline is short on purpose, so on a loaded machine (another test
+            # worker beside this one) a read may pass it and miss; only whole reads are timed.
+            for _attempt in range(5):
+                started = time.perf_counter()
+                if engine.driver.prefetch(keys, engine.indices(PAGES, PAGES)) == PAGES:
+                    spans.append(time.perf_counter() - started)
+                    break
+                _wait_up(engine, keys)
+        assert len(spans) == 3, "the tier never served a whole read within its deadline"
         window = sorted(spans)[1] / 2
         cut_short = late = wrong = trials = 0
         # At least TRIALS freezes, more (up to MAX_TRIALS) until 3 of them cut a read short: with DRAM
