@@ -3,6 +3,7 @@
 #if __has_include(<xxhash.h>)
 #pragma GCC target("avx2")
 #define PAGE_SUM_NAME hicache_page_sum_avx2
+#define PAGE_UPDATE_NAME hicache_page_update_avx2
 #include "_xxh3_page.h"
 #endif
 #endif
