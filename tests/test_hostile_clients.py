@@ -13,7 +13,7 @@ import zmq
 
 from tiers.wire import protocol as P
 from tiers.wire.client import Deadlines, TierClient
-from tests.support.nodes import (RawPeer, dram_config, dram_tier, eventually, node_toml, nvme_tier, rss_bytes,
+from tests.support.nodes import (PATIENT, RawPeer, dram_config, dram_tier, eventually, node_toml, nvme_tier, rss_bytes,
                                  start_node)
 from tests.support.ops import free_port
 from tests.support.zmtp import RawZmtpPeer
@@ -337,9 +337,8 @@ def test_one_host_pool_attached_over_many_connections_is_mapped_once(tmp_path):
     try:
         before = _vm_pte_kib(pid)
         for n in range(40):
-            # the point is what the daemon maps, not how soon (a hello waits `lookup`): a loaded machine may take
-            # seconds to serve 40
-            client = TierClient("dram", endpoint, f"rank{n}", "test", Deadlines(base=10.0, lookup=10.0), attach=True)
+            # the point is what the daemon maps, not how soon (a hello waits `lookup`)
+            client = TierClient("dram", endpoint, f"rank{n}", "test", PATIENT, attach=True)
             client.attach_region(fd, size)
             assert client.connect() and client.region_id is not None
             clients.append(client)
