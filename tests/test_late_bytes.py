@@ -110,7 +110,10 @@ def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, 
             fill_pages(engine.pool, idx, seed=5000 + trial)
             mine = page_checksums(engine.pool, idx)
             os.kill(pid, signal.SIGCONT)
-            time.sleep(0.4)  # let the thawed daemon finish whatever it was doing
+            # Let the thawed daemon finish whatever it was doing: once it answers a lookup its loop runs again,
+            # and a read's copy into the slots (12 MiB) takes a few ms after that.
+            _wait_up(engine, keys)
+            time.sleep(0.1)
             late += sum(1 for a, b in zip(page_checksums(engine.pool, idx), mine) if a != b)
         print(f"\n{tiers}, {frozen} frozen: {trials} trials, {cut_short} cut short, {trials * PAGES} slots checked, "
               f"{late} changed late, {wrong} wrong")

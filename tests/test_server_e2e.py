@@ -7,12 +7,13 @@ make the next token depend on the whole context, so a wrong page shows).
 
 Servers (launched at module setup, shared by the tests; hicache_ext/lab/server.py, tests/support/server.py):
   a, b  the Llama, write_through, page_first_direct, node 1 (DRAM + NVMe); b runs beside a
-  c     another Llama (seed 1, same shapes), selective, page_first_direct, node 1
-  d     the Llama, write_back, layer_first, node 2 (DRAM + NVMe)
-  m     a small random DeepSeek-V2 (MLA), write_through, layer_first, node 3 (DRAM only)
+  c     another Llama (seed 1, same shapes), selective, layer_first, node 1
+  m     a small random DeepSeek-V2 (MLA), write_back, layer_first, node 2 (DRAM + NVMe)
   a2    a again: a new process with a's options, started once a has stopped
-At most four are alive at once (about 2 GB each) and two start at once; a server no later test of the
-run uses is stopped (USES), which lets the next one start.
+Each policy and each layout runs on one server at least, and each server's start (~40 s of CPU on these
+two cores) is the module's largest cost: no server is here for one option alone. At most four are alive
+at once (about 2 GB each) and two start at once; a server no later test of the run uses is stopped (USES),
+which lets the next one start.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ USES = {
     "test_node_daemons_restart_between_requests": ["a"],
     "test_requests_complete_while_tiers_crash_and_freeze": ["a"],
     "test_selective_writes_below_only_pages_read_enough": ["c"],
-    "test_write_back_with_layer_first": ["d"],
+    "test_write_back_with_layer_first": ["m"],
     "test_mla_model_hits_l3_with_its_cold_tokens": ["m"],
     "test_a_restarted_server_reads_its_predecessors_pages": ["a2"],
 }
@@ -56,12 +57,10 @@ class Lab:
         self.mla = random_mla(models)
         self.n1 = Node(root / "n1", dram_tier("64MiB"), nvme_tier("256MiB"))
         self.n2 = Node(root / "n2", dram_tier("64MiB"), nvme_tier("256MiB"))
-        self.n3 = Node(root / "n3", dram_tier("64MiB"))
-        self.nodes = (self.n1, self.n2, self.n3)
+        self.nodes = (self.n1, self.n2)
         self.fleet = Fleet(root / "logs")
         self.ns_a = namespace(self.llama, "page_first_direct")  # a and b
-        self.ns_c = namespace(self.other, "page_first_direct")
-        self.ns_d = namespace(self.llama, "layer_first")
+        self.ns_c = namespace(self.other, "layer_first")
         self.ns_m = namespace(self.mla, "layer_first", mla=True)
         self.before_restart = None  # (prompt, its cold Generation), served by a before its restart
 
@@ -73,9 +72,8 @@ class Lab:
         options = {
             "a": server_options(self.llama, self.n1, write_policy="write_through"),
             "b": server_options(self.llama, self.n1, write_policy="write_through"),
-            "c": server_options(self.other, self.n1, write_policy="selective"),
-            "d": server_options(self.llama, self.n2, write_policy="write_back", mem_layout="layer_first"),
-            "m": server_options(self.mla, self.n3, mla=True, write_policy="write_through"),
+            "c": server_options(self.other, self.n1, write_policy="selective", mem_layout="layer_first"),
+            "m": server_options(self.mla, self.n2, mla=True, write_policy="write_back"),
         }
         options["a2"] = options["a"]  # a again, a new process once a has stopped
         self.launched = []
@@ -349,18 +347,18 @@ def test_selective_writes_below_only_pages_read_enough(lab):
 
 
 def test_write_back_with_layer_first(lab):
-    """write_back: acknowledged once DRAM has a page, which reaches NVMe only when DRAM lets it go (here
-    a graceful stop); L3 hits with the cold tokens from DRAM, then from NVMe alone."""
-    d, n2, ns = lab.fleet.get("d"), lab.n2, lab.ns_d
+    """write_back (on m, the MLA server): acknowledged once DRAM has a page, which reaches NVMe only when
+    DRAM lets it go (here a graceful stop); L3 hits with the cold tokens from DRAM, then from NVMe alone."""
+    m, n2, ns = lab.fleet.get("m"), lab.n2, lab.ns_m
     first, ids = prompt(6), prompt(7)
-    refs = {tuple(p): cold(d, p) for p in (first, ids)}
+    refs = {tuple(p): cold(m, p) for p in (first, ids)}
     keys = page_keys(ids)
     n2.wait_held(ns, page_keys(first) + keys, ["dram"])
     assert n2.count("nvme", ns, keys) == 0  # dirty in DRAM, not yet below
     assert n2.stats("dram")["dirty_pages"] >= 2 * len(keys)
 
     dram_hits = n2.hits("dram", ns)
-    storage_hit(d, ids, refs[tuple(ids)])
+    storage_hit(m, ids, refs[tuple(ids)])
     assert n2.hits("dram", ns) - dram_hits >= len(keys)
 
     assert n2.stop("dram") == {"dram": 0}  # graceful: the dirty pages go down first
@@ -368,17 +366,17 @@ def test_write_back_with_layer_first(lab):
     n2.start("dram")
     assert n2.count("dram", ns, keys) == 0
     # The first request after a restart may miss (see test_node_daemons_restart_between_requests).
-    d.flush_cache()
-    assert d.generate(first, NEW_TOKENS).output_ids == refs[tuple(first)].output_ids
+    m.flush_cache()
+    assert m.generate(first, NEW_TOKENS).output_ids == refs[tuple(first)].output_ids
     nvme_hits = n2.hits("nvme", ns)
-    storage_hit(d, ids, refs[tuple(ids)])
+    storage_hit(m, ids, refs[tuple(ids)])
     assert n2.hits("nvme", ns) - nvme_hits >= len(keys)
 
 
 def test_mla_model_hits_l3_with_its_cold_tokens(lab):
-    """MLA pages (one latent per token, the same on every rank: no TP rank in the namespace) on a
-    DRAM-only node: a device hit, then an L3 hit after /flush_cache, the cold tokens each time."""
-    m, n3, ns = lab.fleet.get("m"), lab.n3, lab.ns_m
+    """MLA pages (one latent per token, the same on every rank: no TP rank in the namespace): a device
+    hit, then an L3 hit from DRAM after /flush_cache, the cold tokens each time."""
+    m, n2, ns = lab.fleet.get("m"), lab.n2, lab.ns_m
     assert ".mla." in ns
     ids = prompt(8)
     keys = page_keys(ids)
@@ -386,10 +384,10 @@ def test_mla_model_hits_l3_with_its_cold_tokens(lab):
     again = m.generate(ids, NEW_TOKENS)
     assert again.cached == {"device": hit_tokens(ids), "host": 0, "storage": 0}, again
     assert again.output_ids == ref.output_ids
-    n3.wait_held(ns, keys, ["dram"])
-    hits = n3.hits("dram", ns)
+    n2.wait_held(ns, keys, ["dram"])
+    hits = n2.hits("dram", ns)
     storage_hit(m, ids, ref)
-    assert n3.hits("dram", ns) - hits >= len(keys)
+    assert n2.hits("dram", ns) - hits >= len(keys)
     other = cold(m, prompt(9))  # the tokens depend on the context: a wrong page would show
     assert other.output_ids != ref.output_ids
 

@@ -172,6 +172,8 @@ def test_a_client_past_its_tenants_share_of_tcp_connections_is_shut_at_its_first
     share = connection_budget(256) // TENANT_SHARE
     ctx = zmq.Context()
     socks = []
+    admin = TierClient("dram", tier.endpoint, "_admin", "test", Deadlines(base=5.0, connect_wait=5.0),
+                       curve=tier.curve)
     try:
         answered = 0
         for i in range(share + 10):  # one connection each, each sending a hello as its first request
@@ -181,15 +183,33 @@ def test_a_client_past_its_tenants_share_of_tcp_connections_is_shut_at_its_first
             sock.connect(tier.endpoint)
             socks.append(sock)
             sock.send(P.request("hello", i, ns="guest-a"))
-            if sock.poll(3000):
-                answered += P.unpack(sock.recv_multipart()[0])["ok"]
+            answered += _answer_or_shut(sock, admin)
         stats = _admin_stats(tier)
         print(f"\n{len(socks)} tcp connections of one tenant (a share of {share}): {answered} answered, "
               f"{stats['connections_refused']} shut")
         assert answered == share
         assert stats["connections_refused"] >= len(socks) - share
     finally:
+        admin.close()
         for sock in socks:
             sock.close(linger=0)
         ctx.term()
         assert runner.stop() == {"dram": 0}
+
+
+def _answer_or_shut(sock, admin, patience: float = 3.0) -> int:
+    """1 when the hello sock sent is answered ok, 0 once the daemon counts one more connection shut (or
+    patience passed): a connection past its share gets no reply, and waiting out the whole patience for
+    each of them was most of this test's time."""
+    def shut() -> int:
+        stats = admin.stats()  # None when the daemon did not answer in time: then wait on
+        return stats["connections_refused"] if stats else -1
+
+    before = shut()
+    give_up = time.monotonic() + patience
+    while time.monotonic() < give_up:
+        if sock.poll(50):
+            return P.unpack(sock.recv_multipart()[0])["ok"]
+        if 0 <= before < shut():
+            return int(bool(sock.poll(50)) and P.unpack(sock.recv_multipart()[0])["ok"])
+    return 0
