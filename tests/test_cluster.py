@@ -28,11 +28,16 @@ SCHEDULING_SLACK_S = 0.25  # calls are timed around SGLang's page function; 2 bu
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """Two pools behind CurveZMQ and two engines: every scenario of the module runs on it (a cluster's start,
+    with its engines' imports of SGLang, is most of what a scenario costs here)."""
+    from tiers.wire.security import generate
     remove_stale()
+    root = tmp_path_factory.mktemp("cluster")
+    generate(str(root / "keys"), ("server", "client"))
     layout = Layout(pools=2, engines=2, page_bytes=PAGE, pages=PAGES, pool_capacity="64MiB",
-                    backend={"deadline_base_s": 1.0},
+                    backend={"deadline_base_s": 1.0}, curve_dir=str(root / "keys"),
                     remote={"pool_timeout_ms": 200, "pool_retry_max_ms": 500, "transfer_timeout_ms": 500})
-    with Cluster(str(tmp_path_factory.mktemp("cluster")), layout) as c:
+    with Cluster(str(root / "c"), layout) as c:
         yield c
 
 
@@ -95,14 +100,9 @@ def test_a_slow_lossy_link_moves_the_same_bytes(cluster):
     assert got["shaped_lookup_ms"] >= 1.0  # a lookup crosses a shaped link at least once
 
 
-def test_pools_behind_curvezmq_serve_keyed_nodes_and_refuse_others(tmp_path):
-    from tiers.wire.security import generate
-    keys = tmp_path / "keys"
-    generate(str(keys), ("server", "client"))
-    layout = Layout(pools=1, engines=2, page_bytes=PAGE, pages=8, pool_capacity="32MiB", curve_dir=str(keys))
-    with Cluster(str(tmp_path / "c"), layout) as c:
-        got = scenarios.curve(c)
-    assert got["written"] == 8 and got["pages_read"] == 8 and got["wrong_pages"] == 0
+def test_pools_behind_curvezmq_serve_keyed_nodes_and_refuse_others(cluster):
+    got = scenarios.curve(cluster)
+    assert got["written"] == PAGES and got["pages_read"] == PAGES and got["wrong_pages"] == 0
     assert got["keyed_hello_answered"] is True
     assert got["keyless_hello_answered"] is False  # a node of the fabric without the keys is refused
 

@@ -111,8 +111,10 @@ class Cluster:
         if d is None:
             return "allow_insecure_tcp = true\n"
         keys = [f'curve_client_key = "{d}/client.key_secret"', f'curve_server_key = "{d}/server.key"']
-        if server:  # admits the *.key files of d (the client's); its own key admits nobody
-            keys = [f'curve_server_key = "{d}/server.key_secret"', f'curve_authorized_keys = "{d}"']
+        if server:  # admits the *.key files of d (the client's); its own key admits nobody. The client key
+            # is the node's operator's: `hicache-tiers stats` on the pool's node (scenarios.pool_stats).
+            keys = [f'curve_server_key = "{d}/server.key_secret"', f'curve_authorized_keys = "{d}"',
+                    f'curve_client_key = "{d}/client.key_secret"']
         return "\n".join(keys) + "\n"
 
     def _pool_config(self, i: int) -> str:
