@@ -113,10 +113,11 @@ def test_the_mooncake_store_kind_shares_across_nodes_and_survives_a_lost_node(tm
     memory to the cluster.  Pages cross nodes bit-exact; a killed store node costs misses, not wrong pages
     or late calls, and the cluster serves whole batches again once the master drops its memory."""
     layout = Layout(pools=1, engines=2, page_bytes=PAGE, pages=PAGES, kind="mooncake_store",
-                    backend={"deadline_base_s": 1.0})
+                    backend={"deadline_base_s": 1.0}, store_client_ttl_s=3)
     with Cluster(str(tmp_path / "c"), layout) as c:
         shared = scenarios.share(c, salt=3, seed=3)
         lost = scenarios.store_node_failure(c, "kill", rounds=2, recover_within=40.0)
+    print(f"\nmooncake store: shared {shared}; node 1 lost {lost}")
     assert shared["found"] == PAGES and shared["pages_read"] == PAGES and shared["wrong_pages"] == 0
     assert lost["wrong_pages"] == 0 and lost["worst_call_s"] <= lost["deadline_s"] + SCHEDULING_SLACK_S, lost
     assert math.isfinite(lost["whole_batches_again_s"]) and math.isfinite(lost["recovered_s"]), lost

@@ -45,6 +45,9 @@ class Layout:
     # inference node's tier a Mooncake Store client contributing store_segment of memory
     kind: str = "remote"
     store_segment: str = "64MiB"
+    # Seconds mooncake_master keeps a silent store client's memory in placement (its --client_ttl; its own
+    # default is 10): how long writes to a lost node's memory keep failing.
+    store_client_ttl_s: int = 10
 
 
 class EngineProc:
@@ -140,6 +143,7 @@ class Cluster:
         log = open(os.path.join(self.work_dir, "master.log"), "wb")
         self.master = subprocess.Popen([*self.fabric.prefix_of(self.pool_node(0)), master, f"--rpc_address={address}",
                                         f"--rpc_port={MASTER_PORT}", "--enable_metric_reporting=false",
+                                        f"--client_ttl={self.layout.store_client_ttl_s}",
                                         f"--metrics_host={address}"],
                                        stdout=log, stderr=log, env={**os.environ, "MC_FORCE_TCP": "1"})
         log.close()
