@@ -139,6 +139,28 @@ def test_curve_client_with_the_configured_keys_is_served(curve_node):
         client.close()
 
 
+def test_the_cli_without_a_client_key_says_why_a_curve_tier_does_not_answer(curve_node):
+    """A node configured as a CurveZMQ server only (a pool's node): its operator's CLI connects in the clear
+    and is refused before the daemon hears it. It must say so, not just call the tier down; with the
+    node's client key it is answered."""
+    port = int(curve_node["endpoint"].rsplit(":", 1)[1])
+    server_only = curve_node["tmp"] / "server-only.toml"
+    server_only.write_text(tcp_config(port, node_extra='curve_server_key = "keys/server.key_secret"'))
+
+    def status(config):
+        return subprocess.run([sys.executable, "-m", "tiers.cli", "status", "--config", str(config), "--timeout", "1"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    refused = status(server_only)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "down: net (tcp:// with CurveZMQ" in refused.stderr and "curve_client_key" in refused.stderr
+    stats = subprocess.run([sys.executable, "-m", "tiers.cli", "stats", "--json", "--config", str(server_only),
+                            "--timeout", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert stats.returncode == 1 and "no node.curve_client_key" in stats.stderr, stats.stderr
+    answered = status(curve_node["tmp"] / "node.toml")
+    assert answered.returncode == 0 and " up " in answered.stdout, answered.stdout + answered.stderr
+
+
 def test_two_configurations_in_one_process_keep_their_own_keys(curve_node, tmp_path):
     """Loading a second configuration for the same endpoint (without keys) changes nothing for the first."""
     from tiers.ops.config import parse_config

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tiers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from tiers.cli.serve import add_config_args, config_from_args, config_path
 from tiers.wire.client import Deadlines, TierClient
+from tiers.wire.security import refused_before_heard
 from tiers.wire import messages as M
 from tiers.ops.config import NODE_KEYS, ConfigError, NodeConfig, TierConfig, load_config, parse_size
 from tiers.node.sessions import ADMIN_NAMESPACE
@@ -136,6 +137,12 @@ def selected_tiers(args) -> List[TierConfig]:
     return [config.tier(name) for name in names] if names else config.tiers
 
 
+def unanswered(tier: TierConfig) -> str:
+    """A tier that gave no answer, named with why when the reason is known before asking (no client key)."""
+    why = refused_before_heard(tier.curve, tier.endpoint)
+    return f"{tier.name} ({why})" if why else tier.name
+
+
 def query_stats(tiers: List[TierConfig], timeout: float) -> Dict[str, Optional[dict]]:
     """Each tier's stats, or None for a tier that does not answer."""
     out = {}
@@ -157,7 +164,9 @@ def admin_call(args, op: str, **fields) -> Tuple[int, Optional[M.Reply]]:
     finally:
         client.close()
     if reply is None:
-        return fail(f"tier {tier.name} at {tier.endpoint} did not answer within {args.timeout:g}s", EXIT_FAILED), None
+        why = refused_before_heard(tier.curve, tier.endpoint)
+        return fail(f"tier {tier.name} at {tier.endpoint} did not answer within {args.timeout:g}s"
+                    + (f": {why}" if why else ""), EXIT_FAILED), None
     if not reply.header.ok:
         return fail(f"tier {tier.name} refused {op}: {reply.header.code}: {reply.header.msg}", EXIT_FAILED), None
     return EXIT_OK, reply.header
@@ -188,7 +197,7 @@ def cmd_status(args) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    down = [name for name, s in results.items() if s is None]
+    down = [unanswered(tier) for tier in tiers if results[tier.name] is None]
     if down:
         print(f"down: {', '.join(down)}", file=sys.stderr)
         return EXIT_FAILED
@@ -206,7 +215,10 @@ def cmd_stats(args) -> int:
             print(f"[{name}]" + ("" if stats is not None else " down"))
             for key, value in sorted((stats or {}).items()):
                 print(f"{key} = {json.dumps(value, sort_keys=True)}")
-    return EXIT_FAILED if any(s is None for s in results.values()) else EXIT_OK
+    down = [unanswered(tier) for tier in tiers if results[tier.name] is None]
+    if down:
+        print(f"down: {', '.join(down)}", file=sys.stderr)
+    return EXIT_FAILED if down else EXIT_OK
 
 
 @config_errors_exit_2

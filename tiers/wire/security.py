@@ -136,6 +136,15 @@ def client_keys(settings: Optional[CurveSettings], endpoint: str) -> Optional[Tu
     return public, secret, server_public
 
 
+def refused_before_heard(settings: Optional[CurveSettings], endpoint: str) -> str:
+    """Why a client of endpoint with these settings is refused before the daemon hears it ("" when it is not):
+    a CurveZMQ server and no client key here (a pool's own node configured as a server only)."""
+    if endpoint.startswith("tcp://") and settings is not None and settings.enabled and not settings.client_key:
+        return ("tcp:// with CurveZMQ, and this configuration has no node.curve_client_key: the daemon, up or "
+                "not, refuses clients without keys; set curve_client_key to a key its curve_authorized_keys admits")
+    return ""
+
+
 def apply_client(sock: zmq.Socket, endpoint: str, settings: Optional[CurveSettings]) -> None:
     """Set a DEALER's curve options when endpoint is a tcp:// endpoint with keys (before connect)."""
     keys = client_keys(settings, endpoint)
