@@ -137,10 +137,17 @@ def selected_tiers(args) -> List[TierConfig]:
     return [config.tier(name) for name in names] if names else config.tiers
 
 
-def unanswered(tier: TierConfig) -> str:
-    """A tier that gave no answer, named with why when the reason is known before asking (no client key)."""
-    why = refused_before_heard(tier.curve, tier.endpoint)
-    return f"{tier.name} ({why})" if why else tier.name
+def report_down(tiers: List[TierConfig], results: Dict[str, Optional[dict]]) -> bool:
+    """Name the tiers that gave no answer on stderr, each with why when the reason is known before asking
+    (no client key); True when there were any."""
+    down = []
+    for tier in tiers:
+        if results[tier.name] is None:
+            why = refused_before_heard(tier.curve, tier.endpoint)
+            down.append(f"{tier.name} ({why})" if why else tier.name)
+    if down:
+        print(f"down: {', '.join(down)}", file=sys.stderr)
+    return bool(down)
 
 
 def query_stats(tiers: List[TierConfig], timeout: float) -> Dict[str, Optional[dict]]:
@@ -197,11 +204,7 @@ def cmd_status(args) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    down = [unanswered(tier) for tier in tiers if results[tier.name] is None]
-    if down:
-        print(f"down: {', '.join(down)}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return EXIT_FAILED if report_down(tiers, results) else EXIT_OK
 
 
 @config_errors_exit_2
@@ -215,10 +218,7 @@ def cmd_stats(args) -> int:
             print(f"[{name}]" + ("" if stats is not None else " down"))
             for key, value in sorted((stats or {}).items()):
                 print(f"{key} = {json.dumps(value, sort_keys=True)}")
-    down = [unanswered(tier) for tier in tiers if results[tier.name] is None]
-    if down:
-        print(f"down: {', '.join(down)}", file=sys.stderr)
-    return EXIT_FAILED if down else EXIT_OK
+    return EXIT_FAILED if report_down(tiers, results) else EXIT_OK
 
 
 @config_errors_exit_2
