@@ -24,9 +24,20 @@ there, so a server waiting for a prefetch kept one of this machine's two
 cores busy, taking it from the tier daemons and the prefetch threads the
 wait is for (a GPU host has cores to spare for its spinning scheduler). A
 waiting request is admitted at most IDLE_SLEEP_S later than it would be.
+
+And the launcher forks its scheduler and detokenizer instead of spawning them
+(SGLang sets "spawn" for CUDA's sake; HICACHE_TEST_START_METHOD=spawn keeps
+it). A spawned child imports sglang.launch_server and the rest again (~10 s of
+CPU each, three imports a server start); forked, they begin with what the
+launcher imported (this plug-in imports the scheduler there), so a server is
+ready in ~11 s instead of ~21-23 here. The processes, their sockets and the
+backend in the scheduler are the same either way (the launcher holds no
+backend: ours is built in the scheduler).
 """
 import functools
 import inspect
+import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -210,7 +221,19 @@ def _exact_extend(original):
     return extend_attention
 
 
+def _start_method(set_start_method, method_for_spawn):
+    """multiprocessing.set_start_method with SGLang's "spawn" made method_for_spawn."""
+    @functools.wraps(set_start_method)
+    def choosing(method, force=False):
+        return set_start_method(method_for_spawn if method == "spawn" else method, force=force)
+    choosing._hicache_start_method = method_for_spawn
+    return choosing
+
+
 def install():
+    method = os.environ.get("HICACHE_TEST_START_METHOD", "fork")
+    if method != "spawn" and not hasattr(multiprocessing.set_start_method, "_hicache_start_method"):
+        multiprocessing.set_start_method = _start_method(multiprocessing.set_start_method, method)
     from sglang.srt.managers.scheduler import Scheduler
     if not getattr(Scheduler.on_idle, "_hicache_sleeps", False):
         Scheduler.on_idle = _sleeping_on_idle(Scheduler.on_idle)
