@@ -53,15 +53,20 @@ class Layout:
 class EngineProc:
     """The parent's handle on an engine process: one JSON request, one JSON answer."""
 
-    def __init__(self, cmd: List[str], log_path: str, timeout: float = 120.0):
+    def __init__(self, cmd: List[str], log_path: str):
+        """Launched; ``wait_ready`` before the first call (engines import SGLang, ~10 s of CPU each: a
+        cluster launches them all, then waits, so they import at once)."""
         self.log_path = log_path
+        self.namespace = ""
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      stderr=open(log_path, "wb"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 120.0) -> "EngineProc":
         first = self._line(timeout)
         if not first.get("ready"):
-            self.close()
-            raise RuntimeError(f"engine did not start: {first}; see {log_path}")
+            raise RuntimeError(f"engine did not start: {first}; see {self.log_path}")
         self.namespace = first["namespace"]
+        return self
 
     def _line(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -174,6 +179,8 @@ class Cluster:
                 runner = self._runner(f"node{i}", self._remote_config(i), self.engine_node(i))
                 self.tiers.append(runner)
                 self.engines.append(self._engine(i, runner))
+            for engine in self.engines:
+                engine.wait_ready()
         except BaseException:
             self.close()
             raise
