@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -56,23 +54,27 @@ def test_a_policy_file_is_refused_with_a_reason(tmp_path):
             load_config(str(config))
 
 
-def test_plan_cli_live_check_and_outputs(tmp_path):
+def test_plan_cli_live_check_and_outputs(tmp_path, capsys):
+    """The command's own entry point (what `hicache-tiers` runs), in this process: a child of its own would
+    import SGLang again for the live check (~10 s of CPU)."""
+    from tiers.cli import main
     trace_path = write_trace_jsonl(tmp_path / "trace.jsonl", shared_prefix_trace())
     block_gb = 16 * 128 * 1024 / 1e9  # 16-token blocks of Llama-3-8B
     out = tmp_path / "plan.json"
-    argv = [sys.executable, "-m", "tiers.cli", "plan", str(trace_path), "--bench", os.path.join(ROOT, "docs", "bench.json"),
+    argv = ["plan", str(trace_path), "--bench", os.path.join(ROOT, "docs", "bench.json"),
             "--block-tokens", "16", "--page-size", "16", "--prefetch-threshold", "16",
             "--device-gb", str(30 * block_gb), "--dram-gb", f"0,{L3_BLOCKS * block_gb}", "--nvme-gb", f"0,{900 * block_gb}",
             "--settings-at", f"{L3_BLOCKS * block_gb},0,0", "--live", "--policy", SLRU, "--quiet", "--parallel", "2",
             "--json", str(out), "--csv", str(tmp_path / "plan.csv"), "--plot", str(tmp_path / "plan.png"),
             "--requests", str(tmp_path / "requests.csv")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    code = main(argv)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
     document = json.loads(out.read_text())
     assert len(document["points"]) == 4 and document["live"]["matches"] is True
     assert document["live"]["sim_hit_blocks"] > 0
     assert {r["setting"] for r in document["settings"]} >= {"base", "prefetch_policy", "hicache_ratio"}
-    assert "live check" in done.stdout and "front" in done.stdout
+    assert "live check" in printed.out and "front" in printed.out
     assert (tmp_path / "plan.png").stat().st_size > 10_000
     lines = (tmp_path / "requests.csv").read_text().splitlines()
     assert len(lines) == 251 and lines[0].startswith("request,tokens,device,host,storage")
