@@ -75,8 +75,9 @@ class RemoteStore(PageStore):
         self.abandoned_lease = abandoned_lease  # a write lease outlives its deadline by this, for late bytes
         self._pools = Pools(self.placement, pool_timeout, retry_max, name, curve)
         self._counters = Counters()
-        # Lookups and stats run on the daemon's loop thread: they get workers of their own, never
-        # queued behind a batch's transfers (which fan out over the other pool).
+        # Lookups and stats run on the daemon's loop thread: those of several pools get workers of their own,
+        # never queued behind a batch's transfers (which fan out over the other pool); one pool's run on the
+        # loop thread itself (Pools.per_pool).
         self._fan_out = ThreadPoolExecutor(max_workers=len(self.placement.pools), thread_name_prefix=f"{name}-ctl")
         self._movers = ThreadPoolExecutor(max_workers=len(self.placement.pools) * max(1, staging_slots),
                                           thread_name_prefix=f"{name}-move")
