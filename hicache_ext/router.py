@@ -49,6 +49,7 @@ class TierRouter:
         self.clients = clients
         self.break_even = break_even  # lookups report only the pages whose read beats their recompute
         self.unpaid_pages = 0  # held pages a lookup did not report: slower to read than to recompute
+        self.direct_pages = 0  # pages read through the top tier's page directory, without asking its daemon
         self.write_policy = write_policy
         self.promote = promote
         self.admission = ReadAdmission(promote_min_reads)  # which pages read from below are promoted
@@ -211,6 +212,12 @@ class TierRouter:
         found = [False] * n
         below: List[int] = []  # pages a lower tier served
         page_bytes = batch.nbytes / n
+        if asks.get(0) and self.sealed is None and self.clients[0].reads_direct():
+            rest = self._read_direct(batch, asks[0], found, sums)
+            if rest:
+                asks[0] = rest
+            else:
+                del asks[0]
         # Rounds: every tier with pages to give is asked at once; what a tier missed goes to the next
         # tier in the round after (one call a tier a round: a tier's socket carries one call at a time).
         while asks:
@@ -250,6 +257,31 @@ class TierRouter:
             if chosen:
                 self._promote(batch.subset(chosen), [sums[i] for i in chosen])
         return found
+
+    def _read_direct(self, batch: PageBatch, idx: List[int], found: List[bool], sums: List[int]) -> List[int]:
+        """Pages idx of batch read through the top tier's page directory (no round trip: its daemon is told
+        afterwards); found and sums filled for those read and checked; the pages still to ask for."""
+        top = self.clients[0]
+        part = batch if len(idx) == len(batch.keys) else batch.subset(idx)
+        began = time.perf_counter()
+        flags, got, copied = top.read_direct(part.keys, part.page_runs(), self.checks.enabled)
+        if not any(flags):
+            return idx
+        flags = self.checks.verify(top.name, part.keys, flags, got, lambda at: [copied[i] for i in at])
+        rest, read = [], []
+        for i, ok, checksum in zip(idx, flags, got):
+            if ok:
+                found[i], sums[i] = True, checksum
+                read.append(batch.keys[i])
+            else:
+                rest.append(i)
+        if self.break_even is not None:
+            self.break_even.speeds.observe(0, int(len(read) * batch.nbytes / len(batch.keys)),
+                                           time.perf_counter() - began)
+        self.direct_pages += len(read)
+        if read:
+            top.touch(read, int(part.lengths[0].sum()))
+        return rest
 
     def _observe(self, tier: int, found: List[bool], page_bytes: float, seconds: float, given_up: int) -> None:
         """One read's speed for the break-even rule: the pages it found over the time it took.  A read that got
@@ -310,7 +342,7 @@ class TierRouter:
 
     def counters(self) -> dict:
         """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
-        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages,
+        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages, "direct_pages": self.direct_pages,
                 "promotions_not_admitted": self.admission.not_admitted,
                 "sealed_refused": self.sealed.sealer.refused if self.sealed is not None else 0}
 

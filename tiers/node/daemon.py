@@ -96,6 +96,9 @@ class TierDaemon:
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
         self.arena_id = secrets.randbits(62)
+        # Engines read hits through the store's page directory without asking (tiers/shm/directory.py);
+        # not while the damaging test hook is on: its damage is done to the pages this daemon serves.
+        self.directory = store.export_directory() if fd_socket and corrupt_reads is None else None
         # Write-back and selective pages go to the next tier down (if there is one), through a queue;
         # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
         self.demoter = demoter
@@ -107,6 +110,7 @@ class TierDaemon:
             M.Hello: Route(self.handle_hello, Where.LOOP), M.Lookup: Route(self.handle_lookup, Where.LOOP),
             M.Put: Route(self.handle_put, Where.POOL), M.Get: Route(self.handle_get, Where.READ),
             M.Release: Route(self.handle_release, Where.LOOP), M.Stats: Route(self.handle_stats, Where.LOOP),
+            M.Touch: Route(self.handle_touch, Where.LOOP),
             M.Delete: Route(self.admin.handle_delete, Where.STORE_IO),
             M.Clear: Route(self.admin.handle_clear, Where.STORE_IO),
             M.Evict: Route(self.admin.handle_evict, Where.STORE_IO)}
@@ -118,7 +122,7 @@ class TierDaemon:
         self.socket_gid = socket_gid
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
-                                       socket_gid) if fd_socket else None
+                                       socket_gid, self.directory) if fd_socket else None
         self._replies = Replies(self.metrics, self._peer_replies, self._error_reply)  # tiers/node/replies.py
         self._stopping = threading.Event()
         self.ready = threading.Event()
@@ -261,6 +265,8 @@ class TierDaemon:
             route = self.handlers.get(type(msg))
             if route is None:  # a pool operation sent to a tier daemon
                 raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
+            if msg.touched is not None:  # reads through the page directory, counted before this request
+                self._count_touched(msg)
             result = route.handler(msg, frames)  # checks the request here, on the loop
             if route.where is Where.LOOP:
                 reply = result
@@ -316,7 +322,11 @@ class TierDaemon:
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
                            max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "",
-                           digests=self.store.answers_digests)]
+                           digests=self.store.answers_digests, dir_ns=self._directory_namespace(ns, tenant))]
+
+    def _directory_namespace(self, ns: str, tenant: Tenant) -> int:
+        """ns's number in the page directory, for a tenant that maps it with the arena (0: none)."""
+        return self.store.directory_namespace(ns) if self.directory is not None and tenant.map_arena else 0
 
     # ----------------------------------------------------------- operations
     def handle_lookup(self, msg: M.Lookup, frames) -> list:
@@ -387,7 +397,9 @@ class TierDaemon:
         sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
         self._release_done(msg)
         owner, budget = self._lease_owner(msg)
-        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget))
+        dir_ns = self._directory_namespace(ns, self._peer_tenant)  # renewed: a number given up is given again
+        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget),
+                                         dir_ns)
 
     def _release_done(self, msg: M.Request) -> None:
         """Leases of earlier reads the session copied out, released on the way (before any new work)."""
@@ -395,10 +407,24 @@ class TierDaemon:
         for lease in (msg.done or ())[:P.MAX_DONE_LEASES]:
             self.arena.release(lease, owner)
 
-    def _lease_reply(self, req_id: int, result) -> list:
+    def _lease_reply(self, req_id: int, result, dir_ns: int) -> list:
         fields, pages, nbytes = result
         self.metrics.pages("get", pages, nbytes)
+        if dir_ns:
+            fields["dir_ns"] = dir_ns
         return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
+
+    def handle_touch(self, msg: M.Touch, frames) -> list:
+        return [P.reply_ok(msg.id)]  # its pages were counted on the way in (_count_touched)
+
+    def _count_touched(self, msg: M.Request) -> None:
+        if self.directory is None:  # a daemon restarted without one: reads it never saw, nothing to count
+            return
+        ns = self._namespace(msg)
+        keys = P.check_keys(msg.touched)
+        sizes = P.decode_sizes(msg.touched_sizes, len(keys), self.max_page_bytes)
+        touched = self.store.touch_reads(ns, keys, sizes)
+        self.metrics.pages("get", touched, touched and sum(sizes) * touched // len(keys))
 
     def handle_release(self, msg: M.Release, frames) -> list:
         self._namespace(msg)

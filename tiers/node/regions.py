@@ -39,6 +39,7 @@ from typing import Callable, Dict, Optional, Tuple
 import zmq
 
 from tiers.wire import messages as M
+from tiers.shm.directory import PageDirectory
 from tiers.wire import protocol as P
 from tiers.shm.buffers import address_of, populate
 from tiers.node.endpoint import open_socket_file, private_dir
@@ -133,9 +134,11 @@ class _Conn:
 class RegionRegistry:
     def __init__(self, path: str, export_fd: Callable[[], int], export_id: int, export_size: int,
                  session_tenant: Callable[[Optional[int]], Optional[Tenant]], max_region_bytes: int,
-                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None):
+                 tenants: Optional[TenantTable] = None, socket_gid: Optional[int] = None,
+                 directory: Optional[PageDirectory] = None):
         self.path = path
         self._export_fd, self.export_id, self.export_size = export_fd, export_id, export_size
+        self._directory = directory  # the arena's page directory, handed out with it (tiers/shm/directory.py)
         self._session_tenant = session_tenant  # the tenant that opened a live session (None: no such session)
         self.tenants = tenants or TenantTable()
         self.socket_gid = socket_gid
@@ -282,18 +285,22 @@ class RegionRegistry:
         # The arena holds every namespace's pages: only a tenant trusted with them maps it (the others read
         # pages as frames, one copy more).
         export = self._export_fd() if tenant.map_arena else None
+        listing = self._directory.export_fd() if export is not None and self._directory is not None else None
         reply = {"v": P.PROTOCOL_VERSION, "ok": True, "region": region.region_id if region is not None else 0}
         if export is not None:
             reply.update(arena=self.export_id, arena_size=self.export_size)
+        if listing is not None:
+            reply.update(directory=self._directory.size)
+        fds = [f for f in (export, listing) if f is not None]
         try:
-            P.send_framed(conn.sock, reply, fd=export)
+            P.send_framed(conn.sock, reply, fds=fds)
         except OSError:  # the client stopped waiting (its deadline passed): it will attach again
             log.info("an engine left before its attach reply")
             self._drop(fd, poller)
             return
         finally:
-            if export is not None:
-                os.close(export)
+            for sent in fds:
+                os.close(sent)
         if region is not None:
             log.info("mapped a host pool region of %d bytes", region.size)
 

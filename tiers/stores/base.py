@@ -237,6 +237,21 @@ class PageStore(ABC):
         """
         return None
 
+    def export_directory(self):
+        """The PageDirectory (tiers/shm/directory.py) of export_arena(), when engines may find pages in it
+        without asking the daemon; None (the default): every read asks.  A store that returns one
+        implements ``directory_namespace`` and ``touch_reads``."""
+        return None
+
+    def directory_namespace(self, namespace: str) -> int:
+        """The number namespace's pages are filed under in export_directory() (0: none)."""
+        return 0
+
+    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
+        """Pages an engine read through export_directory(), counted as reads after the fact; how many are
+        still held."""
+        raise Unsupported(f"{type(self).__name__} keeps no page directory")
+
     def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,
                     max_bytes: int):
         """(lease id or None, extents in export_arena() of each page or None, checksum of each page);

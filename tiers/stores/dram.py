@@ -23,6 +23,7 @@ import numpy as np
 
 from tiers.shm.arena import Alloc, BlockArena, Extents
 from tiers.shm.buffers import MemoryFault, as_bytes_view, scatter_copy
+from tiers.shm.directory import PageDirectory
 from tiers.stores.dram_reads import DramReads, PageEntry
 from tiers.stores.dram_tenants import Tenants
 from tiers.stores.fairness import bounded_top
@@ -56,8 +57,12 @@ class DramStore(PageStore):
 
     def __init__(self, capacity: int, policy: str = "lru", block_size: int = 64 << 10,
                  max_page_bytes: int = 64 << 20, name: str = "dram", prefault: bool = True,
-                 quotas: Optional[Mapping[str, int]] = None, evictions: Optional[EvictionListener] = None):
+                 quotas: Optional[Mapping[str, int]] = None, evictions: Optional[EvictionListener] = None,
+                 engine_reads: bool = True):
         self.arena = BlockArena(capacity, block_size, name, prefault)
+        # Where each page lies, for engines to read hits without asking (tiers/shm/directory.py); written
+        # under self._lock, before any block of a page leaves it.
+        self.directory = PageDirectory(self.arena.n_blocks, block_size, name) if engine_reads else None
         self.block_size = block_size
         self.capacity = self.arena.size
         self.max_page_bytes = max_page_bytes
@@ -76,13 +81,28 @@ class DramStore(PageStore):
     def export_arena(self) -> BlockArena:
         return self.arena
 
+    def export_directory(self) -> Optional[PageDirectory]:
+        return self.directory
+
+    def directory_namespace(self, namespace: str) -> int:
+        if self.directory is None:
+            return 0
+        with self._lock:
+            return self.directory.namespace_id(namespace)
+
+    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
+        return self._reads.touch(namespace, keys, sizes)
+
     # ------------------------------------------------------------- helpers
     def _release_locked(self, key: PageKey) -> Optional[PageEntry]:
         entry = self._index.pop(key, None)
         if entry is not None:
+            digest = key_digest(*key)
+            if self.directory is not None:  # engines stop finding it before its blocks can be reused
+                self.directory.withdraw(key[0], digest.to_bytes(16, "little"))
             self.arena.give(entry.alloc)  # parked while a reader's lease holds them
             self._stats.used_bytes -= entry.size
-            self._held.remove(key_digest(*key))
+            self._held.remove(digest)
             self._tenants.released(key, entry.size)
         return entry
 
@@ -205,6 +225,9 @@ class DramStore(PageStore):
                 policy.insert(page, (namespace, parent) if parent else None)
                 added += alloc.size
             self._held.insert_packed(digests, sizes)  # a key twice in the batch: held once, its last size
+            if self.directory is not None:  # the pages' bytes are all in their blocks: engines may read them
+                self.directory.publish(namespace, digests, [alloc.size for alloc in allocs], checksums,
+                                       [alloc.blocks for alloc in allocs])
             self._tenants.committed(namespace, tenant, added)
             self._stats.used_bytes += added
             self._stats.inserts += len(allocs)
@@ -300,7 +323,12 @@ class DramStore(PageStore):
         after namespace leaves no state behind, and eviction walks only those that hold. Called between
         requests (the daemon's housekeeping), never inside an eviction, so no choice sees one vanish."""
         with self._lock:
-            return self._tenants.prune()
+            pruned = self._tenants.prune()
+            if self.directory is not None:  # a namespace that holds nothing gives its number up too
+                for namespace in self.directory.namespaces():
+                    if namespace not in self._tenants.by_name:
+                        self.directory.forget_namespace(namespace)
+            return pruned
 
     def index_bytes(self) -> int:
         """What the pages held cost outside the arena (INDEX_BYTES_PER_PAGE each, and the digests' native table);
@@ -327,12 +355,14 @@ class DramStore(PageStore):
             self._index.clear()
             self._tenants.clear()
             self.arena.close()
+            if self.directory is not None:
+                self.directory.close()
 
 
 def _build(tier, quotas=None, evictions: Optional[EvictionListener] = None) -> DramStore:
     return DramStore(tier.capacity, tier.policy, block_size=tier.options["block_size"],
                      max_page_bytes=tier.max_page_bytes, name=tier.name, prefault=tier.options["prefault"],
-                     quotas=quotas, evictions=evictions)
+                     quotas=quotas, evictions=evictions, engine_reads=tier.options["engine_reads"])
 
 
 # The dram kind, as tiers/plugins.py finds it (options: tiers/stores/kind_options.py KIND_OPTIONS["dram"]).

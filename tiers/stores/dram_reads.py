@@ -86,6 +86,28 @@ class DramReads:
             lease = self.arena.lease(owner, allocs, expiry) if allocs else None
         return lease, found, sums
 
+    def touch(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
+        """Pages an engine read through the page directory (tiers/shm/directory.py): counted as the leased
+        reads they replaced (hits, reads, recency), after the fact; how many are still held at those sizes."""
+        touched = nbytes = 0
+        with self.lock:
+            tenant = self.tenants.by_name.get(namespace)
+            if tenant is None:
+                return 0
+            for key, size in zip(keys, sizes):
+                page = (namespace, key)
+                entry = self.index.get(page)
+                if entry is None or entry.alloc.size != size:
+                    continue
+                entry.reads += 1
+                tenant.policy.touch(page)
+                touched += 1
+                nbytes += size
+            tenant.hits += touched
+            self.stats.hits += touched
+            self.stats.bytes_read += nbytes
+        return touched
+
     def get_into(self, key: PageKey, buffers: Buffers) -> Optional[int]:
         """The page copied into buffers: its checksum, None on a miss."""
         dst = [as_bytes_view(b) for b in buffers]

@@ -23,6 +23,8 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
     "dram": {
         "block_size": (parse_size, "64KiB", "arena allocation unit; pages span whole blocks"),
         "prefault": (_bool, True, "fault the whole arena in at start (first touches are ~10x slower than copies)"),
+        "engine_reads": (_bool, True, "engines read hits through a page directory in shared memory, without a "
+                                      "round trip to the daemon (false: every read asks the daemon)"),
     },
     "nvme": {
         "path": (_str, "", "directory for chunk files; default DATA_DIR/NAME"),

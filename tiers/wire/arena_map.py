@@ -10,17 +10,20 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import address_of, populate
+from tiers.shm.directory import DirectoryView
 from tiers.shm.page_runs import PageRuns, copy_pages
 
 
 class ArenaMap:
     """A daemon's arena, mapped read-only in this process; unmapped once closed and no copy uses it."""
 
-    def __init__(self, arena_id: int, mapping: mmap.mmap, populate_now: bool = False):
+    def __init__(self, arena_id: int, mapping: mmap.mmap, populate_now: bool = False,
+                 directory: Optional[DirectoryView] = None):
         self.arena_id = arena_id
+        self.directory = directory  # the arena's page directory, read-only: hits found without asking
         self.size = len(mapping)
         self._mapping: Optional[mmap.mmap] = mapping
         self._users = 0
@@ -73,6 +76,8 @@ class ArenaMap:
             # lock (so every call of the engine behind it), or a read that finished the last copy.
             mapping, self._mapping = self._mapping, None
             threading.Thread(target=mapping.close, name="arena-unmap", daemon=True).start()
+            if self.directory is not None:
+                self.directory.close()
 
     def copy_out(self, extents: PageRuns, dst: PageRuns, found: Sequence[bool], expiry: float,
                  copied: Optional[List[int]] = None) -> List[bool]:
@@ -101,3 +106,23 @@ class ArenaMap:
         finally:
             self.done()
         return out
+
+    def read_direct(self, namespace_id: int, digests: bytes, size: int, dst: PageRuns,
+                    summed: bool) -> Tuple[List[bool], List[int], List[int]]:
+        """The pages of dst found in the page directory, copied out of this arena (DirectoryView.read); all
+        False when there is no directory or the mapping is closed."""
+        if self.directory is None or not self.use():
+            return [False] * len(dst), [0] * len(dst), []
+        try:
+            return self.directory.read(namespace_id, digests, size, dst, self.base, summed)
+        finally:
+            self.done()
+
+    def held_direct(self, namespace_id: int, digests: bytes) -> Optional[bytes]:
+        """The page directory's held flags (DirectoryView.held); None without a directory or once closed."""
+        if self.directory is None or not self.use():
+            return None
+        try:
+            return self.directory.held(namespace_id, digests)
+        finally:
+            self.done()

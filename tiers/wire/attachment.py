@@ -16,6 +16,7 @@ from typing import Optional
 from tiers.logs import RateLimitedLog
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
+from tiers.shm.directory import DirectoryView
 from tiers.wire.arena_map import ArenaMap
 
 
@@ -54,7 +55,7 @@ class Attachment:
             return
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(timeout)
-        arena_fd = None
+        fds = []
         try:
             conn.connect(fd_socket)
             header = {"v": P.PROTOCOL_VERSION, "s": session, "size": self._size}
@@ -62,26 +63,27 @@ class Attachment:
                 P.send_register(conn, self._fd, header)
             else:
                 P.send_framed(conn, header)
-            raw, arena_fd = P.recv_register(conn)
+            raw, fds = P.recv_framed_fds(conn, 2)  # the arena's descriptor, then its page directory's
             reply = M.decode_attach_reply(raw)
-            if reply.ok and arena_fd is not None and self.map_arena:
-                self._map_arena(arena_fd, reply)
+            if reply.ok and fds and self.map_arena:
+                self._map_arena(fds[0], reply, fds[1] if len(fds) > 1 else None)
         except (OSError, ValueError, P.ProtocolError) as exc:
             conn.close()
             self._warn.warning(f"region:{self.name}", "tier %s: attach failed (%s); pages travel as frames",
                                self.name, exc)
             return
         finally:
-            if arena_fd is not None:
-                os.close(arena_fd)
+            for fd in fds:
+                os.close(fd)
         if not reply.ok:
             conn.close()
             self._warn.warning(f"region:{self.name}", "tier %s refused the host pool: %s", self.name, reply.msg)
             return
+        conn.setblocking(False)  # daemon_alive peeks at it without waiting
         self._conn = conn
         self.region_id = reply.region or None
 
-    def _map_arena(self, fd: int, reply: M.AttachReply) -> None:
+    def _map_arena(self, fd: int, reply: M.AttachReply, directory_fd: Optional[int]) -> None:
         arena_id, size = reply.arena, reply.arena_size
         if arena_id is None or size is None or size <= 0:
             return
@@ -94,9 +96,37 @@ class Attachment:
         # A prefaulted arena (DRAM) gets its page tables built now; a sparse one (staging) must not:
         # populating it would allocate all of it.
         resident = os.fstat(fd).st_blocks * 512 >= size * 0.9
-        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident)
+        directory = self._map_directory(directory_fd, reply.directory, size) if directory_fd is not None else None
+        old, self.arena = self.arena, ArenaMap(arena_id, mapping, populate_now=resident, directory=directory)
         if old is not None:
             old.close()
+
+    def _map_directory(self, fd: int, size: Optional[int], arena_size: int) -> Optional[DirectoryView]:
+        """The arena's page directory, mapped read-only (None, and reads ask the daemon, when unusable)."""
+        if not size or size <= 0 or os.fstat(fd).st_size < size:
+            return None
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            return DirectoryView(mapping, arena_size)
+        except (ValueError, ImportError) as exc:
+            mapping.close()
+            self._warn.warning(f"directory:{self.name}", "tier %s: page directory unusable (%s); reads ask the "
+                               "daemon", self.name, exc)
+            return None
+
+    def daemon_alive(self) -> bool:
+        """Whether the daemon that handed the arena over still holds our attachment open (one non-blocking
+        peek): a daemon that exited closed it, and its directory must not serve hits any more.  A frozen
+        daemon still holds it."""
+        conn = self._conn
+        if conn is None:
+            return False
+        try:
+            return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read: open
+        except OSError:
+            return False
 
     def close(self) -> None:
         if self._conn is not None:

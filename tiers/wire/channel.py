@@ -128,6 +128,23 @@ class Channel:
             return None
         return sent
 
+    def send_and_forget(self, op: str, fields: dict, session: int) -> bool:
+        """Send a request nobody waits for a reply to (touch), waiting up to connect_wait for this thread's
+        socket to connect (a sender thread of its own calls this, never an engine's call), after dropping
+        the replies of those sent before; False when not sent."""
+        sock = getattr(self._local, "sock", None)
+        try:
+            while sock is not None and sock.recv_multipart(zmq.NOBLOCK):
+                pass
+        except zmq.Again:
+            pass
+        sent = self.send(op, self.deadlines.connect_wait, fields, (), session)
+        if sent is None:
+            return False
+        if sent.unsent is not None and sent.sock.poll(int(self.deadlines.connect_wait * 1000), zmq.POLLOUT):
+            self.push(sent)
+        return sent.unsent is None
+
     def push(self, sent: Sent) -> bool:
         """Send an unsent request if its socket takes it now; True once it is sent."""
         try:

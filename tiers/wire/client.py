@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
-from tiers.wire import held_wait
+from tiers.wire import direct_reads, held_wait
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
@@ -84,9 +84,11 @@ class TierClient:
         self.max_page_bytes = 64 << 20
         self.fd_socket = ""
         self.answers_digests = False  # the tier takes lookups by packed key digests (its hello says so)
+        self.dir_ns = 0  # our namespace's number in the tier's page directory (its hello and leases say)
         self._warn = RateLimitedLog(log)
         self._attachment = Attachment(name, attach, self._warn)  # host pool handed over, daemon arena mapped
         self._replies = PageReplies(name, self._warn)  # what the daemon's page replies come to
+        self._toucher = direct_reads.Toucher(name, self._send_touch)  # direct reads told to the daemon
         self._closed = False
 
     @property
@@ -164,6 +166,7 @@ class TierClient:
         self.max_page_bytes = hello.max_page_bytes or self.max_page_bytes
         self.fd_socket = hello.fd_socket
         self.answers_digests = hello.digests
+        self.dir_ns = hello.dir_ns
         self._backoff = self.deadlines.backoff_min
         self._warn.clear(f"down:{self.name}")
         if self._attachment.wanted:
@@ -199,6 +202,8 @@ class TierClient:
         reply (the daemon restarted) opens a new session and sends the request once more."""
         session = self._ensure_session()
         sent, held = None, None
+        if session is not None and not retried:
+            self._toucher.take(fields)  # pages read through the directory: counted before this request
         if session is not None and "region" in fields:
             # A region belongs to the session that registered it: after a new hello
             # (daemon restart) name the region registered with it, never the old one.
@@ -311,6 +316,40 @@ class TierClient:
     def can_lease(self) -> bool:
         return self.arena is not None and not self._down
 
+    def reads_direct(self) -> bool:
+        """Whether hits may be read through the daemon's page directory (tiers/wire/direct_reads.py): mapped,
+        our namespace numbered, and the daemon that wrote it still there (a dead one's stays mapped)."""
+        arena = self.arena
+        if arena is None or arena.directory is None or self.dir_ns == 0 or self._down:
+            return False
+        if not self._attachment.daemon_alive():
+            self._lost("the daemon closed its attachment")
+            return False
+        return True
+
+    def read_direct(self, keys: List[str], dst: PageRuns, summed: bool) -> direct_reads.Found:
+        """The pages found in the page directory, copied into dst; the daemon is not asked."""
+        arena = self.arena
+        if arena is None or self._down:
+            return [False] * len(keys), [0] * len(keys), []
+        return direct_reads.read_direct(arena, self.namespace, self.dir_ns, keys, dst, summed)
+
+    def held_direct(self, keys: List[str], digests: Optional[bytes] = None) -> Optional[bytes]:
+        """The keys' held flags from the page directory (None: ask the daemon)."""
+        arena = self.arena
+        if arena is None or not self.reads_direct():
+            return None
+        return arena.held_direct(self.dir_ns, digests or P.pack_key_digests(self.namespace, keys))
+
+    def touch(self, keys: List[str], size: int) -> None:
+        """Tell the daemon these pages were read through its directory (later, from the touch thread)."""
+        self._toucher.touch(keys, size)
+
+    def _send_touch(self, fields: dict) -> None:
+        session = self._ensure_session()
+        if session is not None:
+            self._channel.send_and_forget("touch", fields, session)
+
     def get_leased(self, keys: List[str], dst: Union[PageRuns, Sequence[Sequence[Tuple[int, int]]]],
                    sums: Optional[List[int]] = None, copied: Optional[List[int]] = None) -> List[bool]:
         """Copy pages into dst (page runs of this process, or a list of (address, length) runs a page) by a
@@ -350,6 +389,8 @@ class TierClient:
     def _copy_leased(self, reply: Optional[Reply], arena: ArenaMap, n: int, dst: PageRuns, expiry: float,
                      sums: Optional[List[int]], copied: Optional[List[int]]) -> List[bool]:
         found, lease, unusable = self._replies.copy_leased(reply, arena, n, dst, expiry, sums, copied)
+        if reply is not None and reply.header.ok and reply.header.dir_ns:
+            self.dir_ns = reply.header.dir_ns  # the daemon may have renumbered a namespace that held nothing
         with self._lock:
             if unusable and self.arena is arena:
                 self._session = None  # attach again on the next call
@@ -395,6 +436,7 @@ class TierClient:
 
     def close(self) -> None:
         self._closed = True
+        self._toucher.close()
         with self._lock:
             self._channel.close()
             self._attachment.close()

@@ -24,8 +24,9 @@ TOP_TIER_HEAD_START_S = 0.002
 
 def lookup_all(clients: Sequence[TierClient], keys: List[str],
                head_start: float = TOP_TIER_HEAD_START_S) -> List[Optional[bytes]]:
-    """Ask the top tier, then, unless it held every key within head_start, every other tier at once
-    (head_start 0: every tier at once); held flags or None per tier (None also for a tier not asked).
+    """Ask the top tier (its page directory first, where it hands one out), then, unless it held every key
+    within head_start, every other tier at once (head_start 0: every tier at once, the directory not
+    looked at); held flags or None per tier (None also for a tier not asked).
 
     Returns as soon as the tiers that replied hold every key between them and
     no faster tier is still out (or FASTER_TIER_GRACE_S after the keys were
@@ -38,6 +39,12 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     out = set()  # tiers asked that have not answered
     fan = FanOut()
     digests = _packed_digests(clients, keys)
+    # The top tier's page directory first (tiers/shm/directory.py): when it holds every key, no daemon is
+    # asked (head_start 0 asks for every tier's answer: all are asked).
+    direct = clients[0].held_direct(keys, digests.get(clients[0].namespace)) if head_start > 0 else None
+    if direct is not None and direct == b"\x01" * n:
+        results[0] = direct
+        return results
 
     def ask(i: int) -> None:
         def answered(flags: Optional[bytes]) -> None:
@@ -85,6 +92,9 @@ def _packed_digests(clients: Sequence[TierClient], keys: List[str]) -> Dict[str,
 def per_tier_held(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
     """Each tier's held flags (None where it did not answer); one tier is asked directly."""
     if len(clients) == 1:
+        direct = clients[0].held_direct(keys)
+        if direct is not None and direct == b"\x01" * len(keys):
+            return [direct]
         return [clients[0].lookup(keys)]
     return lookup_all(clients, keys)
 

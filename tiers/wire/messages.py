@@ -35,11 +35,14 @@ Leases = Annotated[List[int], Meta(max_length=MAX_LIST)]
 
 
 class Request(Struct, tag_field="op", kw_only=True, omit_defaults=True):
-    """The fields every request has: version, request id (echoed), absolute deadline (Unix s), session."""
+    """The fields every request has: version, request id (echoed), absolute deadline (Unix s), session, and
+    pages the session read through the tier's page directory since its last request (counted first)."""
     v: Any = None  # checked by value (an old engine's version gets bad_version, not a type error)
     id: int = 0
     dl: Optional[float] = None
     s: Optional[int] = None
+    touched: Optional[Keys] = None
+    touched_sizes: Optional[bytes] = None
 
 
 class Hello(Request, tag="hello"):
@@ -81,6 +84,11 @@ class Release(Request, tag="release"):
     lease: int
 
 
+class Touch(Request, tag="touch"):
+    """Only ``touched``: pages read through the tier's page directory that no request carried within
+    a moment (tiers/wire/direct_reads.py); not waited for."""
+
+
 class Delete(Request, tag="delete"):
     keys: Keys
 
@@ -120,7 +128,7 @@ class Locate(Request, tag="locate"):
 
 
 REQUESTS: Dict[str, Type[Request]] = {cls.__struct_config__.tag: cls for cls in (
-    Hello, Lookup, Get, Put, Release, Delete, Stats, Clear, Evict, Alloc, Commit, Locate)}
+    Hello, Lookup, Get, Put, Release, Touch, Delete, Stats, Clear, Evict, Alloc, Commit, Locate)}
 assert set(REQUESTS) == set(OPS), "every operation has its Struct"
 
 _requests = msgspec.msgpack.Decoder(Union[tuple(REQUESTS.values())])
@@ -202,6 +210,7 @@ class HelloReply(Reply):
     max_batch: int = 0
     fd_socket: str = ""
     digests: bool = False
+    dir_ns: int = 0  # the session's namespace number in the tier's page directory (0: none)
 
 
 class LookupReply(Reply):
@@ -214,6 +223,7 @@ class GetReply(Reply):
     sums: Optional[bytes] = None
     lease: Optional[int] = None  # with a lease: the arena's extents of the found pages
     arena: Optional[int] = None
+    dir_ns: Optional[int] = None  # with a lease: the namespace's number in the page directory now
     desc: Optional[bytes] = None
     regions_per_page: Optional[bytes] = None
 
@@ -231,6 +241,10 @@ class PutReply(Reply):
 
 class ReleaseReply(Reply):
     released: Union[bool, int] = False
+
+
+class TouchReply(Reply):
+    """Answered as any request; the client's touch thread reads its replies only to drop them."""
 
 
 class DeleteReply(Reply):
@@ -285,7 +299,7 @@ class LocateReply(Reply):
 
 REPLIES: Dict[str, Type[Reply]] = {
     "hello": HelloReply, "lookup": LookupReply, "get": GetReply, "put": PutReply, "release": ReleaseReply,
-    "delete": DeleteReply, "stats": StatsReply, "clear": ClearReply, "evict": EvictReply, "alloc": AllocReply,
+    "touch": TouchReply, "delete": DeleteReply, "stats": StatsReply, "clear": ClearReply, "evict": EvictReply, "alloc": AllocReply,
     "commit": CommitReply, "locate": LocateReply}
 assert set(REPLIES) == set(OPS), "every operation has its reply Struct"
 _replies = {op: msgspec.msgpack.Decoder(cls) for op, cls in REPLIES.items()}
@@ -326,6 +340,7 @@ class AttachReply(Struct, kw_only=True):
     region: int = 0  # 0: the arena only (no memfd was sent, or the store refused it)
     arena: Optional[int] = None
     arena_size: Optional[int] = None
+    directory: Optional[int] = None  # the page directory's size; its descriptor follows the arena's
 
 
 _attach = msgspec.msgpack.Decoder(Attach)

@@ -112,7 +112,7 @@ from tiers._pageindex import key_digests as native_key_digests
 PROTOCOL_VERSION = 2  # 2: reads through leased, engine-copied arena pages
 
 OPS = ("hello", "lookup", "get", "put", "delete", "stats", "clear", "evict",
-       "alloc", "commit", "locate", "release")  # alloc, commit, locate: remote memory pools only
+       "alloc", "commit", "locate", "release", "touch")  # alloc, commit, locate: remote memory pools only
 ERROR_CODES = (
     "bad_request",  # malformed header or fields
     "bad_version",  # protocol version mismatch
@@ -402,6 +402,13 @@ def send_register(sock: socket.socket, fd: int, header: Dict[str, Any]) -> None:
 def recv_register(sock: socket.socket) -> Tuple[bytes, Optional[int]]:
     """Read one length-prefixed header (undecoded: tiers/wire/messages.py decode_attach) and at most
     one fd; ProtocolError when truncated."""
+    data, fds = recv_framed_fds(sock, 1)
+    return data, (fds[0] if fds else None)
+
+
+def recv_framed_fds(sock: socket.socket, most: int) -> Tuple[bytes, List[int]]:
+    """Read one length-prefixed header (undecoded) and at most ``most`` fds (any more are closed);
+    ProtocolError when truncated."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
     if not data or len(data) < 4 or _LEN.unpack_from(data)[0] != len(data) - 4:
         for fd in fds:
@@ -409,18 +416,18 @@ def recv_register(sock: socket.socket) -> Tuple[bytes, Optional[int]]:
         if not data:
             raise ConnectionResetError("peer closed")
         raise ProtocolError("bad_request", "register message is truncated")
-    for fd in fds[1:]:
+    for fd in fds[most:]:
         os.close(fd)
-    return data[4:], (fds[0] if fds else None)
+    return data[4:], fds[:most]
 
 
-def send_framed(sock: socket.socket, header: Dict[str, Any], fd: Optional[int] = None) -> None:
-    """One length-prefixed header, with fd attached (SCM_RIGHTS) when given."""
+def send_framed(sock: socket.socket, header: Dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One length-prefixed header, with fds attached (SCM_RIGHTS) when given."""
     body = pack(header)
-    if fd is None:
+    if not fds:
         sock.sendall(_LEN.pack(len(body)) + body)
     else:
-        socket.send_fds(sock, [_LEN.pack(len(body)) + body], [fd])
+        socket.send_fds(sock, [_LEN.pack(len(body)) + body], list(fds))
 
 
 def check_lease_expiry(expiry: float) -> float:

@@ -1,0 +1,197 @@
+"""The page directory of a DRAM arena: engines read hits through it without a round trip to the daemon.
+
+The DRAM daemon keeps, in a sealed memfd beside its arena, where each page
+it holds lies: a table from (namespace number, key digest) to the page's
+size, checksum and first block, and for every block of the arena the page
+that owns it and the block after it (tiers/_directory.c says the layout and
+why a reader can trust what it checked).  Engines map it read-only with the
+arena (tiers/wire/attachment.py).  A read then finds its pages, copies them
+out of the arena into the host pool, and checks afterwards that no block
+changed hands meanwhile; a page that did, or that it did not find, is asked
+of the daemon as before.  The daemon learns of those reads afterwards
+(``touch``: recency, read counts, hits), never on the read's way.
+
+Writer (``PageDirectory``): the daemon, under its store's lock.  Readers
+(``DirectoryView``): any engine that maps the arena, without locks.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tiers.shm.buffers import address_of
+from tiers.shm.page_runs import PageRuns, copy_pages
+
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
+_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+_U64 = np.ctypeslib.ndpointer(dtype=np.uint64, ndim=1, flags="C_CONTIGUOUS")
+_U32 = np.ctypeslib.ndpointer(dtype=np.uint32, ndim=1, flags="C_CONTIGUOUS")
+_I64 = np.ctypeslib.ndpointer(dtype=np.int64, ndim=1, flags="C_CONTIGUOUS")
+_U8 = np.ctypeslib.ndpointer(dtype=np.uint8, ndim=1, flags="C_CONTIGUOUS")
+
+
+def _load() -> ctypes.CDLL:
+    from importlib.util import find_spec
+    spec = find_spec("tiers._directory")
+    if spec is None or not spec.origin:
+        raise ImportError("tiers._directory is not built; install the package with pip (scripts/install.sh)")
+    lib = ctypes.CDLL(spec.origin)
+    vp, u32, i64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
+    lib.dir_bytes.argtypes, lib.dir_bytes.restype = [u32, u32], ctypes.c_uint64
+    lib.dir_init.argtypes, lib.dir_init.restype = [vp, u32, u32, u32], None
+    lib.dir_publish.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U32, _I64]
+    lib.dir_publish.restype = i64
+    lib.dir_withdraw.argtypes, lib.dir_withdraw.restype = [vp, u32, i64, ctypes.c_char_p], i64
+    lib.dir_count.argtypes, lib.dir_count.restype = [vp], i64
+    lib.dir_check.argtypes, lib.dir_check.restype = [vp, ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
+    lib.dir_resolve.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U64, _U32, i64, _U64, _U64, _I64, i64]
+    lib.dir_resolve.restype = i64
+    lib.dir_validate.argtypes, lib.dir_validate.restype = [vp, i64, _U64, _U32, _U32, _U8], i64
+    lib.dir_held.argtypes, lib.dir_held.restype = [vp, u32, i64, ctypes.c_char_p, ctypes.c_char_p], i64
+    return lib
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def lib() -> ctypes.CDLL:
+    global _lib  # the loaded library, once a process (a cache, not configuration)
+    if _lib is None:
+        _lib = _load()
+    return _lib
+
+
+def slots_for(n_blocks: int) -> int:
+    """Table slots for an arena of n_blocks: a power of two, at least twice the blocks (never half full)."""
+    return 1 << max(10, (2 * max(1, n_blocks) - 1).bit_length())
+
+
+class PageDirectory:
+    """The daemon's side: a sealed memfd it writes, engines map read-only."""
+
+    def __init__(self, n_blocks: int, block_size: int, name: str):
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.n_slots = slots_for(n_blocks)
+        self.size = int(lib().dir_bytes(n_blocks, self.n_slots))
+        self.fd = os.memfd_create(f"hicache-{name}-directory", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, self.size)
+        self._map = mmap.mmap(self.fd, self.size)
+        with memoryview(self._map) as view:
+            self._base = address_of(view)
+        lib().dir_init(self._base, n_blocks, self.n_slots, block_size)
+        # Only this mapping, made before the seal, can write it: an engine cannot map it writable.
+        try:
+            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
+            self.write_sealed = True
+        except OSError:  # Linux < 5.1: no write seal, so no directory is handed out (export_fd says None)
+            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+            self.write_sealed = False
+        self._namespaces: Dict[str, int] = {}
+        self._next_namespace = 1
+
+    def namespace_id(self, namespace: str) -> int:
+        """The number the directory files namespace under (given on first use, never reused)."""
+        number = self._namespaces.get(namespace)
+        if number is None:
+            number = self._namespaces[namespace] = self._next_namespace
+            self._next_namespace += 1
+        return number
+
+    def namespaces(self) -> List[str]:
+        return list(self._namespaces)
+
+    def forget_namespace(self, namespace: str) -> None:
+        """namespace holds nothing any more: its number goes (an engine holding it then misses, and asks)."""
+        self._namespaces.pop(namespace, None)
+
+    def publish(self, namespace: str, digests: bytes, sizes: Sequence[int], checksums: Sequence[int],
+                blocks: Sequence[Sequence[int]]) -> int:
+        """The pages (16-byte digests packed, their sizes, checksums, blocks in order), found from now on."""
+        n = len(sizes)
+        if not n:
+            return 0
+        counts = np.fromiter((len(b) for b in blocks), dtype=np.int64, count=n)
+        flat = np.fromiter((b for page in blocks for b in page), dtype=np.uint32, count=int(counts.sum()))
+        return int(lib().dir_publish(self._base, self.namespace_id(namespace), n, digests,
+                                     np.asarray(sizes, dtype=np.uint32),
+                                     np.asarray([c & 0xFFFFFFFFFFFFFFFF for c in checksums], dtype=np.uint64),
+                                     flat, counts))
+
+    def withdraw(self, namespace: str, digests: bytes) -> int:
+        """The pages are no longer found; their blocks are no longer theirs (call before reusing them)."""
+        number = self._namespaces.get(namespace)
+        if number is None or not digests:
+            return 0
+        return int(lib().dir_withdraw(self._base, number, len(digests) // 16, digests))
+
+    def count(self) -> int:
+        return int(lib().dir_count(self._base))
+
+    def export_fd(self) -> Optional[int]:
+        """A descriptor to hand an engine (the caller closes it); None where it could not be sealed."""
+        return os.dup(self.fd) if self.write_sealed else None
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
+class DirectoryView:
+    """An engine's read-only mapping of a daemon's page directory, read beside that daemon's arena."""
+
+    def __init__(self, mapping: mmap.mmap, arena_size: int):
+        self._mapping = mapping
+        with memoryview(mapping) as view:
+            self._base = address_of(view)
+        if lib().dir_check(self._base, len(mapping), arena_size) != 0:
+            raise ValueError("not a page directory of this version, or larger than it says")
+        header = np.frombuffer(mapping, dtype=np.uint32, count=6, offset=8)
+        self.block_size = int(header[3])
+
+    def held(self, namespace_id: int, digests: bytes) -> bytes:
+        """One byte a key (16-byte digests packed): 1 when the directory has the page (nothing is read)."""
+        n = len(digests) // 16
+        out = ctypes.create_string_buffer(n)
+        if namespace_id:
+            lib().dir_held(self._base, namespace_id, n, digests, out)
+        return out.raw
+
+    def read(self, namespace_id: int, digests: bytes, size: int, dst: PageRuns, arena_base: int,
+             summed: bool) -> Tuple[List[bool], List[int], List[int]]:
+        """The pages found (each of size bytes), copied from the arena at arena_base into the pages of dst:
+        (a flag a page that was found and copied whole, each page's checksum as the directory has it, each
+        copied page's own sum when summed, else []).  MemoryFault propagates (a bad destination)."""
+        n = len(dst)
+        flags, sums = [False] * n, [0] * n
+        if not n or not namespace_id:
+            return flags, sums, []
+        sizes = np.full(n, size, dtype=np.uint32)
+        per_page = -(-size // self.block_size)
+        ids, held_sums = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+        blocks = np.zeros(n * per_page, dtype=np.uint32)
+        run_off, run_len = np.zeros(n * per_page, dtype=np.uint64), np.zeros(n * per_page, dtype=np.uint64)
+        run_counts = np.zeros(n, dtype=np.int64)
+        found = int(lib().dir_resolve(self._base, namespace_id, n, digests, sizes, ids, held_sums, blocks,
+                                      len(blocks), run_off, run_len, run_counts, len(run_off)))
+        if found <= 0:
+            return flags, sums, []
+        hit = ids != 0
+        runs = int(run_counts.sum())
+        src = PageRuns(run_off[:runs].copy(), run_len[:runs].copy(), run_counts[hit].copy())
+        copied = copy_pages(dst.select(hit), src, arena_base, summed)
+        ok = np.zeros(n, dtype=np.uint8)
+        lib().dir_validate(self._base, n, ids, sizes, blocks, ok)
+        flags = ok.astype(bool).tolist()
+        sums = [int(s) if f else 0 for s, f in zip(held_sums.tolist(), flags)]
+        if summed:
+            it = iter(copied)
+            copied = [next(it) if h else 0 for h in hit.tolist()]
+        return flags, sums, copied
+
+    def close(self) -> None:
+        self._mapping.close()
