@@ -244,3 +244,30 @@ def test_a_namespace_renumbered_is_read_through_the_directory_again(tmp_path):
     finally:
         engine.close()
         runner.stop()
+
+
+def test_touches_ride_on_requests_or_go_alone_after_a_moment():
+    from tiers.wire import direct_reads
+    from tiers.wire import protocol as P
+    sent = []
+    toucher = direct_reads.Toucher("t", sent.append)
+    try:
+        big = [f"k{i}" for i in range(P.MAX_BATCH + 10)]
+        toucher.touch(big, 4096)
+        fields: dict = {}
+        toucher.take(fields)  # a request sent now carries them, at most MAX_BATCH a request
+        assert fields["touched"] == big[:P.MAX_BATCH]
+        assert P.decode_sizes(fields["touched_sizes"], P.MAX_BATCH, 4096) == [4096] * P.MAX_BATCH
+        end = time.monotonic() + 5
+        while not sent and time.monotonic() < end:  # the rest: alone, once no request took it in time
+            time.sleep(0.01)
+        assert [f["touched"] for f in sent] == [big[P.MAX_BATCH:]]
+        time.sleep(3 * direct_reads.TOUCH_DELAY_S)
+        assert len(sent) == 1  # nothing more to send: nothing sent
+        toucher.touch(["late"], 8192)
+        end = time.monotonic() + 5
+        while len(sent) < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert sent[1]["touched"] == ["late"]
+    finally:
+        toucher.close()

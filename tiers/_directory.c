@@ -247,13 +247,12 @@ int dir_check(const void *base, uint64_t mapped, uint64_t arena_size)
     return 0;
 }
 
-/* Find n pages of namespace ns, each expected at sizes[i] bytes.  A page found gets its id in ids[i]
+/* Find n pages of namespace ns, each expected at size bytes.  A page found gets its id in ids[i]
  * (0: not found), its checksum in sums[i], its blocks appended to blocks (ceil(size / block_size) of
  * them) and its runs of the arena (offsets merged where blocks are adjacent) appended to run_off /
  * run_len, run_counts[i] of them.  Returns the pages found; -1 when max_runs or max_blocks would be
  * passed (nothing then is usable). */
-int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, const uint32_t *sizes,
-                    uint64_t *ids, uint64_t *sums, uint32_t *blocks, int64_t max_blocks, uint64_t *run_off,
+int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, uint32_t size, uint64_t *ids, uint64_t *sums, uint32_t *blocks, int64_t max_blocks, uint64_t *run_off,
                     uint64_t *run_len, int64_t *run_counts, int64_t max_runs)
 {
     const dir_header *h = base;
@@ -292,7 +291,7 @@ int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, 
                 break;
             }
         }
-        if (!hit || v.size != sizes[p] || v.size == 0)
+        if (!hit || v.size != size || v.size == 0)
             continue;
         const int64_t count = ((int64_t)v.size + bs - 1) / bs;
         if (nb + count > max_blocks || nr + count > max_runs)
@@ -364,11 +363,10 @@ int64_t dir_held(void *base, uint32_t ns, int64_t n, const uint8_t *digests, uin
     return count;
 }
 
-/* After the copy: ok[i] = 1 when every block of found page i (ids[i] != 0, its blocks in order as
- * dir_resolve listed them) is still owned by it, so the bytes copied were the committed page's.
+/* After the copy: ok[i] = 1 when every block of found page i (ids[i] != 0, size bytes, its blocks in order
+ * as dir_resolve listed them) is still owned by it, so the bytes copied were the committed page's.
  * Returns the pages that held. */
-int64_t dir_validate(void *base, int64_t n, const uint64_t *ids, const uint32_t *sizes, const uint32_t *blocks,
-                     uint8_t *ok)
+int64_t dir_validate(void *base, int64_t n, const uint64_t *ids, uint32_t size, const uint32_t *blocks, uint8_t *ok)
 {
     const dir_header *h = base;
     const uint32_t n_blocks = h->n_blocks, bs = h->block_size;
@@ -379,7 +377,7 @@ int64_t dir_validate(void *base, int64_t n, const uint64_t *ids, const uint32_t 
         ok[p] = 0;
         if (ids[p] == 0)
             continue;
-        const int64_t count = ((int64_t)sizes[p] + bs - 1) / bs;
+        const int64_t count = ((int64_t)size + bs - 1) / bs;
         int still = 1;
         for (int64_t k = 0; k < count; k++) {
             uint32_t b = blocks[nb + k];

@@ -91,14 +91,14 @@ class TierDaemon:
                                                         prefault=staging_bytes >= 64 << 20, background=True)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-io")
         self.transfers = PageTransfers(name, store, self.arena, self._pool, io_threads, max_page_bytes)  # puts
-        self.reads = PageReads(store, self.arena, self.transfers.each,
-                               corrupt_reads=corrupt_reads)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
-        if self.transfers.stages:
-            store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
-        self.arena_id = secrets.randbits(62)
         # Engines read hits through the store's page directory without asking (tiers/shm/directory.py);
         # not while the damaging test hook is on: its damage is done to the pages this daemon serves.
         self.directory = store.export_directory() if fd_socket and corrupt_reads is None else None
+        self.reads = PageReads(store, self.arena, self.transfers.each, corrupt_reads=corrupt_reads,
+                               directory=self.directory)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
+        if self.transfers.stages:
+            store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
+        self.arena_id = secrets.randbits(62)
         # Write-back and selective pages go to the next tier down (if there is one), through a queue;
         # the demoter is the store's EvictionListener too (tiers/ops/tier_factory.py).
         self.demoter = demoter
@@ -266,7 +266,8 @@ class TierDaemon:
             if route is None:  # a pool operation sent to a tier daemon
                 raise P.ProtocolError("unknown_op", f"{self.name} does not serve {op}")
             if msg.touched is not None:  # reads through the page directory, counted before this request
-                self._count_touched(msg)
+                self.metrics.pages("get", *self.reads.count_touched(self._namespace(msg), msg.touched,
+                                                                    msg.touched_sizes, self.max_page_bytes))
             result = route.handler(msg, frames)  # checks the request here, on the loop
             if route.where is Where.LOOP:
                 reply = result
@@ -322,11 +323,7 @@ class TierDaemon:
         (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
         return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
                            max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "",
-                           digests=self.store.answers_digests, dir_ns=self._directory_namespace(ns, tenant))]
-
-    def _directory_namespace(self, ns: str, tenant: Tenant) -> int:
-        """ns's number in the page directory, for a tenant that maps it with the arena (0: none)."""
-        return self.store.directory_namespace(ns) if self.directory is not None and tenant.map_arena else 0
+                           digests=self.store.answers_digests, dir_ns=self.reads.directory_number(ns, tenant))]
 
     # ----------------------------------------------------------- operations
     def handle_lookup(self, msg: M.Lookup, frames) -> list:
@@ -397,7 +394,7 @@ class TierDaemon:
         sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
         self._release_done(msg)
         owner, budget = self._lease_owner(msg)
-        dir_ns = self._directory_namespace(ns, self._peer_tenant)  # renewed: a number given up is given again
+        dir_ns = self.reads.directory_number(ns, self._peer_tenant)  # renewed: a number given up is given again
         return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget),
                                          dir_ns)
 
@@ -415,16 +412,7 @@ class TierDaemon:
         return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
 
     def handle_touch(self, msg: M.Touch, frames) -> list:
-        return [P.reply_ok(msg.id)]  # its pages were counted on the way in (_count_touched)
-
-    def _count_touched(self, msg: M.Request) -> None:
-        if self.directory is None:  # a daemon restarted without one: reads it never saw, nothing to count
-            return
-        ns = self._namespace(msg)
-        keys = P.check_keys(msg.touched)
-        sizes = P.decode_sizes(msg.touched_sizes, len(keys), self.max_page_bytes)
-        touched = self.store.touch_reads(ns, keys, sizes)
-        self.metrics.pages("get", touched, touched and sum(sizes) * touched // len(keys))
+        return [P.reply_ok(msg.id)]  # its pages were counted on the way in (PageReads.count_touched)
 
     def handle_release(self, msg: M.Release, frames) -> list:
         self._namespace(msg)

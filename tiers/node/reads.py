@@ -15,6 +15,8 @@ from typing import Callable, List, Optional, Tuple
 from tiers.wire import protocol as P
 from tiers.shm.arena import Alloc, BlockArena
 from tiers.node.faults import CorruptReads
+from tiers.node.tenants import Tenant
+from tiers.shm.directory import PageDirectory
 from tiers.stores.base import PageStore
 
 STAGING_HOLD_OWNER = -2  # arena lease owner of staging blocks a transfer given up may still write
@@ -23,8 +25,10 @@ Each = Callable[[int, Callable[[int], object]], list]  # work(i) for every page,
 
 class PageReads:
     def __init__(self, store: PageStore, arena: BlockArena, each: Each,
-                 lease_share: float = 0.5, corrupt_reads: Optional[CorruptReads] = None):
+                 lease_share: float = 0.5, corrupt_reads: Optional[CorruptReads] = None,
+                 directory: Optional[PageDirectory] = None):
         self.store = store
+        self.directory = directory  # handed to engines with the arena: they read hits through it
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
         self.each = each
@@ -35,6 +39,20 @@ class PageReads:
         self.max_lease_bytes = int(arena.size if not self.stages else min(arena.size, max(arena.size * lease_share,
                                                                                          1 << 30)))
         self.staging_full = 0  # pages of a read left out: no staging blocks left
+
+    def directory_number(self, ns: str, tenant: Tenant) -> int:
+        """ns's number in the page directory, for a tenant that maps it with the arena (0: none)."""
+        return self.store.directory_namespace(ns) if self.directory is not None and tenant.map_arena else 0
+
+    def count_touched(self, ns: str, keys, sizes, max_page_bytes: int) -> Tuple[int, int]:
+        """Pages a request says its engine read through the directory, counted as reads: (pages, bytes).
+        Nothing where this daemon hands out no directory (restarted without one: reads it never saw)."""
+        if self.directory is None:
+            return 0, 0
+        keys = P.check_keys(keys)
+        sizes = P.decode_sizes(sizes, len(keys), max_page_bytes)
+        touched = self.store.touch_reads(ns, keys, sizes)
+        return touched, touched and sum(sizes) * touched // len(keys)
 
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
                     max_bytes: Optional[int] = None):

@@ -41,6 +41,7 @@ TOUCH_DELAY_S = 0.1
 # Touches waiting at most (batches of a read); past it the oldest are dropped: the daemon then misses that
 # recency, never a page.
 MAX_QUEUED = 256
+IDLE_LOOKS = 20  # the touch thread looks every TOUCH_DELAY_S while reads come, then sleeps until one does
 
 
 class Toucher:
@@ -52,17 +53,21 @@ class Toucher:
         self._queue: Deque[Tuple[float, List[str], int]] = deque(maxlen=MAX_QUEUED)
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._asleep = False  # waiting without a timeout: a touch must wake it
         self._closed = False
 
     def touch(self, keys: List[str], size: int) -> None:
         with self._wake:
             if self._closed:
                 return
-            self._queue.append((time.monotonic(), keys, size))
+            now = time.monotonic()
+            for at in range(0, len(keys), P.MAX_BATCH):  # a request carries MAX_BATCH keys at most
+                self._queue.append((now, keys[at:at + P.MAX_BATCH], size))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"touch-{self._name}", daemon=True)
                 self._thread.start()
-            self._wake.notify()
+            elif self._asleep:  # else it looks again within TOUCH_DELAY_S: no wake-up on the read's way
+                self._wake.notify()
 
     def take(self, fields: dict) -> None:
         """Move the pending touches (up to MAX_BATCH pages) into a request's fields."""
@@ -79,12 +84,22 @@ class Toucher:
             fields["touched"], fields["touched_sizes"] = keys, P.encode_sizes(sizes)
 
     def _run(self) -> None:
+        idle = 0  # looks that found nothing to send; past IDLE_LOOKS the thread sleeps until a touch
         while True:
             with self._wake:
-                while not self._closed and (not self._queue or time.monotonic() < self._queue[0][0] + TOUCH_DELAY_S):
-                    self._wake.wait(None if not self._queue else self._queue[0][0] + TOUCH_DELAY_S - time.monotonic())
                 if self._closed:
                     return
+                now = time.monotonic()
+                if not self._queue:
+                    idle += 1
+                    self._asleep = idle > IDLE_LOOKS
+                    self._wake.wait(None if self._asleep else TOUCH_DELAY_S)
+                    self._asleep = False
+                    continue
+                idle = 0
+                if now < self._queue[0][0] + TOUCH_DELAY_S:  # a request of the engine may carry it yet
+                    self._wake.wait(self._queue[0][0] + TOUCH_DELAY_S - now)
+                    continue
             fields: dict = {}
             self.take(fields)
             if fields:
