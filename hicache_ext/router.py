@@ -342,8 +342,8 @@ class TierRouter:
 
     def counters(self) -> dict:
         """What the engine side did beside the daemons: promotions queued, done, dropped, failed."""
-        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages, "direct_pages": self.direct_pages,
-                "promotions_not_admitted": self.admission.not_admitted,
+        return {**self.promoter.counters(), **self.checks.counters(), "unpaid_pages": self.unpaid_pages,
+                "direct_pages": self.direct_pages, "promotions_not_admitted": self.admission.not_admitted,
                 "sealed_refused": self.sealed.sealer.refused if self.sealed is not None else 0}
 
     def _get(self, client: TierClient, batch: PageBatch, sums: List[int], positions: List[int],

@@ -152,38 +152,47 @@ static void remove_at(void *base, uint64_t i)
 }
 
 /* Publish n pages: digests (16 bytes each: low then high 64 bits), sizes, checksums, and each page's
- * blocks in order (block_counts[i] of them, flat in blocks).  A page already published under the same
- * digest and namespace is withdrawn first.  Returns the pages published (fewer only when a page's
- * blocks are out of range or the table has no free slot: those pages are simply not found). */
+ * runs of the arena in order (run_counts[i] of them, flat in run_off / run_len: whole blocks but for a
+ * page's last).  A page already published under the same digest and namespace is withdrawn first.
+ * Returns the pages published (fewer only when a page's runs leave the arena or the table has no free
+ * slot: those pages are simply not found). */
 int64_t dir_publish(void *base, uint32_t ns, int64_t n, const uint8_t *digests, const uint32_t *sizes,
-                    const uint64_t *checksums, const uint32_t *blocks, const int64_t *block_counts)
+                    const uint64_t *checksums, const uint64_t *run_off, const uint64_t *run_len,
+                    const int64_t *run_counts)
 {
     dir_header *h = base;
     dir_slot *t = slots(base);
     uint64_t *owner = owners(base);
     uint32_t *next = nexts(base);
-    uint32_t mask = h->n_slots - 1;
+    const uint32_t mask = h->n_slots - 1, bs = h->block_size;
     int64_t published = 0, at = 0;
     for (int64_t p = 0; p < n; p++) {
-        const int64_t count = block_counts[p];
-        const uint32_t *mine = blocks + at;
-        at += count;
+        const int64_t first_run = at, runs = run_counts[p];
+        at += runs;
         uint64_t d_lo, d_hi;
         memcpy(&d_lo, digests + 16 * p, 8);
         memcpy(&d_hi, digests + 16 * p + 8, 8);
         int64_t old = find(base, d_lo, d_hi, ns);
         if (old >= 0)
             remove_at(base, (uint64_t)old);
-        int ok = count > 0;
-        for (int64_t k = 0; ok && k < count; k++)
-            ok = mine[k] < h->n_blocks;
+        int ok = runs > 0;
+        for (int64_t r = first_run; ok && r < first_run + runs; r++)
+            ok = run_off[r] % bs == 0 && run_len[r] > 0 && (run_off[r] + run_len[r] + bs - 1) / bs <= h->n_blocks;
         if (!ok)
             continue;
         uint64_t id = ++h->next_id;
-        for (int64_t k = 0; k < count; k++)
-            next[mine[k]] = k + 1 < count ? mine[k + 1] : END_BLOCK;
-        for (int64_t k = 0; k < count; k++)
-            __atomic_store_n(&owner[mine[k]], id, __ATOMIC_RELEASE);
+        uint32_t first = (uint32_t)(run_off[first_run] / bs), prev = END_BLOCK;
+        for (int64_t r = first_run; r < first_run + runs; r++) { /* the chain, then the owners */
+            for (uint64_t b = run_off[r] / bs; b < (run_off[r] + run_len[r] + bs - 1) / bs; b++) {
+                if (prev != END_BLOCK)
+                    next[prev] = (uint32_t)b;
+                prev = (uint32_t)b;
+            }
+        }
+        next[prev] = END_BLOCK;
+        for (int64_t r = first_run; r < first_run + runs; r++)
+            for (uint64_t b = run_off[r] / bs; b < (run_off[r] + run_len[r] + bs - 1) / bs; b++)
+                __atomic_store_n(&owner[b], id, __ATOMIC_RELEASE);
         for (uint64_t i = home(d_lo, ns, mask), k = 0; k < h->n_slots; i = (i + 1) & mask, k++) {
             if (t[i].page_id == 0) {
                 dir_slot v = {0};
@@ -192,7 +201,7 @@ int64_t dir_publish(void *base, uint32_t ns, int64_t n, const uint8_t *digests, 
                 v.d_hi = d_hi;
                 v.checksum = checksums[p];
                 v.size = sizes[p];
-                v.first = mine[0];
+                v.first = first;
                 v.ns = ns;
                 slot_write(&t[i], &v);
                 published++;

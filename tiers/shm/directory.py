@@ -45,7 +45,7 @@ def _load() -> ctypes.CDLL:
     vp, u32, i64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
     lib.dir_bytes.argtypes, lib.dir_bytes.restype = [u32, u32], ctypes.c_uint64
     lib.dir_init.argtypes, lib.dir_init.restype = [vp, u32, u32, u32], None
-    lib.dir_publish.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U32, _I64]
+    lib.dir_publish.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U64, _U64, _I64]
     lib.dir_publish.restype = i64
     lib.dir_withdraw.argtypes, lib.dir_withdraw.restype = [vp, u32, i64, ctypes.c_char_p], i64
     lib.dir_count.argtypes, lib.dir_count.restype = [vp], i64
@@ -112,17 +112,17 @@ class PageDirectory:
         self._namespaces.pop(namespace, None)
 
     def publish(self, namespace: str, digests: bytes, sizes: Sequence[int], checksums: Sequence[int],
-                blocks: Sequence[Sequence[int]]) -> int:
-        """The pages (16-byte digests packed, their sizes, checksums, blocks in order), found from now on."""
+                extents: Sequence[Sequence[Tuple[int, int]]]) -> int:
+        """The pages (16-byte digests packed, their sizes, checksums, and each page's (offset, length) runs
+        of the arena in order: a run a page in adjacent blocks), found from now on."""
         n = len(sizes)
         if not n:
             return 0
-        counts = np.fromiter((len(b) for b in blocks), dtype=np.int64, count=n)
-        flat = np.fromiter((b for page in blocks for b in page), dtype=np.uint32, count=int(counts.sum()))
+        counts = np.fromiter(map(len, extents), dtype=np.int64, count=n)
+        runs = np.array([run for page in extents for run in page], dtype=np.uint64).reshape(-1, 2)
         return int(lib().dir_publish(self._base, self.namespace_id(namespace), n, digests,
-                                     np.asarray(sizes, dtype=np.uint32),
-                                     np.asarray([c & 0xFFFFFFFFFFFFFFFF for c in checksums], dtype=np.uint64),
-                                     flat, counts))
+                                     np.asarray(sizes, dtype=np.uint32), np.asarray(checksums, dtype=np.uint64),
+                                     np.ascontiguousarray(runs[:, 0]), np.ascontiguousarray(runs[:, 1]), counts))
 
     def withdraw(self, namespace: str, digests: bytes) -> int:
         """The pages are no longer found; their blocks are no longer theirs (call before reusing them)."""
@@ -206,7 +206,8 @@ class _Scratch:
         self.counts = np.zeros(n, dtype=np.int64)
         self.ok = np.zeros(n, dtype=np.uint8)
         self.at_ids, self.at_sums, self.at_blocks = self.ids.ctypes.data, self.sums.ctypes.data, self.blocks.ctypes.data
-        self.at_off, self.at_len, self.at_counts = self.off.ctypes.data, self.length.ctypes.data, self.counts.ctypes.data
+        self.at_off, self.at_len = self.off.ctypes.data, self.length.ctypes.data
+        self.at_counts = self.counts.ctypes.data
         self.at_ok = self.ok.ctypes.data
 
 

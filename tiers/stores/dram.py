@@ -227,7 +227,7 @@ class DramStore(PageStore):
             self._held.insert_packed(digests, sizes)  # a key twice in the batch: held once, its last size
             if self.directory is not None:  # the pages' bytes are all in their blocks: engines may read them
                 self.directory.publish(namespace, digests, [alloc.size for alloc in allocs], checksums,
-                                       [alloc.blocks for alloc in allocs])
+                                       [alloc.extents for alloc in allocs])
             self._tenants.committed(namespace, tenant, added)
             self._stats.used_bytes += added
             self._stats.inserts += len(allocs)
