@@ -346,7 +346,8 @@ class DramStore(PageStore):
             snap.pages = len(self._index)
             snap.extra = {"block_size": self.block_size, "free_blocks": self.arena.free_blocks(),
                           "leases": self.arena.lease_count(), "pinned_pages": self.arena.pinned_allocations(),
-                          "leases_expired": self.arena.leases_expired, "namespaces": len(self._tenants.by_name)}
+                          "leases_expired": self.arena.leases_expired, "namespaces": len(self._tenants.by_name),
+                          "directory_bytes": self.directory.size if self.directory is not None else 0}
             snap.per_namespace = bounded_top(self._tenants.per_namespace())
             return snap
 
