@@ -20,6 +20,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hicache_ext.break_even import BreakEven
+from hicache_ext.direct_read import read_through_directory
 from hicache_ext.host_pool import PageBatch
 from hicache_ext.page_sums import ReadChecks
 from hicache_ext.read_plan import UNKNOWN, LookupHints, Promoter, fastest_tiers
@@ -213,7 +214,9 @@ class TierRouter:
         below: List[int] = []  # pages a lower tier served
         page_bytes = batch.nbytes / n
         if asks.get(0) and self.sealed is None and self.clients[0].reads_direct():
-            rest = self._read_direct(batch, asks[0], found, sums)
+            rest, read = read_through_directory(self.clients[0], self.checks, self.break_even, batch, asks[0],
+                                                found, sums)
+            self.direct_pages += read
             if rest:
                 asks[0] = rest
             else:
@@ -257,31 +260,6 @@ class TierRouter:
             if chosen:
                 self._promote(batch.subset(chosen), [sums[i] for i in chosen])
         return found
-
-    def _read_direct(self, batch: PageBatch, idx: List[int], found: List[bool], sums: List[int]) -> List[int]:
-        """Pages idx of batch read through the top tier's page directory (no round trip: its daemon is told
-        afterwards); found and sums filled for those read and checked; the pages still to ask for."""
-        top = self.clients[0]
-        part = batch if len(idx) == len(batch.keys) else batch.subset(idx)
-        began = time.perf_counter()
-        flags, got, copied = top.read_direct(part.keys, part.page_runs(), self.checks.enabled)
-        if not any(flags):
-            return idx
-        flags = self.checks.verify(top.name, part.keys, flags, got, lambda at: [copied[i] for i in at])
-        rest, read = [], []
-        for i, ok, checksum in zip(idx, flags, got):
-            if ok:
-                found[i], sums[i] = True, checksum
-                read.append(batch.keys[i])
-            else:
-                rest.append(i)
-        if self.break_even is not None:
-            self.break_even.speeds.observe(0, int(len(read) * batch.nbytes / len(batch.keys)),
-                                           time.perf_counter() - began)
-        self.direct_pages += len(read)
-        if read:
-            top.touch(read, int(part.lengths[0].sum()))
-        return rest
 
     def _observe(self, tier: int, found: List[bool], page_bytes: float, seconds: float, given_up: int) -> None:
         """One read's speed for the break-even rule: the pages it found over the time it took.  A read that got

@@ -18,48 +18,24 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
-from tiers.wire import direct_reads, held_wait
+from tiers.wire import direct_reads
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.wire.arena_map import ArenaMap
 from tiers.wire.attachment import Attachment
 from tiers.wire.channel import Channel, Reply, Sent  # noqa: F401  (Reply: public here too)
+from tiers.wire.deadlines import Deadlines  # noqa: F401  (public here too)
 from tiers.wire.fanout import Call, FanOut
 from tiers.wire.page_replies import PageReplies, held_flags
 from tiers.shm.page_runs import PageRuns
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.client")
-
-
-@dataclass
-class Deadlines:
-    """How long a call may take: base + bytes / min_bandwidth."""
-
-    base: float = 1.0  # seconds for any call
-    min_bandwidth: float = 100e6  # bytes/s below which a transfer is given up (a loaded disk does 0.2 GB/s)
-    lookup: float = 0.5  # seconds for a lookup
-    margin: float = 0.1  # the daemon's deadline is this much earlier than ours
-    connect_wait: float = 0.5  # at most this (and half the call's timeout) for a connection to come up; a put
-    # waits half its timeout (tiers/wire/channel.py send)
-    backoff_min: float = 0.2
-    backoff_max: float = 5.0
-    # A daemon that refuses connections (killed, restarting) is tried again at least this often, so
-    # service is back within about this long after it answers; one that connects and stays silent
-    # costs a deadline a try and backs off up to backoff_max.
-    reconnect_max: float = 0.5  # a refused ipc connect costs microseconds: trying twice a second is free
-    # hello, lookups and leased gets wait this long for their reply holding the GIL (tiers/wire/held_wait.py);
-    # 0: every call waits without it
-    reply_spin: float = held_wait.DEFAULT_REPLY_SPIN_S
-
-    def for_bytes(self, nbytes: int) -> float:
-        return self.base + nbytes / self.min_bandwidth
 
 
 class TierClient:
