@@ -271,3 +271,30 @@ def test_touches_ride_on_requests_or_go_alone_after_a_moment():
         assert sent[1]["touched"] == ["late"]
     finally:
         toucher.close()
+
+
+def test_a_client_touches_only_its_own_namespace(tmp_path):
+    """`touched` keys are read in the sender's session's namespace: a client naming another namespace's
+    keys (a flood of them) counts nothing there, and the daemon answers every message."""
+    from tiers.wire.client import TierClient
+    from tiers.wire import direct_reads
+    runner = _node(tmp_path)
+    endpoint = runner.config.tier("dram").endpoint
+    owner, other = TierClient("dram", endpoint, "victim"), TierClient("dram", endpoint, "intruder")
+    try:
+        keys = [f"k{i}" for i in range(64)]
+        assert all(owner.put_frames(keys, [[b"x" * 4096] for _ in keys], 64 * 4096, None))
+        before = owner.stats()["per_namespace"]["victim"].get("hits", 0)
+        for _ in range(200):  # a flood of touches naming the victim's keys, from another namespace's session
+            toucher = direct_reads.Toucher("t", lambda fields: None)
+            toucher.touch(keys, 4096)
+            fields: dict = {}
+            toucher.take(fields)
+            toucher.close()
+            assert other.call("touch", 1.0, **fields) is not None
+        assert owner.stats()["per_namespace"]["victim"].get("hits", 0) == before
+        assert owner.lookup(keys) == b"\x01" * len(keys)
+    finally:
+        owner.close()
+        other.close()
+        runner.stop()

@@ -43,7 +43,7 @@ from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
 from tiers.node.routes import Route, Where, in_pool
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
-from tiers.stores.base import PageStore, StoreError
+from tiers.stores.base import PageStore
 from tiers.node.reads import PageReads
 from tiers.node.transfers import PageTransfers
 
@@ -123,7 +123,7 @@ class TierDaemon:
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
                                        socket_gid, self.directory) if fd_socket else None
-        self._replies = Replies(self.metrics, self._peer_replies, self._error_reply)  # tiers/node/replies.py
+        self._replies = Replies(self.metrics, self._peer_replies)  # tiers/node/replies.py
         self._stopping = threading.Event()
         self.ready = threading.Event()
 
@@ -278,23 +278,9 @@ class TierDaemon:
             else:
                 reply = result()
         except Exception as exc:
-            reply = self._error_reply(req_id, op, exc)
+            reply = self._replies.error(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
         self._replies.send(ident, reply)
-
-    def _error_reply(self, req_id: int, op: str, exc: Exception) -> list:
-        """The reply to a request that raised (called inside the except): refusals keep their code; a bug is
-        logged with its traceback and answered as internal, and must not end the daemon."""
-        if isinstance(exc, P.ProtocolError):
-            code, message = exc.code, exc.msg
-            req_id = req_id or exc.req_id  # a request that failed to decode still gets its own id back
-        elif isinstance(exc, StoreError):
-            code, message = exc.code, str(exc)
-        else:
-            log.exception("internal error serving %s", op)
-            code, message = "internal", f"{type(exc).__name__}: {exc}"
-        self.metrics.error(code)
-        return [P.reply_error(req_id, code, message)]
 
     def _housekeeping(self, poller) -> None:
         self.arena.expire()

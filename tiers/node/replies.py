@@ -11,30 +11,32 @@ and counted, never waited for.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Optional
 
 import zmq
 
 from tiers.node.metrics import DaemonMetrics
 from tiers.node.peers import PeerReplies
+from tiers.stores.base import StoreError
+from tiers.wire import protocol as P
 
 ZERO_COPY_BYTES = 64 << 10  # a reply part this large is sent from its buffer, not copied (pyzmq's advice)
 # Flags as plain ints: pyzmq's enum arithmetic costs ~1-2 us an operation, a tenth of a lookup's own work.
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
-ErrorReply = Callable[[int, str, Exception], list]  # (request id, op, exception) -> the error reply
+log = logging.getLogger("hicache.daemon")
 
 
 class Replies:
-    def __init__(self, metrics: DaemonMetrics, peers: PeerReplies, error_reply: ErrorReply):
+    def __init__(self, metrics: DaemonMetrics, peers: PeerReplies):
         self.metrics = metrics
         self.peers = peers
-        self._error_reply = error_reply
         self.router: Optional[zmq.Socket] = None  # the daemon's ROUTER, once bound
         self._done: deque = deque()
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -82,10 +84,24 @@ class Replies:
         try:
             reply = fut.result()
         except Exception as exc:
-            reply = self._error_reply(req_id, op, exc)
+            reply = self.error(req_id, op, exc)
         self.metrics.observe(op, time.perf_counter() - started)
         self._done.append((ident, reply, nbytes, counted))
         self.wake()
+
+    def error(self, req_id: int, op: str, exc: Exception) -> list:
+        """The reply to a request that raised (called inside the except): refusals keep their code; a bug is
+        logged with its traceback and answered as internal, and must not end the daemon."""
+        if isinstance(exc, P.ProtocolError):
+            code, message = exc.code, exc.msg
+            req_id = req_id or exc.req_id  # a request that failed to decode still gets its own id back
+        elif isinstance(exc, StoreError):
+            code, message = exc.code, str(exc)
+        else:
+            log.exception("internal error serving %s", op)
+            code, message = "internal", f"{type(exc).__name__}: {exc}"
+        self.metrics.error(code)
+        return [P.reply_error(req_id, code, message)]
 
     def wake(self) -> None:
         """Wake the loop from its poll (a reply is ready, or the daemon is stopping)."""

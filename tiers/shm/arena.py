@@ -40,6 +40,17 @@ Extents = List[Tuple[int, int]]
 _PREFAULT_SLICE = 8 << 20  # ~5 ms of faults: what another thread's mmap or page fault may wait for
 
 
+def seal_against_writes(fd: int) -> bool:
+    """Seal a memfd's size, then writes through any later mapping or write(): only mappings made before
+    can change it.  False where the kernel lacks the write seal (Linux < 5.1: size sealed only)."""
+    try:
+        fcntl.fcntl(fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
+        return True
+    except OSError:
+        fcntl.fcntl(fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+        return False
+
+
 @dataclass(slots=True)
 class Alloc:
     """The blocks one page (or staged page) takes, and their (offset, length) runs, computed once."""
@@ -99,14 +110,10 @@ class BlockArena:
         self.leases_expired = 0
 
     def _seal(self) -> bool:
-        """Seal size, then writes through any later mapping; False where the kernel lacks the write seal."""
-        try:
-            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
+        if seal_against_writes(self.fd):
             return True
-        except OSError:  # Linux < 5.1: no F_SEAL_FUTURE_WRITE
-            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-            log.warning("%s: this kernel cannot seal the arena against writes; engines could map it writable", self.name)
-            return False
+        log.warning("%s: this kernel cannot seal the arena against writes; engines could map it writable", self.name)
+        return False
 
     def _prefault(self, beside_serving: bool) -> None:
         """Fault the whole arena in now: a first touch costs ~10x a warm copy (0.5 vs 3-7 GB/s here).

@@ -17,7 +17,7 @@ Writer (``PageDirectory``): the daemon, under its store's lock.  Readers
 from __future__ import annotations
 
 import ctypes
-import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -25,47 +25,37 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tiers.shm.arena import seal_against_writes
 from tiers.shm.buffers import address_of
 from tiers.shm.page_runs import PageRuns, copy_pages
 
-F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
-_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _U64 = np.ctypeslib.ndpointer(dtype=np.uint64, ndim=1, flags="C_CONTIGUOUS")
 _U32 = np.ctypeslib.ndpointer(dtype=np.uint32, ndim=1, flags="C_CONTIGUOUS")
 _I64 = np.ctypeslib.ndpointer(dtype=np.int64, ndim=1, flags="C_CONTIGUOUS")
-_U8 = np.ctypeslib.ndpointer(dtype=np.uint8, ndim=1, flags="C_CONTIGUOUS")
 
 
-def _load() -> ctypes.CDLL:
+@functools.lru_cache(maxsize=None)
+def lib() -> ctypes.CDLL:
+    """The compiled directory, loaded once a process."""
     from importlib.util import find_spec
     spec = find_spec("tiers._directory")
     if spec is None or not spec.origin:
         raise ImportError("tiers._directory is not built; install the package with pip (scripts/install.sh)")
-    lib = ctypes.CDLL(spec.origin)
+    dll = ctypes.CDLL(spec.origin)
     vp, u32, i64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
-    lib.dir_bytes.argtypes, lib.dir_bytes.restype = [u32, u32], ctypes.c_uint64
-    lib.dir_init.argtypes, lib.dir_init.restype = [vp, u32, u32, u32], None
-    lib.dir_publish.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U64, _U64, _I64]
-    lib.dir_publish.restype = i64
-    lib.dir_withdraw.argtypes, lib.dir_withdraw.restype = [vp, u32, i64, ctypes.c_char_p], i64
-    lib.dir_count.argtypes, lib.dir_count.restype = [vp], i64
-    lib.dir_check.argtypes, lib.dir_check.restype = [vp, ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
-    # A read passes its scratch arrays by address (Scratch): ndpointer's checks cost ~3 us an argument.
-    lib.dir_resolve.argtypes = [vp, u32, i64, ctypes.c_char_p, u32, vp, vp, vp, i64, vp, vp, vp, i64]
-    lib.dir_resolve.restype = i64
-    lib.dir_validate.argtypes, lib.dir_validate.restype = [vp, i64, vp, u32, vp, vp], i64
-    lib.dir_held.argtypes, lib.dir_held.restype = [vp, u32, i64, ctypes.c_char_p, ctypes.c_char_p], i64
-    return lib
-
-
-_lib: Optional[ctypes.CDLL] = None
-
-
-def lib() -> ctypes.CDLL:
-    global _lib  # the loaded library, once a process (a cache, not configuration)
-    if _lib is None:
-        _lib = _load()
-    return _lib
+    dll.dir_bytes.argtypes, dll.dir_bytes.restype = [u32, u32], ctypes.c_uint64
+    dll.dir_init.argtypes, dll.dir_init.restype = [vp, u32, u32, u32], None
+    dll.dir_publish.argtypes = [vp, u32, i64, ctypes.c_char_p, _U32, _U64, _U64, _U64, _I64]
+    dll.dir_publish.restype = i64
+    dll.dir_withdraw.argtypes, dll.dir_withdraw.restype = [vp, u32, i64, ctypes.c_char_p], i64
+    dll.dir_count.argtypes, dll.dir_count.restype = [vp], i64
+    dll.dir_check.argtypes, dll.dir_check.restype = [vp, ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
+    # A read passes its scratch arrays by address (_Scratch): ndpointer's checks cost ~3 us an argument.
+    dll.dir_resolve.argtypes = [vp, u32, i64, ctypes.c_char_p, u32, vp, vp, vp, i64, vp, vp, vp, i64]
+    dll.dir_resolve.restype = i64
+    dll.dir_validate.argtypes, dll.dir_validate.restype = [vp, i64, vp, u32, vp, vp], i64
+    dll.dir_held.argtypes, dll.dir_held.restype = [vp, u32, i64, ctypes.c_char_p, ctypes.c_char_p], i64
+    return dll
 
 
 def slots_for(n_blocks: int) -> int:
@@ -86,13 +76,9 @@ class PageDirectory:
         with memoryview(self._map) as view:
             self._base = address_of(view)
         lib().dir_init(self._base, n_blocks, self.n_slots, block_size)
-        # Only this mapping, made before the seal, can write it: an engine cannot map it writable.
-        try:
-            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
-            self.write_sealed = True
-        except OSError:  # Linux < 5.1: no write seal, so no directory is handed out (export_fd says None)
-            fcntl.fcntl(self.fd, _ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-            self.write_sealed = False
+        # Only this mapping, made before the seal, can write it: an engine cannot map it writable.  Where the
+        # kernel cannot seal writes, no directory is handed out (export_fd says None).
+        self.write_sealed = seal_against_writes(self.fd)
         self._namespaces: Dict[str, int] = {}
         self._next_namespace = 1
 

@@ -39,10 +39,9 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     out = set()  # tiers asked that have not answered
     fan = FanOut()
     digests = _packed_digests(clients, keys)
-    # The top tier's page directory first (tiers/shm/directory.py): when it holds every key, no daemon is
-    # asked (head_start 0 asks for every tier's answer: all are asked).
-    direct = clients[0].held_direct(keys, digests.get(clients[0].namespace)) if head_start > 0 else None
-    if direct is not None and direct == b"\x01" * n:
+    # head_start 0 asks for every tier's answer: the directory alone does not give it.
+    direct = _all_in_directory(clients[0], keys, digests.get(clients[0].namespace)) if head_start > 0 else None
+    if direct is not None:
         results[0] = direct
         return results
 
@@ -79,6 +78,13 @@ def lookup_all(clients: Sequence[TierClient], keys: List[str],
     return results
 
 
+def _all_in_directory(client: TierClient, keys: List[str], digests: Optional[bytes]) -> Optional[bytes]:
+    """The held flags from the tier's page directory (tiers/shm/directory.py) when it holds every key (no
+    daemon need be asked), else None."""
+    held = client.held_direct(keys, digests)
+    return held if held is not None and held == b"\x01" * len(keys) else None
+
+
 def _packed_digests(clients: Sequence[TierClient], keys: List[str]) -> Dict[str, bytes]:
     """The keys' packed digests for each namespace of the clients whose tiers take them, hashed once each
     (a node's tiers usually serve one namespace: one native call for the whole lookup)."""
@@ -92,10 +98,8 @@ def _packed_digests(clients: Sequence[TierClient], keys: List[str]) -> Dict[str,
 def per_tier_held(clients: Sequence[TierClient], keys: List[str]) -> List[Optional[bytes]]:
     """Each tier's held flags (None where it did not answer); one tier is asked directly."""
     if len(clients) == 1:
-        direct = clients[0].held_direct(keys)
-        if direct is not None and direct == b"\x01" * len(keys):
-            return [direct]
-        return [clients[0].lookup(keys)]
+        direct = _all_in_directory(clients[0], keys, None)
+        return [direct if direct is not None else clients[0].lookup(keys)]
     return lookup_all(clients, keys)
 
 
