@@ -298,3 +298,26 @@ def test_a_client_touches_only_its_own_namespace(tmp_path):
         owner.close()
         other.close()
         runner.stop()
+
+
+def test_a_restarted_daemon_takes_the_next_write_at_once(tmp_path):
+    """The directory of a daemon that exited is not read, and the engine attaches to its successor on the
+    next call, as after any restart: a write right after a lookup that found the old daemon gone is not a
+    failed put (SGLang stops backing up at one)."""
+    runner = _node(tmp_path)
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE)
+    try:
+        keys = make_keys(PAGES, 4)
+        assert engine.write(keys, 0, seed=4)[0] == PAGES
+        assert engine.read(keys, PAGES)[0] == PAGES  # through the directory
+        runner.kill("dram")
+        runner.start("dram")
+        assert engine.backend.batch_exists(keys) == 0  # the new daemon holds nothing; the old one is not read
+        fresh = make_keys(PAGES, 5)
+        written, expected = engine.write(fresh, 0, seed=5)
+        assert written == PAGES
+        done, got = engine.read(fresh, PAGES)
+        assert done == PAGES and got == expected
+    finally:
+        engine.close()
+        runner.stop()

@@ -299,7 +299,12 @@ class TierClient:
         if arena is None or arena.directory is None or self.dir_ns == 0 or self._down:
             return False
         if not self._attachment.daemon_alive():
-            self._lost("the daemon closed its attachment")
+            # The daemon exited (or restarted): the next call says hello again and attaches anew, as after a
+            # no_session reply; one that finds no daemon marks the tier down.  Marking it down here instead
+            # made the calls right after a restart misses, and SGLang stops backing up at a failed put.
+            with self._lock:
+                if self.arena is arena:
+                    self._session = None
             return False
         return True
 
