@@ -51,8 +51,9 @@ def test_sums_at_match_python_xxhash(regions):
 @pytest.mark.parametrize("pages, region", [(12, 3000), (3, 300_007)])
 def test_copy_hashes_each_page_as_copied(pages, region):
     """Pages copied out of an arena whose extents cut them differently than the destination's regions: the
-    bytes land exactly, and each sum is the destination page's.  Pages of 1.2 MB are hashed a piece at a time
-    while they are copied (past 512 KiB): the pieces cross the regions' and extents' bounds at odd places."""
+    bytes land exactly, and each sum is the destination page's.  Every page is hashed a 4 KiB piece at a time
+    while it is copied (non-temporal stores, after an unaligned head): the pieces cross the regions' and
+    extents' bounds at odd places, and regions start at addresses of every alignment."""
     rng = random.Random(7)
     regions = 4
     dst_buf, pointers, lengths = _pool(pages, regions, region, seed=1)

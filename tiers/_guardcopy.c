@@ -10,8 +10,8 @@
  * that was installed before ours, or kills the process as it would have.
  *
  * The same guard covers the end-to-end page checksums (xxh3_64 of each page,
- * hicache_ext/page_sums.py): a batch is hashed, or copied and hashed page by
- * page while each page is still in the cache, in one call.  Hashing page by
+ * hicache_ext/page_sums.py): a batch is hashed, or copied and hashed a piece
+ * at a time while each piece is still in the cache, in one call.  Hashing page by
  * page from Python cost a GIL hand-over per page, which in a busy server
  * (the scheduler spins on the GIL) was milliseconds a batch.
  *
@@ -30,7 +30,63 @@
 #endif
 #endif
 
+#if defined(__x86_64__)
+#include <emmintrin.h> /* SSE2: every x86-64 CPU has it */
+#endif
+
 static __thread sigjmp_buf *volatile recovery;
+
+/* A page's bytes go to memory nobody reads soon (the daemon's arena, an engine's host pool that the device
+ * reads by DMA), so they are written with non-temporal stores: a plain memcpy first reads each destination
+ * line into the cache (read for ownership) and later writes it back, three passes over memory for two.  A
+ * checksum is taken a PIECE at a time right after that piece's copy, from the source, still in the L1; the
+ * destination is out of the cache by then.  Measured here (scratch C, 128 pages a batch, two threads as
+ * in_halves runs them, session 38): memcpy then xxh3 of the destination 0.61 / 2.21 / 8.1 ms at 64 KiB /
+ * 256 KiB / 8 MiB pages against 0.42 / 1.49 / 5.0 ms; a one-thread memcpy without a checksum took 0.74 /
+ * 2.59 / 10.9.  Hashing the source: a writer changing the source during the copy can only leave a page
+ * whose bytes do not match its checksum (read as damaged: a miss), never a torn page that matches. */
+#define PIECE (4u << 10)
+#define STREAM_MIN 256u /* shorter runs: memcpy (the stores' fence and alignment cost more than they save) */
+
+static void stream_copy(void *to, const void *from, size_t n)
+{
+#if defined(__x86_64__)
+    unsigned char *d = (unsigned char *)to;
+    const unsigned char *s = (const unsigned char *)from;
+    if (n < STREAM_MIN) {
+        memcpy(d, s, n);
+        return;
+    }
+    const size_t head = (16u - ((uintptr_t)d & 15u)) & 15u;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    const size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + body, s + body, n - body);
+#else
+    memcpy(to, from, n);
+#endif
+}
+
+/* Non-temporal stores are weakly ordered: fenced before a copy returns, so whatever the caller does next
+ * (a commit that publishes the page, a reply, an owner check) comes after every byte landed. */
+static void stream_fence(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
 static struct sigaction previous;
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
@@ -140,13 +196,6 @@ static void page_update(XXH3_state_t *state, const void *p, size_t n)
 }
 #endif
 
-/* A page larger than this is copied and hashed a STREAMED_PIECE at a time, each piece hashed while it is still
- * in the core's L2: hashed after the whole page was copied, a page past the L2 is read from memory a second
- * time.  Measured here (memcpy, then xxh3, against pieces of 64 KiB; two threads at once as in_halves runs
- * them): 4-8 MiB pages 5.1-5.4 -> 5.9-6.4 GB/s; at 1 MiB and below the same (scratch C, session 34). */
-#define STREAMED_PAGE_MIN (512u << 10)
-#define STREAMED_PIECE (64u << 10)
-
 /* 1 when the page checksum functions below are built (xxhash.h was found), else 0. */
 int page_sums_built(void)
 {
@@ -185,8 +234,8 @@ int64_t guarded_page_sums(const uint64_t *ptrs, const uint64_t *lens, const int6
 /* Copy npages pages, each from its source runs into its destination runs, cut where a run of either side
  * ends: page p's destination is the next d_runs[p] runs of (d_ptrs, d_lens), its source the next s_runs[p]
  * runs of (s_ptrs + s_base, s_lens).  One call plans and copies a whole batch (planning it in numpy cost
- * more than the copy at 64 KiB pages).  sums, when not NULL, gets each page's xxh3_64 at its destination,
- * hashed right after its copy.  Returns the pages copied whole: npages on success, fewer when a run
+ * more than the copy at 64 KiB pages).  Stores are non-temporal (stream_copy).  sums, when not NULL, gets
+ * each page's xxh3_64, taken a PIECE at a time from the source right after that piece's copy.  Returns the pages copied whole: npages on success, fewer when a run
  * faulted; -1 (nothing copied) when a page's two sides differ in size, -2 when sums are asked for and
  * the checksum code is not built. */
 int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const int64_t *d_runs,
@@ -213,8 +262,10 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
     }
     sigjmp_buf jump;
     volatile int64_t done = 0;
-    if (sigsetjmp(jump, 1) != 0)
+    if (sigsetjmp(jump, 1) != 0) {
+        stream_fence();
         return done;
+    }
     recovery = &jump;
     int64_t d_first = 0, s_first = 0;
     for (; done < npages; done++) {
@@ -222,26 +273,20 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
         const int64_t d_end = d_first + d_runs[done], s_end = s_first + s_runs[done];
         uint64_t d_off = 0, s_off = 0;
 #ifdef HAVE_XXHASH
-        uint64_t page_bytes = 0;
-        for (int64_t r = d_first; r < d_end; r++)
-            page_bytes += d_lens[r];
-        const int streamed = sums != NULL && page_bytes > STREAMED_PAGE_MIN;
         XXH3_state_t state;
-        if (streamed)
+        if (sums != NULL)
             XXH3_64bits_reset(&state);
-#else
-        const int streamed = 0;
 #endif
         while (d < d_end && s < s_end) {
             uint64_t d_left = d_lens[d] - d_off, s_left = s_lens[s] - s_off;
             uint64_t n = d_left < s_left ? d_left : s_left;
-            if (streamed && n > STREAMED_PIECE)
-                n = STREAMED_PIECE;
-            void *to = (void *)(uintptr_t)(d_ptrs[d] + d_off);
-            memcpy(to, (const void *)(uintptr_t)(s_base + s_ptrs[s] + s_off), (size_t)n);
+            if (sums != NULL && n > PIECE)
+                n = PIECE;
+            const void *from = (const void *)(uintptr_t)(s_base + s_ptrs[s] + s_off);
+            stream_copy((void *)(uintptr_t)(d_ptrs[d] + d_off), from, (size_t)n);
 #ifdef HAVE_XXHASH
-            if (streamed)
-                page_update(&state, to, (size_t)n);
+            if (sums != NULL)
+                page_update(&state, from, (size_t)n);
 #endif
             d_off += n;
             s_off += n;
@@ -250,11 +295,12 @@ int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const
         }
 #ifdef HAVE_XXHASH
         if (sums != NULL)
-            sums[done] = streamed ? XXH3_64bits_digest(&state) : page_sum(d_ptrs, d_lens, d_first, d_runs[done]);
+            sums[done] = XXH3_64bits_digest(&state);
 #endif
         d_first = d_end;
         s_first = s_end;
     }
     recovery = NULL;
+    stream_fence();
     return done;
 }
