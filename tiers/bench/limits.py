@@ -10,7 +10,6 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,7 +96,8 @@ class AesGcm:
 
 
 class RawDisk:
-    """One new file a page with fdatasync (what the NVMe tier acknowledges), then O_DIRECT reads."""
+    """One new file a page with fdatasync (what the NVMe tier acknowledges), then O_DIRECT reads, each page into
+    memory of its own (as a tier lands a batch)."""
 
     def __init__(self, directory: str, page_bytes: int, threads: int = 4):
         self.dir = directory
@@ -107,17 +107,23 @@ class RawDisk:
         buf = mmap.mmap(-1, self.size)  # page aligned, as O_DIRECT needs
         np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, self.size, dtype=np.uint8)
         self.src = [memoryview(buf)]
-        self._local = threading.local()
+        self._read_dst: List[memoryview] = []  # read's distinct pages
         self._batch: List[memoryview] = []  # write_batch's distinct pages
 
     def _path(self, i: int) -> str:
         return os.path.join(self.dir, f"raw{i}")
 
-    def _dst(self) -> List[memoryview]:
-        views = getattr(self._local, "views", None)
-        if views is None:
-            views = self._local.views = [memoryview(mmap.mmap(-1, self.size))]
-        return views
+    def _read_views(self, pages: int) -> List[memoryview]:
+        """A page-sized place of its own for each of pages pages, faulted in, kept for the next call: read
+        into one buffer a thread, used again for every page, the same reads ran 1.2x faster here (1.22
+        against 1.02 GB/s at 256 KiB, 5 rounds alternated; the buffer's pages stay pinned and mapped), a
+        limit no tier landing a real batch in distinct memory could reach."""
+        if len(self._read_dst) != pages:
+            buf = mmap.mmap(-1, pages * self.size)  # page aligned, as O_DIRECT needs
+            np.frombuffer(buf, dtype=np.uint8)[:] = 0
+            whole = memoryview(buf)
+            self._read_dst = [whole[i * self.size:(i + 1) * self.size] for i in range(pages)]
+        return self._read_dst
 
     def _write(self, i: int) -> None:
         fd = os.open(self._path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -130,7 +136,7 @@ class RawDisk:
     def _read(self, i: int) -> None:
         fd = os.open(self._path(i), os.O_RDONLY | O_DIRECT)
         try:
-            if preadv_all(fd, self._dst()) != self.size:
+            if preadv_all(fd, [self._read_dst[i]]) != self.size:
                 raise RuntimeError("short raw read")
         finally:
             os.close(fd)
@@ -188,6 +194,7 @@ class RawDisk:
         return gbps(pages * self.size, seconds)
 
     def read(self, pages: int) -> float:
+        self._read_views(pages)
         return self._run(self._read, pages)
 
     def clean(self, pages: int) -> None:

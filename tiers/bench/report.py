@@ -28,7 +28,7 @@ LIMIT_ROWS = [
     ("memcpy, 1 thread, between two memfd mappings (4 KiB pages)", "limit.memcpy_shm.{m}"),
     ("disk write + fdatasync, file a page, 4 threads", "limit.disk_write.{m}"),
     ("disk write of the batch as one file + one fdatasync", "limit.disk_write_batch.{m}"),
-    ("disk read O_DIRECT, 4 threads", "limit.disk_read_direct.{m}"),
+    ("disk read O_DIRECT, 4 threads, a page a file into memory of its own", "limit.disk_read_direct.{m}"),
     ("Mooncake TE write (raw, tcp; the batch, at most 128 MiB of it)", "limit.te_write.{m}"),
     ("Mooncake TE read (raw, tcp; the batch, at most 128 MiB of it)", "limit.te_read.{m}"),
 ]
