@@ -35,13 +35,13 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "compression_level": (_int, 1, "zstd level (1 is fastest; higher levels gained nothing on bf16 KV data)"),
         "io_threads": (_int, 4, "blocking I/O threads (several reads in flight; the parts of a batch on their way "
                                 "to the device)"),
-        "direct_io": (_bool, True, "O_DIRECT reads of uncompressed pages into 4 KiB-aligned buffers, and (with "
-                                   "fsync) writes of batch chunks from aligned buffers, where the file system "
-                                   "allows; other pages buffered"),
-        "direct_writes": (_bool, False, "O_DIRECT writes of single pages in files of their own, and of batch chunks "
-                                        "without fsync, too (with direct_io); buffered measured 1.0-2.2x faster "
-                                        "there on the development disk (a flushed page is dropped from the page "
-                                        "cache)"),
+        "direct_io": (_bool, True, "O_DIRECT reads of uncompressed pages into 4 KiB-aligned buffers, and writes "
+                                   "of batch chunks from aligned buffers (without fsync: chunks over 40 MiB), "
+                                   "where the file system allows; other pages buffered"),
+        "direct_writes": (_bool, False, "O_DIRECT writes of single pages in files of their own, and of small batch "
+                                        "chunks without fsync, too (with direct_io); buffered measured 1.0-2.4x "
+                                        "faster there on the development disk (a flushed page is dropped from the "
+                                        "page cache)"),
         "index_snapshot": (_bool, True, "save the index at a clean shutdown and load it at the next start instead "
                                         "of scanning every chunk name (removed once loaded: after a crash the "
                                         "start scans)"),

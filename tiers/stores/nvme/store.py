@@ -27,7 +27,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 from tiers.logs import RateLimitedLog
 from tiers.stores.nvme import batch, chunkfile as cf, ledger_figures, snapshot
 from tiers.stores.nvme.batch_reads import BatchReadSource, BatchReads
-from tiers.stores.nvme.batch_writes import BatchTarget, BatchWrites
+from tiers.stores.nvme.batch_writes import BUFFERED_BATCH_BYTES, BatchTarget, BatchWrites
 from tiers.stores.nvme.ceiling import UsageCeiling
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
@@ -90,14 +90,12 @@ class NvmeStore(PageStore):
         self._readers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-read")
         self._writers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-write")
         self._dirs = LeafDirs()
-        # Batch files go to the device with O_DIRECT while the next part is prepared, then one flush: through
-        # the page cache the flush alone wrote them, 0.56-0.78x as fast here.  Without fsync nothing waits for
-        # the device, and the page cache takes a batch 1.3-2.2x as fast (scripts/ab_bench.py, 9 samples each
-        # at 64 KiB-1 MiB, session 38), as SGLang's file backend writes; direct_writes asks for O_DIRECT anyway.
+        # Batch files go to the device with O_DIRECT while the next part is prepared, then one flush; without
+        # fsync, small ones go through the page cache (batch_writes.BUFFERED_BATCH_BYTES).
         puts = BatchTarget(
             name, self.root, capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers, self._dirsync,
-            direct=lambda: self._direct and (fsync or self._direct_writes), discard=self._removal.discard_many,
-            replaced=self._removal.replaced)
+            direct=lambda: self._direct, discard=self._removal.discard_many, replaced=self._removal.replaced,
+            buffered_up_to=0 if fsync or self._direct_writes else BUFFERED_BATCH_BYTES)
         self._page_writes = PageWrites(puts, self._dirs, self._removal, warn_once, self._direct_writes,
                                        self._refuse_direct)
         self._page_reads = PageReads(PageReadSource(
