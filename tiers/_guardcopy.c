@@ -235,9 +235,9 @@ int64_t guarded_page_sums(const uint64_t *ptrs, const uint64_t *lens, const int6
  * ends: page p's destination is the next d_runs[p] runs of (d_ptrs, d_lens), its source the next s_runs[p]
  * runs of (s_ptrs + s_base, s_lens).  One call plans and copies a whole batch (planning it in numpy cost
  * more than the copy at 64 KiB pages).  Stores are non-temporal (stream_copy).  sums, when not NULL, gets
- * each page's xxh3_64, taken a PIECE at a time from the source right after that piece's copy.  Returns the pages copied whole: npages on success, fewer when a run
- * faulted; -1 (nothing copied) when a page's two sides differ in size, -2 when sums are asked for and
- * the checksum code is not built. */
+ * each page's xxh3_64, taken a PIECE at a time from the source right after that piece's copy.  Returns the
+ * pages copied whole: npages on success, fewer when a run faulted; -1 (nothing copied) when a page's two
+ * sides differ in size, -2 when sums are asked for and the checksum code is not built. */
 int64_t guarded_copy_pages(const uint64_t *d_ptrs, const uint64_t *d_lens, const int64_t *d_runs,
                            const uint64_t *s_ptrs, const uint64_t *s_lens, const int64_t *s_runs, uint64_t s_base,
                            int64_t npages, uint64_t *sums)
