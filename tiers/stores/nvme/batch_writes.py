@@ -50,10 +50,11 @@ FIRST_PART_PAGES = 16
 MAX_PART_BYTES = 64 << 20
 # Without fsync nothing waits for the device, and a small batch file goes through the page cache: 1.5-1.8x as
 # fast as O_DIRECT for files of 8.5 MiB (128 pages of 64 KiB with their headers), 1.0-2.4x for 33 MiB (256 KiB
-# pages: 1.37-3.07 GB/s buffered across three A/Bs, 1.27-1.36 with O_DIRECT; scripts/ab_bench.py, session 38).  Puts of 128 MiB and more (files of 64 MiB) ran 0.57-4.45 GB/s buffered in two
-# full runs (the kernel throttles a writer past its dirty-page limits) against a steady 1.8-3.3 with O_DIRECT,
-# and would hold that much of the node's page cache dirty: they stay O_DIRECT.  With fsync every batch file
-# is O_DIRECT: buffered, the one flush wrote the whole file, 0.56-0.78x as fast.
+# pages: 1.37-3.07 GB/s buffered across three A/Bs, 1.27-1.36 with O_DIRECT; scripts/ab_bench.py, session 38).
+# Puts of 128 MiB and more (files of 64 MiB) ran 0.57-4.45 GB/s buffered in two full runs (the kernel throttles
+# a writer past its dirty-page limits) against a steady 1.8-3.3 with O_DIRECT, and would hold that much of the
+# node's page cache dirty: they stay O_DIRECT.  With fsync every batch file is O_DIRECT: buffered, the one
+# flush wrote the whole file, 0.56-0.78x as fast.
 BUFFERED_BATCH_BYTES = 40 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
