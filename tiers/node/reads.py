@@ -50,9 +50,7 @@ class PageReads:
         if self.directory is None:
             return 0, 0
         keys = P.check_keys(keys)
-        sizes = P.decode_sizes(sizes, len(keys), max_page_bytes)
-        touched = self.store.touch_reads(ns, keys, sizes)
-        return touched, touched and sum(sizes) * touched // len(keys)
+        return self.store.touch_reads(ns, keys, P.decode_sizes(sizes, len(keys), max_page_bytes))
 
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
                     max_bytes: Optional[int] = None):

@@ -247,9 +247,9 @@ class PageStore(ABC):
         """The number namespace's pages are filed under in export_directory() (0: none)."""
         return 0
 
-    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
-        """Pages an engine read through export_directory(), counted as reads after the fact; how many are
-        still held."""
+    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> Tuple[int, int]:
+        """Pages an engine read through export_directory(), counted as reads after the fact: (pages still
+        held at those sizes, their bytes)."""
         raise Unsupported(f"{type(self).__name__} keeps no page directory")
 
     def lease_pages(self, keys: Sequence[PageKey], sizes: Sequence[int], owner: int, expiry: float,

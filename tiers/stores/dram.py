@@ -90,7 +90,7 @@ class DramStore(PageStore):
         with self._lock:
             return self.directory.namespace_id(namespace)
 
-    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
+    def touch_reads(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> Tuple[int, int]:
         return self._reads.touch(namespace, keys, sizes)
 
     # ------------------------------------------------------------- helpers

@@ -86,14 +86,15 @@ class DramReads:
             lease = self.arena.lease(owner, allocs, expiry) if allocs else None
         return lease, found, sums
 
-    def touch(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> int:
+    def touch(self, namespace: str, keys: Sequence[str], sizes: Sequence[int]) -> Tuple[int, int]:
         """Pages an engine read through the page directory (tiers/shm/directory.py): counted as the leased
-        reads they replaced (hits, reads, recency), after the fact; how many are still held at those sizes."""
+        reads they replaced (hits, reads, recency), after the fact; (pages still held at those sizes, their
+        bytes)."""
         touched = nbytes = 0
         with self.lock:
             tenant = self.tenants.by_name.get(namespace)
             if tenant is None:
-                return 0
+                return 0, 0
             for key, size in zip(keys, sizes):
                 page = (namespace, key)
                 entry = self.index.get(page)
@@ -106,7 +107,7 @@ class DramReads:
             tenant.hits += touched
             self.stats.hits += touched
             self.stats.bytes_read += nbytes
-        return touched
+        return touched, nbytes
 
     def get_into(self, key: PageKey, buffers: Buffers) -> Optional[int]:
         """The page copied into buffers: its checksum, None on a miss."""
