@@ -242,6 +242,34 @@ int64_t dir_count(void *base)
 
 /* ------------------------------------------------------------------ readers (engines, read-only) */
 
+/* A reader's lookup of (d_lo, d_hi, ns): 1 with the slot's snapshot in *v when found; 0 when absent, when the
+ * probe passes MAX_PROBES, or when a slot on the way is being written or changed during its read (a miss:
+ * the daemon answers for it).  The seqlock's read side, the only one. */
+static int probe(void *base, uint64_t d_lo, uint64_t d_hi, uint32_t ns, dir_slot *v)
+{
+    const dir_header *h = base;
+    const uint32_t n_slots = h->n_slots, mask = n_slots - 1;
+    dir_slot *t = slots(base);
+    for (uint64_t i = home(d_lo, ns, mask), k = 0; k < n_slots && k < MAX_PROBES; i = (i + 1) & mask, k++) {
+        dir_slot *s = &t[i];
+        uint64_t s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
+        v->page_id = __atomic_load_n(&s->page_id, __ATOMIC_RELAXED);
+        v->d_lo = __atomic_load_n(&s->d_lo, __ATOMIC_RELAXED);
+        v->d_hi = __atomic_load_n(&s->d_hi, __ATOMIC_RELAXED);
+        v->checksum = __atomic_load_n(&s->checksum, __ATOMIC_RELAXED);
+        v->size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
+        v->first = __atomic_load_n(&s->first, __ATOMIC_RELAXED);
+        v->ns = __atomic_load_n(&s->ns, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        uint64_t s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
+        if ((s1 & 1) || s1 != s2 || v->page_id == 0)
+            return 0;
+        if (v->d_lo == d_lo && v->d_hi == d_hi && v->ns == ns)
+            return 1;
+    }
+    return 0;
+}
+
 /* The header as a reader checks it against its mapping: 0 when usable, -1 when not a directory of this
  * version or larger than the mapping. */
 int dir_check(const void *base, uint64_t mapped, uint64_t arena_size)
@@ -261,12 +289,12 @@ int dir_check(const void *base, uint64_t mapped, uint64_t arena_size)
  * them) and its runs of the arena (offsets merged where blocks are adjacent) appended to run_off /
  * run_len, run_counts[i] of them.  Returns the pages found; -1 when max_runs or max_blocks would be
  * passed (nothing then is usable). */
-int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, uint32_t size, uint64_t *ids, uint64_t *sums, uint32_t *blocks, int64_t max_blocks, uint64_t *run_off,
-                    uint64_t *run_len, int64_t *run_counts, int64_t max_runs)
+int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, uint32_t size, uint64_t *ids,
+                    uint64_t *sums, uint32_t *blocks, int64_t max_blocks, uint64_t *run_off, uint64_t *run_len,
+                    int64_t *run_counts, int64_t max_runs)
 {
     const dir_header *h = base;
-    const uint32_t n_slots = h->n_slots, n_blocks = h->n_blocks, bs = h->block_size, mask = n_slots - 1;
-    dir_slot *t = slots(base);
+    const uint32_t n_blocks = h->n_blocks, bs = h->block_size;
     const uint64_t *owner = owners(base);
     const uint32_t *next = nexts(base);
     int64_t found = 0, nb = 0, nr = 0;
@@ -278,28 +306,7 @@ int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, 
         memcpy(&d_lo, digests + 16 * p, 8);
         memcpy(&d_hi, digests + 16 * p + 8, 8);
         dir_slot v = {0};
-        int hit = 0;
-        for (uint64_t i = home(d_lo, ns, mask), k = 0; k < n_slots && k < MAX_PROBES; i = (i + 1) & mask, k++) {
-            dir_slot *s = &t[i];
-            uint64_t s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
-            v.page_id = __atomic_load_n(&s->page_id, __ATOMIC_RELAXED);
-            v.d_lo = __atomic_load_n(&s->d_lo, __ATOMIC_RELAXED);
-            v.d_hi = __atomic_load_n(&s->d_hi, __ATOMIC_RELAXED);
-            v.checksum = __atomic_load_n(&s->checksum, __ATOMIC_RELAXED);
-            v.size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
-            v.first = __atomic_load_n(&s->first, __ATOMIC_RELAXED);
-            v.ns = __atomic_load_n(&s->ns, __ATOMIC_RELAXED);
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            uint64_t s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
-            if ((s1 & 1) || s1 != s2)
-                break; /* being written: a miss (the daemon answers for it) */
-            if (v.page_id == 0)
-                break;
-            if (v.d_lo == d_lo && v.d_hi == d_hi && v.ns == ns) {
-                hit = 1;
-                break;
-            }
-        }
+        const int hit = probe(base, d_lo, d_hi, ns, &v);
         if (!hit || v.size != size || v.size == 0)
             continue;
         const int64_t count = ((int64_t)v.size + bs - 1) / bs;
@@ -343,31 +350,14 @@ int64_t dir_resolve(void *base, uint32_t ns, int64_t n, const uint8_t *digests, 
  * Returns how many. */
 int64_t dir_held(void *base, uint32_t ns, int64_t n, const uint8_t *digests, uint8_t *held)
 {
-    const dir_header *h = base;
-    const uint32_t n_slots = h->n_slots, mask = n_slots - 1;
-    dir_slot *t = slots(base);
     int64_t count = 0;
     for (int64_t p = 0; p < n; p++) {
         uint64_t d_lo, d_hi;
         memcpy(&d_lo, digests + 16 * p, 8);
         memcpy(&d_hi, digests + 16 * p + 8, 8);
-        held[p] = 0;
-        for (uint64_t i = home(d_lo, ns, mask), k = 0; k < n_slots && k < MAX_PROBES; i = (i + 1) & mask, k++) {
-            dir_slot *s = &t[i];
-            uint64_t s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
-            uint64_t id = __atomic_load_n(&s->page_id, __ATOMIC_RELAXED);
-            uint64_t lo = __atomic_load_n(&s->d_lo, __ATOMIC_RELAXED);
-            uint64_t hi = __atomic_load_n(&s->d_hi, __ATOMIC_RELAXED);
-            uint32_t sns = __atomic_load_n(&s->ns, __ATOMIC_RELAXED);
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            if ((s1 & 1) || s1 != __atomic_load_n(&s->seq, __ATOMIC_RELAXED) || id == 0)
-                break;
-            if (lo == d_lo && hi == d_hi && sns == ns) {
-                held[p] = 1;
-                count++;
-                break;
-            }
-        }
+        dir_slot v;
+        held[p] = (uint8_t)probe(base, d_lo, d_hi, ns, &v);
+        count += held[p];
     }
     return count;
 }
