@@ -299,8 +299,8 @@ class LocateReply(Reply):
 
 REPLIES: Dict[str, Type[Reply]] = {
     "hello": HelloReply, "lookup": LookupReply, "get": GetReply, "put": PutReply, "release": ReleaseReply,
-    "touch": TouchReply, "delete": DeleteReply, "stats": StatsReply, "clear": ClearReply, "evict": EvictReply, "alloc": AllocReply,
-    "commit": CommitReply, "locate": LocateReply}
+    "touch": TouchReply, "delete": DeleteReply, "stats": StatsReply, "clear": ClearReply, "evict": EvictReply,
+    "alloc": AllocReply, "commit": CommitReply, "locate": LocateReply}
 assert set(REPLIES) == set(OPS), "every operation has its reply Struct"
 _replies = {op: msgspec.msgpack.Decoder(cls) for op, cls in REPLIES.items()}
 _any_reply = msgspec.msgpack.Decoder(Reply)
