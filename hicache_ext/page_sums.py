@@ -1,10 +1,10 @@
 """End-to-end page checksums, the engine's half: the sum each written page carries, the check of each read.
 
 A page's checksum is xxh3_64 of its bytes in the host pool, its regions in
-order (hicache_ext/host_pool.py): computed here before a put to several tiers
-and sent with it (tiers/wire/protocol.py ``sums``); a put to one tier asks
-that daemon to hash each page as it copies it (``hash_pages``), the same sum
-in the copy's own pass.  Every tier keeps it with the page, moves
+order (hicache_ext/host_pool.py): a put asks each tier's daemon to hash each
+page as it copies it (tiers/wire/protocol.py ``hash_pages``), the same sum in
+the copy's own pass; a write of buffers (the legacy path) and a promotion
+send sums computed here (``sums``).  Every tier keeps it with the page, moves
 between tiers keep it, and reads return it.  After this process copied a page
 into its host pool (out of a daemon's arena, or from a frame) it hashes the
 page there again: a page that does not match is a miss, counted and logged,
@@ -21,9 +21,7 @@ import logging
 import threading
 from typing import Callable, List, Sequence
 
-import numpy as np
-
-from tiers.shm.checksums import page_sums, page_sums_at
+from tiers.shm.checksums import page_sums
 from tiers.logs import RateLimitedLog
 
 log = logging.getLogger("hicache.backend")
@@ -66,11 +64,6 @@ class ReadChecks:
         unknown to every tier, when checksums are off)."""
         from tiers.wire.protocol import encode_sums
         return encode_sums(page_sums(pages)) if self.enabled else b""
-
-    def sums_at(self, pointers: np.ndarray, lengths: np.ndarray) -> bytes:
-        """sums_of for pages given as [pages, regions] addresses and lengths of this process (one C call)."""
-        from tiers.wire.protocol import encode_sums
-        return encode_sums(page_sums_at(pointers, lengths)) if self.enabled else b""
 
     def counters(self) -> dict:
         with self._lock:

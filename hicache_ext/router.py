@@ -144,14 +144,11 @@ class TierRouter:
     def write(self, batch: PageBatch, parents: Optional[List[Optional[str]]] = None) -> List[bool]:
         if self.sealed is not None:
             return self.write_buffers(batch.keys, batch.views(), parents)
-        if self.checks.enabled and len(self._write_targets()) == 1:
-            # The one tier hashes each page in its copy's pass, while the page is in the cache: one pass over
-            # the batch instead of two (tiers/wire/protocol.py hash_pages).
-            return self._acknowledged(lambda client, on_stored: self._put(client, batch, parents, on_stored,
-                                                                          mode=self._mode, hash_pages=True))
-        sums = self.checks.sums_at(batch.pointers, batch.lengths)  # hashed once for every tier: each keeps it
+        # Each tier hashes each page in its own copy's pass, while the page is in its cache (tiers/wire/protocol.py
+        # hash_pages): no pass over the batch in this thread before the first put leaves.
         return self._acknowledged(lambda client, on_stored: self._put(client, batch, parents, on_stored,
-                                                                      mode=self._mode, sums=sums))
+                                                                      mode=self._mode,
+                                                                      hash_pages=self.checks.enabled))
 
     def _put_fields(self, mode: str, promote: bool = False) -> dict:
         """What the daemon is told with a put: demote later or not, and the selective threshold."""

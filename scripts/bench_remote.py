@@ -192,7 +192,8 @@ class ViaDaemon:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--page-mib", type=int, default=8)
+    ap.add_argument("--page-mib", type=int, default=8, help="page size in MiB (default 8)")
+    ap.add_argument("--page-kib", type=int, default=0, help="page size in KiB instead (64: the smallest the bench runs)")
     ap.add_argument("--pages", type=int, default=8, help="pages per repetition")
     ap.add_argument("--runs", type=int, default=7, help="repetitions (medians are reported)")
     ap.add_argument("--no-daemon", action="store_true", help="skip the path through a remote tier daemon")
@@ -200,12 +201,13 @@ def main(argv=None) -> int:
                     help="also read the batch with direct_reads (straight into the host buffer; path tier_direct)")
     ap.add_argument("--json", metavar="FILE", help="write the figures here too")
     args = ap.parse_args(argv)
-    size = args.page_mib << 20
+    size = args.page_kib << 10 if args.page_kib else args.page_mib << 20
+    args.page_mib = max(1, -(-size // (1 << 20)))  # the largest page, as max_page_bytes, in whole MiB
     total = size * args.pages
     tmp = tempfile.mkdtemp(prefix="bench-remote-")
     (port,) = free_ports(1)
     # Room for the raw pages, the tier's, the daemon's, and both overwritten batches mid-commit.
-    pools = NodeRunner(pool_config([port], capacity=f"{6 * total >> 20}MiB", block_size="1MiB",
+    pools = NodeRunner(pool_config([port], capacity=f"{6 * total >> 20}MiB", block_size="1MiB" if size >= 1 << 20 else "64KiB",
                                    max_page_bytes=f"{args.page_mib}MiB", max_lease_ms=3_600_000),
                        os.path.join(tmp, "pool", "run"), os.path.join(tmp, "pool", "data"))
     pools.start()
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
         pools.stop()
     results = {"page_bytes": size, "pages": args.pages, "runs": args.runs}
     results.update({f"{k}_gbps": gbps(total, statistics.median(v)) for k, v in series.items()})
-    print(f"{args.pages} pages of {args.page_mib} MiB, medians of {args.runs} interleaved runs (GB/s; ratio to the "
+    print(f"{args.pages} pages of {size >> 10} KiB, medians of {args.runs} interleaved runs (GB/s; ratio to the "
           "better raw engine call):")
     for op in ("write", "read"):
         base = max(results[f"raw_sync_{op}_gbps"], results[f"raw_poll_{op}_gbps"])

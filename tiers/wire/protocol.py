@@ -74,8 +74,8 @@ writer's xxh3_64 of each page's bytes (its regions concatenated in order),
 one a key; in a ``get`` or ``locate`` reply one a found page, in key order.
 A ``put`` may instead say ``hash_pages: true``: the daemon hashes each page
 as it copies it into its own memory (in the same pass, while the page is in
-the cache) and keeps that sum; a writer that puts to one tier saves its own
-pass over the batch.  A promotion (``promote``) always carries its sums.
+the cache) and keeps that sum; the writer saves its own pass over the batch
+(the backend asks it of every tier it writes).  A promotion (``promote``) always carries its sums.
 A store keeps each page's sum with the page (moves between tiers keep it)
 and answers 0 for a page stored without one; the engine checks every page it
 copied against a non-zero sum and takes a mismatch for a miss.
