@@ -11,9 +11,10 @@ offset; the index row says which file and block (tiers/stores/page_index.py).
 
 The file is written under its own name (no temporary name, no rename: a
 rename and the directory fsync after it took 0.4-0.5 ms on each 8 MiB
-put's way here, after the device was done); the directory is fsynced while
-the device writes the last part, and the put is acknowledged after that
-and the file's one fdatasync.  A crash
+put's way here, after the device was done); the directory is fsynced
+while the device writes the last part (after the file's flush for files
+over 40 MiB: tiers/stores/nvme/batch_writes.py), and the put is
+acknowledged after that and the file's one fdatasync.  A crash
 before that leaves a file cut short, whose pages were never acknowledged:
 the restart removes a file of the last run whose walk ends before the file
 does (a header that fails verification, a record past the end), and a page
