@@ -60,8 +60,8 @@ BUFFERED_BATCH_BYTES = 40 << 20
 # while the device writes the last part; past it, after the file's own fdatasync, when it finds that journal
 # commit done and costs next to nothing.  Paired puts (scripts/ab_nvme_put.py, 16-24 rounds, session 39): the
 # concurrent sync ran 1.03-1.07x faster at 64 KiB pages (8.5 MiB files) and 1.03x at 256 KiB (33 MiB), and
-# 0.87-0.88x at 1 MiB pages (two 64 MiB files a put: a journal commit in the middle of their allocations, and
-# another at their flush).  A bare file (one pwritev, 8.5 MiB): no sync 7.00 ms, sync after 6.96, sync
+# 0.80-0.88x at 1 MiB pages (two 64 MiB files a put: a journal commit in the middle of their allocations, and
+# another at their flush), 0.72x at 4 MiB, 0.96x at 8 MiB.  A bare file (one pwritev, 8.5 MiB): no sync 7.00 ms, sync after 6.96, sync
 # concurrent 7.51.
 DIRSYNC_CONCURRENT_BYTES = 40 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
