@@ -11,6 +11,10 @@ EXTRA_PARTS = ("ttft",)  # not in the default run: a real SGLang server, ~15 min
 TTFT_MODELS = ("llama-8l", "tiny")
 TTFT_TIERS = ("dram", "nvme", "remote")
 DEFAULT_LENGTHS = "512,1024,2048,4096,8192"
+# What a hit adds over a device hit is a median of this many pairs at least: at three, one server's extend over
+# the same cached prefix varied enough (24-60 ms at 8,192 tokens) to move a cell's median across its bound
+# between runs; five cost the part ~1.5 minutes more (~5.3 minutes in all here).
+TTFT_REPEAT = 5
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB)
 
@@ -51,7 +55,7 @@ def register(sub) -> None:
                     "host pool (each tier, each write policy, prefix lookups, 1 to 16 rank processes, an NVMe "
                     "restart). Figures are medians of --repeat repetitions with their spread; ratios are within "
                     "the run. Exits 1 when a run failed (never because a figure is low). The ttft part (not in "
-                    "the default run; about 15 minutes at the default lengths and 3 repetitions on a quiet 2-core "
+                    "the default run; about 5 minutes at the default lengths and 5 repetitions on a quiet 2-core "
                     "machine, more when other work shares it) starts a "
                     "real SGLang server on CPU with this backend and measures time to first token per prompt "
                     "length: recompute, device hit, host hit, and L3 hits from DRAM, cold NVMe and a remote pool, "
@@ -59,7 +63,7 @@ def register(sub) -> None:
                     "read rate at the model's page size for the bound an L3 hit is held to.")
     p.add_argument("--only", type=_list(str, PARTS + EXTRA_PARTS), default=list(PARTS), metavar="PARTS",
                    help=f"comma-separated parts: {','.join(PARTS + EXTRA_PARTS)} (default all but "
-                        f"{','.join(EXTRA_PARTS)}, which takes about 15 minutes more)")
+                        f"{','.join(EXTRA_PARTS)}, which takes about 5 minutes more)")
     p.add_argument("--page-sizes", type=_sizes, default="64KiB,256KiB,1MiB,4MiB,8MiB", metavar="SIZES",
                    help="page sizes, comma-separated, multiples of 32KiB below 1MiB and of 1MiB from it "
                         "(default 64KiB,256KiB,1MiB,4MiB,8MiB)")  # a string default goes through _sizes
@@ -80,8 +84,8 @@ def register(sub) -> None:
                         "tiny (4 layers, hidden 256, 2 KV heads: 2 KiB, 32 KiB pages) "
                         "(default llama-8l; --quick: tiny)")
     p.add_argument("--ttft-repeat", type=positive_int, default=None, metavar="N",
-                   help="ttft: repetitions of each case (default --repeat; --quick: 1); what a hit adds over a "
-                        "device hit is a median of this many paired differences")
+                   help=f"ttft: repetitions of each case (default {TTFT_REPEAT}, or --repeat when larger; --quick: 1); "
+                        "what a hit adds over a device hit is a median of this many paired differences")
     p.add_argument("--ttft-profile", metavar="FILE", type=output_file,
                    help="ttft: write the measured profile here (JSON; hicache-tiers plan --profile FILE)")
     p.add_argument("--work-dir", default=None, help="scratch directory on the disk to measure "
@@ -104,7 +108,7 @@ def _run(args) -> int:
     if args.pages < 1 or args.repeat < 1:
         print("bench: --pages and --repeat must be positive")
         return 2
-    args.ttft_repeat = 1 if args.quick else (args.ttft_repeat or args.repeat)
+    args.ttft_repeat = 1 if args.quick else (args.ttft_repeat or max(args.repeat, TTFT_REPEAT))
     args.ttft_model = args.ttft_model or ("tiny" if args.quick else "llama-8l")
     if args.ttft_lengths is None:
         args.ttft_lengths = [512] if args.quick else [int(n) for n in DEFAULT_LENGTHS.split(",")]
