@@ -193,7 +193,8 @@ class ViaDaemon:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-mib", type=int, default=8, help="page size in MiB (default 8)")
-    ap.add_argument("--page-kib", type=int, default=0, help="page size in KiB instead (64: the smallest the bench runs)")
+    ap.add_argument("--page-kib", type=int, default=0,
+                    help="page size in KiB instead (64: the smallest the bench runs)")
     ap.add_argument("--pages", type=int, default=8, help="pages per repetition")
     ap.add_argument("--runs", type=int, default=7, help="repetitions (medians are reported)")
     ap.add_argument("--no-daemon", action="store_true", help="skip the path through a remote tier daemon")
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-remote-")
     (port,) = free_ports(1)
     # Room for the raw pages, the tier's, the daemon's, and both overwritten batches mid-commit.
-    pools = NodeRunner(pool_config([port], capacity=f"{6 * total >> 20}MiB", block_size="1MiB" if size >= 1 << 20 else "64KiB",
+    block = "1MiB" if size >= 1 << 20 else "64KiB"  # a small page in a block of its size, as the bench's pool
+    pools = NodeRunner(pool_config([port], capacity=f"{6 * total >> 20}MiB", block_size=block,
                                    max_page_bytes=f"{args.page_mib}MiB", max_lease_ms=3_600_000),
                        os.path.join(tmp, "pool", "run"), os.path.join(tmp, "pool", "data"))
     pools.start()

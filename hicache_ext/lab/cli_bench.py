@@ -7,7 +7,7 @@ import os
 from tiers.cli import output_file, positive_int
 
 PARTS = ("zmq", "lookup", "dram", "sealed", "file", "nvme", "remote", "policies", "mooncake", "ranks", "restart")
-EXTRA_PARTS = ("ttft",)  # not in the default run: a real SGLang server, ~15 minutes at the default lengths
+EXTRA_PARTS = ("ttft",)  # not in the default run: a real SGLang server, ~5 minutes at the default lengths
 TTFT_MODELS = ("llama-8l", "tiny")
 TTFT_TIERS = ("dram", "nvme", "remote")
 DEFAULT_LENGTHS = "512,1024,2048,4096,8192"

@@ -10,9 +10,9 @@ is prepared.  Compressed pages have no size until encoded: each part is
 encoded, reserved and appended in turn.  The file is made under its own
 name; one fdatasync at the end, and its directory fsynced while the device
 writes the last part (files up to DIRSYNC_CONCURRENT_BYTES) or after that
-flush (larger ones); then every page of the file is indexed.  A refusal is per page (too large, bytes that
-do not match the writer's checksum, no room); a failed write refuses every
-page of its file.
+flush (larger ones); then every page of the file is indexed.  A refusal is
+per page (too large, bytes that do not match the writer's checksum, no
+room); a failed write refuses every page of its file.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ BUFFERED_BATCH_BYTES = 40 << 20
 # commit done and costs next to nothing.  Paired puts (scripts/ab_nvme_put.py, 16-24 rounds, session 39): the
 # concurrent sync ran 1.03-1.07x faster at 64 KiB pages (8.5 MiB files) and 1.03x at 256 KiB (33 MiB), and
 # 0.80-0.88x at 1 MiB pages (two 64 MiB files a put: a journal commit in the middle of their allocations, and
-# another at their flush), 0.72x at 4 MiB, 0.96x at 8 MiB.  A bare file (one pwritev, 8.5 MiB): no sync 7.00 ms, sync after 6.96, sync
-# concurrent 7.51.
+# another at their flush), 0.72x at 4 MiB, 0.96x at 8 MiB.  A bare file (one pwritev, 8.5 MiB): no sync 7.00 ms,
+# sync after the flush 6.96, sync beside the write 7.51.
 DIRSYNC_CONCURRENT_BYTES = 40 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
