@@ -203,20 +203,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write the figures here too")
     args = ap.parse_args(argv)
     size = args.page_kib << 10 if args.page_kib else args.page_mib << 20
-    args.page_mib = max(1, -(-size // (1 << 20)))  # the largest page, as max_page_bytes, in whole MiB
+    max_mib = max(1, -(-size // (1 << 20)))  # the pool's and the tier's max_page_bytes, in whole MiB
     total = size * args.pages
     tmp = tempfile.mkdtemp(prefix="bench-remote-")
     (port,) = free_ports(1)
     # Room for the raw pages, the tier's, the daemon's, and both overwritten batches mid-commit.
     block = "1MiB" if size >= 1 << 20 else "64KiB"  # a small page in a block of its size, as the bench's pool
     pools = NodeRunner(pool_config([port], capacity=f"{6 * total >> 20}MiB", block_size=block,
-                                   max_page_bytes=f"{args.page_mib}MiB", max_lease_ms=3_600_000),
+                                   max_page_bytes=f"{max_mib}MiB", max_lease_ms=3_600_000),
                        os.path.join(tmp, "pool", "run"), os.path.join(tmp, "pool", "data"))
     pools.start()
     local = daemon = None
     try:
         local = InProcess(port, size, args.pages)
-        daemon = None if args.no_daemon else ViaDaemon(tmp, port, size, args.pages, args.page_mib)
+        daemon = None if args.no_daemon else ViaDaemon(tmp, port, size, args.pages, max_mib)
         paths = {"raw_sync": local.raw_sync, "raw_poll": local.raw_poll, "tier": local.tier,
                  "tier1": local.tier_page_by_page}
         if daemon is not None:
