@@ -21,10 +21,15 @@ from tiers.shm.buffers import copy_runs
 BACKEND_NAME = "memory_reference"
 
 
-def extra_config() -> dict:
-    """--hicache-storage-backend-extra-config that loads this backend with the zero-copy interface."""
-    return {"backend_name": BACKEND_NAME, "module_path": __name__, "class_name": "InProcessMemoryStorage",
-            "interface_v1": 1}
+def extra_config(copies: bool = True) -> dict:
+    """--hicache-storage-backend-extra-config that loads this backend with the zero-copy interface.  copies
+    False: it keeps the keys and moves no byte (SGLang's page functions alone, scripts/bench_dram_floor.py);
+    its reads then give back whatever the host pool held."""
+    extra = {"backend_name": BACKEND_NAME, "module_path": __name__, "class_name": "InProcessMemoryStorage",
+             "interface_v1": 1}
+    if not copies:
+        extra["copies"] = False
+    return extra
 
 
 class InProcessMemoryStorage(HiCacheStorage):
@@ -36,6 +41,8 @@ class InProcessMemoryStorage(HiCacheStorage):
         # Arrays of cleared pages, by size, taken again by later writes: a floor pays a copy, not the page
         # faults of fresh memory (a store keeps its memory too).
         self._free: Dict[int, List[np.ndarray]] = {}
+        extra = (storage_config.extra_config if storage_config is not None else None) or {}
+        self.copies = extra.get("copies", True) is not False
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         self.view = HostPoolView(mem_pool_host)
@@ -69,7 +76,7 @@ class InProcessMemoryStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         batch = self.view.batch(list(keys), host_indices)
         found = [key in self.pages for key in keys]
-        hits = [i for i, ok in enumerate(found) if ok]
+        hits = [i for i, ok in enumerate(found) if ok and self.copies]
         self._runs(batch.pointers[hits].tolist(), batch.lengths[hits].tolist(), [self.pages[keys[i]] for i in hits],
                    to_pool=True)
         return found
@@ -78,8 +85,9 @@ class InProcessMemoryStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         batch = self.view.batch(list(keys), host_indices)
         new = [i for i, key in enumerate(keys) if key not in self.pages]
-        arrays = [self._array(int(batch.lengths[i].sum())) for i in new]
-        self._runs(batch.pointers[new].tolist(), batch.lengths[new].tolist(), arrays, to_pool=False)
+        arrays = [self._array(int(batch.lengths[i].sum()) if self.copies else 0) for i in new]
+        if self.copies:
+            self._runs(batch.pointers[new].tolist(), batch.lengths[new].tolist(), arrays, to_pool=False)
         for i, array in zip(new, arrays):
             self.pages[keys[i]] = array
         return [True] * len(keys)

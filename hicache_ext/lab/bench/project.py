@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, Optional
 
+from hicache_ext.lab.bench import memory_backend
 from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, gbps, size_label, timed
@@ -73,12 +74,63 @@ def _through_node(figs: Figures, args, progress: Progress, root: str, config: st
 def run_dram(figs: Figures, args, progress: Progress, size: int) -> None:
     label = size_label(size)
     copy, shared = limits.Memcpy(size), limits.Memcpy(size, shared=True)
+    floor = SGLangFloor(figs, label, size, args.pages)
 
     def sample():
         figs.add(f"limit.memcpy.{label}", copy.sample(args.pages))
         figs.add(f"limit.memcpy_shm.{label}", shared.sample(args.pages))
-    _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), size,
-                  f"dram.{label}", 1000, before={"write": sample, "read": sample})
+
+    def before_write():
+        sample()
+        floor.write()
+
+    def before_read():
+        sample()
+        floor.read()
+    try:
+        _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), size,
+                      f"dram.{label}", 1000, before={"write": before_write, "read": before_read})
+    finally:
+        floor.close()
+
+
+class SGLangFloor:
+    """SGLang's own floor for a DRAM batch, sampled beside each of the tier's: the same page functions driving
+    an in-process backend that copies each batch once, on one core, between the host pool and a dict of this
+    process, with no daemon, wire or checksum (hicache_ext/lab/bench/memory_backend.py).  Our tier reads with
+    two cores and can beat it; what it leaves of a target is what the page functions and a memfd's copy leave
+    any backend.  Figures dram_floor.{label}.write / .read."""
+
+    def __init__(self, figs: Figures, label: str, size: int, pages: int):
+        self.figs, self.label = figs, label
+        self.rank = Rank("dynamic", size, pages, memory_backend.extra_config())
+        self.rank.write(self.rank.keys(1))  # the dict's arrays allocated and faulted in: not timed
+        self.rank.clear()
+        self._salt = 500
+        self._keys: Optional[list] = None
+
+    def write(self) -> None:
+        self._salt += 1
+        self._keys = self.rank.keys(self._salt)
+        seconds = timed(lambda: self.rank.write(self._keys))
+        self.figs.add(f"dram_floor.{self.label}.write", gbps(self.rank.nbytes, seconds))
+
+    def read(self) -> None:
+        if self._keys is None:
+            return
+        self.rank.zero()
+        got = {}
+        seconds = timed(lambda: got.setdefault("n", self.rank.read(self._keys)))
+        if got["n"] != self.rank.pages or self.rank.wrong_pages(got["n"]):
+            self.figs.failures.append(f"dram_floor.{self.label}: read {got['n']} of {self.rank.pages} pages or "
+                                      "wrong bytes")
+        else:
+            self.figs.add(f"dram_floor.{self.label}.read", gbps(self.rank.nbytes, seconds))
+        self.rank.clear()
+        self._keys = None
+
+    def close(self) -> None:
+        self.rank.close()
 
 
 def run_sealed(figs: Figures, args, progress: Progress, size: int) -> None:
