@@ -19,9 +19,7 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
 from tests.support.backend_env import Engine, make_keys
-from tests.support.nodes import dram_tier, node_toml, nvme_tier, start_node
-from tiers.ops.node_runner import NodeRunner
-from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config
+from tests.support.nodes import dram_tier, node_toml, nvme_tier, remote_node, start_node
 
 SHAPE = dict(layers=8, kv_heads=2, head_dim=128, page_size=32)  # 256 KiB pages
 PAGES = 48
@@ -45,24 +43,13 @@ def _wait_up(engine: Engine, keys, timeout: float = 10.0) -> None:
     raise AssertionError("the tier did not come back after SIGCONT")
 
 
-def _remote_node(tmp_path):
-    """A pool daemon and a remote tier daemon on loopback: (the engine's node, the pool's node)."""
-    (port,) = free_ports(1)
-    pool = NodeRunner(pool_config([port], capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
-                      str(tmp_path / "pool" / "run"), str(tmp_path / "pool" / "data"))
-    pool.start()
-    node = start_node(tmp_path / "node", "[node]\n" + remote_node_config([port], max_page_bytes="4MiB")
-                      + 'staging_bytes = "64MiB"\n')
-    return node, pool
-
-
 @pytest.mark.parametrize("tiers, frozen", [("dram", "dram"), ("nvme", "nvme"), ("remote", "remote"),
                                            ("remote", "pool0")])
 def test_a_frozen_daemon_never_writes_after_the_engine_gave_up(tmp_path, tiers, frozen):
     rng = random.Random(1234)
     pool = None
     if tiers == "remote":
-        runner, pool = _remote_node(tmp_path)
+        runner, pool = remote_node(tmp_path)
     else:
         runner = start_node(tmp_path, _config(tiers))
     owner = pool if frozen.startswith("pool") else runner

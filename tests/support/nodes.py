@@ -65,6 +65,18 @@ class RawPeer:
         self.sock.close(linger=0)
 
 
+def remote_node(tmp_path, staging_bytes: str = "64MiB"):
+    """A pool daemon and a remote tier daemon on loopback: (the engine's node, the pool's node), started."""
+    from tiers.stores.remote.loopback import free_ports, pool_config, remote_node_config
+    (port,) = free_ports(1)
+    pool = NodeRunner(pool_config([port], capacity="64MiB", block_size="256KiB", max_page_bytes="4MiB"),
+                      str(tmp_path / "pool" / "run"), str(tmp_path / "pool" / "data"))
+    pool.start()
+    node = start_node(tmp_path / "node", "[node]\n" + remote_node_config([port], max_page_bytes="4MiB")
+                      + f'staging_bytes = "{staging_bytes}"\n')
+    return node, pool
+
+
 def eventually(check, within: float = 10.0, step: float = 0.05):
     """check() until it is truthy or within seconds pass; its last value (truthy on success)."""
     import time

@@ -123,6 +123,10 @@ class TierDaemon:
         self._regions = RegionRegistry(fd_socket, self.arena.export_fd, self.arena_id, self.arena.size,
                                        self.sessions.tenant, max_region_bytes or physical_memory(), self.tenants,
                                        socket_gid, self.directory) if fd_socket else None
+        if self._regions is not None:
+            # A store that sends pages straight out of a host pool (PageStore.sends_from: the remote tier, which
+            # registers it with its engine on first use) forgets it before it is unmapped.
+            self._regions.on_unmap = store.region_unmapped
         self._replies = Replies(self.metrics, self._peer_replies)  # tiers/node/replies.py
         self._stopping = threading.Event()
         self.ready = threading.Event()
@@ -432,6 +436,7 @@ class TierDaemon:
         stats["source_gone"] = self.transfers.source_gone
         stats["sum_refused"] = self.transfers.sum_refused
         stats["in_place_puts"] = self.transfers.in_place_puts
+        stats["region_puts"] = self.transfers.region_puts
         stats["replies_unread_bytes"] = self._peer_replies.unread_bytes()  # pages libzmq holds for peers
         stats["open_fds"] = open_fds()
         stats["fd_limit"] = self.fd_limit

@@ -367,10 +367,15 @@ class RegionRegistry:
             shared.users -= 1
             if shared.users == 0:  # its last connection: unmapped on a thread of its own (munmap takes long)
                 self._mappings.pop(shared.key, None)
-                self._unhook(region)
-                self._unmapper.submit(_unmap, shared)
+                self._unmapper.submit(self._unhook_and_unmap, region)
                 log.info("unmapping a host pool region of %d bytes (client went away)", region.size)
         conn.sock.close()
+
+    def _unhook_and_unmap(self, region: Region) -> None:
+        """The store forgets the region (the remote tier unregisters it from its engine: with RDMA, unpinning
+        tens of GiB takes long, as munmap does), then it is unmapped; off the loop thread."""
+        self._unhook(region)
+        _unmap(region.shared)
 
     def _unhook(self, region: Region) -> None:
         if self.on_unmap is not None:

@@ -365,6 +365,15 @@ class PageStore(ABC):
     def region_mapped(self, view: memoryview) -> None:
         """Memory the daemon reads pages from or into was mapped (the remote tier registers it with its engine)."""
 
+    def sends_from(self, view: memoryview) -> bool:
+        """True: put_many may be handed views of this mapping (an engine's host pool) and moves their bytes
+        itself, without reading them in Python: the kernel or the NIC reads them (the remote tier's Transfer
+        Engine), so a host pool its engine truncates fails the transfer instead of signalling the daemon, and
+        the store keeps the views referenced while a transfer it gave up may still read them (the daemon
+        calls region_unmapped before the mapping goes).  False (this default): the daemon copies the pages
+        into staging first."""
+        return False
+
     def region_unmapped(self, view: memoryview) -> None:
         """Memory given to region_mapped goes away."""
 

@@ -53,6 +53,17 @@ class Registrations:
             self._pending[base] = thread
         thread.start()
 
+    def add_once(self, view: memoryview) -> None:
+        """Register view in the background unless it is registered, on its way, or was refused (a refusal is
+        logged once; the view's pages keep going through staging)."""
+        base, size = address_of(view), view.nbytes
+        with self._lock:  # checked and claimed in one hold: two puts at once register it once
+            if base in self._ranges or base in self._pending:
+                return
+            thread = threading.Thread(target=self._register_later, args=(base, size), name="register", daemon=True)
+            self._pending[base] = thread
+        thread.start()
+
     def _register_later(self, base: int, size: int) -> None:
         try:
             self._register(base, size)

@@ -176,6 +176,18 @@ class RemoteStore(PageStore):
     def region_unmapped(self, view: memoryview) -> None:
         self._registrations.remove(view)
 
+    def sends_from(self, view: memoryview) -> bool:
+        """Pages of a host pool registered with the engine move straight out of it (RemoteWrites keeps them
+        referenced under a transfer given up).  Over TCP the engine sends from the mapping through the kernel:
+        a truncated memfd fails the transfer and the daemon lives (tests/test_remote_in_place.py); over RDMA
+        the registration pins the pages.  A host pool is registered, in the background, the first time the
+        daemon asks (only for pages that are one piece of memory each: MLA, ``page_unified``; K and V apart go
+        through staging, where neighbours merge), so no other pool is pinned; until then its pages are staged."""
+        if self._registrations.extents([view]) is not None:
+            return True
+        self._registrations.add_once(view)
+        return False
+
     def stats(self) -> StoreStats:
         """This node's hits, misses and bytes; capacity, use, pages and evictions summed over the pools that answer."""
         admins = [self._pools.client(pool, ADMIN_NAMESPACE) for pool in self.placement.pools]

@@ -51,14 +51,18 @@ class RemoteWrites:
                 raise StoreIOError(f"pool {pool} did not commit the page")
         t.counters.add(inserts=1, bytes_written=size)
 
-    def _release_write(self, client: PoolClient, lease: int, abandoned: List[Tuple[int, int]]) -> None:
+    def _release_write(self, client: PoolClient, lease: int, abandoned: List[Tuple[int, int]],
+                       sources: object = None) -> None:
         """Release a write lease now, or, when a transfer under it was given up, once the engine says it ended.
 
         Until then its blocks stay reserved (at most the lease's ttl), so late
-        bytes cannot land in blocks the pool has handed to another page.
+        bytes cannot land in blocks the pool has handed to another page; and
+        sources (the pages' views) stay referenced: a host pool's mapping is
+        unmapped only once no view of it lives (tiers/node/regions.py), so the
+        engine never reads an address unmapped or mapped again for other memory.
         """
         if abandoned:
-            self.t.abandoned.add(abandoned_batches(abandoned), lambda: client.release(lease))
+            self.t.abandoned.add(abandoned_batches(abandoned), lambda kept=sources: client.release(lease))
         else:
             client.release(lease)
 
@@ -133,7 +137,7 @@ class RemoteWrites:
             # still arrive: commit nothing, and release the lease only once the engine says those ended.
             for j in done:
                 out[j] = StoreIOError("another page's transfer to the pool was given up")
-            self._release_write(client, grant.lease, abandoned)
+            self._release_write(client, grant.lease, abandoned, views)
             return out
         if not done:
             client.release(grant.lease)
