@@ -177,3 +177,16 @@ def test_a_copy_in_halves_copies_every_byte_and_a_vanished_source_faults_on_eith
         src.close()
     finally:
         os.close(fd)
+
+
+def test_whole_pages_says_whether_every_page_is_one_piece_of_memory():
+    """The remote tier sends such pages in place (tiers/node/transfers.py _put_from_region)."""
+    one_run = PageRuns.of_lists([[(0, 4096)], [(8192, 4096)]])
+    end_to_end = PageRuns.of_lists([[(0, 2048), (2048, 2048)], [(4096, 1024), (5120, 3072)]])
+    k_and_v_apart = PageRuns.of_lists([[(0, 2048), (65536, 2048)], [(2048, 2048), (67584, 2048)]])
+    # The runs of page 0 end where page 1's begin: each page is still one piece, whatever lies between them.
+    neighbours = PageRuns.of_lists([[(0, 2048), (2048, 2048)], [(4096, 4096)]])
+    assert one_run.whole_pages() and end_to_end.whole_pages() and neighbours.whole_pages()
+    assert not k_and_v_apart.whole_pages()
+    assert not PageRuns.of_lists([]).whole_pages()
+    assert not k_and_v_apart.take([1]).whole_pages() and k_and_v_apart.pages(0, 0).whole_pages() is False
