@@ -11,6 +11,7 @@ and checks the marker: intact with staged reads (the default); with
 overwrite it, and nothing but the marker or the page's bytes is there.  A write given up the
 same way keeps its lease (its blocks reserved) until the transfer ended.
 """
+import mmap
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engine (pip install -e .[remote-cpu])")
 
 from tests.support.nodes import eventually
+from tiers.shm.buffers import address_of
 from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
 
 PAGE = 1 << 20
@@ -186,3 +188,46 @@ def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node)
         # Once the engine reports the late transfers ended, the blocks are free again.
         assert eventually(lambda: staging.arena.free_blocks() == staging.all_blocks(), 15)
         assert staging.arena.lease_count() == 0
+
+
+def test_a_write_given_up_keeps_its_source_mapped_until_it_ends(node):
+    """A put sent straight out of a host pool (the tier daemon's _put_from_region) whose transfer is given up:
+    the store keeps the pages' views, so the mapping they lie in, until the engine says the transfer ended:
+    the late transfer never reads an address unmapped, or mapped again for other memory, meanwhile."""
+    pool, store, view = node
+    write(store, view, ["mapped-warm"], [40])  # the pool's client exists (this test may run alone)
+    host = mmap.mmap(-1, 2 * PAGE)
+    store.region_mapped(memoryview(host))
+    assert eventually(lambda: store._registrations.covers(address_of(memoryview(host)), 2 * PAGE), 10)
+    pid = pool.pid("pool0")
+    client = store._pools.clients()[0]
+    original = client.alloc
+
+    def alloc(*args, **kwargs):  # freeze the pool right after it granted the blocks
+        grant = original(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        client.alloc = original
+        return grant
+    client.alloc = alloc
+    try:
+        whole = memoryview(host)
+        pages = [[whole[i * PAGE:(i + 1) * PAGE]] for i in range(2)]
+        outcomes = store.put_many([("ns", "kept-0"), ("ns", "kept-1")], pages, [None, None],
+                                  deadline=time.time() + 1.5)
+        assert all(o is not None for o in outcomes)
+        store.region_unmapped(whole)  # the engine detaches: the daemon forgets the region, then unmaps it
+        del pages, whole
+        with pytest.raises(BufferError):  # the store still holds views of it for the transfer given up
+            host.close()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert eventually(lambda: store._abandoned.pending() == 0, 10)
+
+    def closed() -> bool:
+        try:
+            host.close()
+            return True
+        except BufferError:
+            return False
+    assert eventually(closed, 10), "the views of an ended transfer were never let go"
+    assert eventually(lambda: store.contains([("ns", "kept-0")]) == [False], 10, 0.2)  # never committed

@@ -199,31 +199,38 @@ class Abandoned:
                     self._cond.wait()
                 if self._closed:
                     return
-                # A copy: the entries stay listed (pending() counts them) while their state is asked.
-                entries = list(self._entries)
-            ended, still = [], {}
-            now = time.monotonic()
-            for entry in entries:
-                since, batches, then = entry
-                live = [b for b in batches if self._status(b) not in (1, -1)]  # 0 running, -2 timed out: not over
-                if not live:
-                    ended.append(entry)
-                    continue
-                if now - since > self.warn_after and not self._warned:
-                    self._warned = True
-                    log.warning("a transfer given up %.0f s ago has not ended (a frozen or partitioned peer?): "
-                                "the memory or lease it may still write stays out of use", now - since)
-                still[id(entry)] = (since, live, then)  # an ended id is freed: never asked again
-            gone = {id(entry) for entry in ended}
-            with self._cond:  # entries added meanwhile are kept as they are
-                self._entries = [still.get(id(entry), entry) for entry in self._entries if id(entry) not in gone]
-            for _since, _batches, then in ended:
-                if then is not None:
-                    try:
-                        then()
-                    except Exception:  # a release to a pool that is down: its lease ends by itself
-                        log.debug("after an abandoned transfer ended", exc_info=True)
+            self._sweep()
             time.sleep(self.poll)
+
+    def _sweep(self) -> None:
+        """Ask after every watched transfer once, and run what waited on those that ended.  A call of its own:
+        nothing of an ended entry (its then(), and what that keeps alive: a write's views of a host pool, so
+        the mapping) outlives it on this thread's stack while the thread waits for the next."""
+        with self._cond:
+            # A copy: the entries stay listed (pending() counts them) while their state is asked.
+            entries = list(self._entries)
+        ended, still = [], {}
+        now = time.monotonic()
+        for entry in entries:
+            since, batches, then = entry
+            live = [b for b in batches if self._status(b) not in (1, -1)]  # 0 running, -2 timed out: not over
+            if not live:
+                ended.append(entry)
+                continue
+            if now - since > self.warn_after and not self._warned:
+                self._warned = True
+                log.warning("a transfer given up %.0f s ago has not ended (a frozen or partitioned peer?): "
+                            "the memory or lease it may still write stays out of use", now - since)
+            still[id(entry)] = (since, live, then)  # an ended id is freed: never asked again
+        gone = {id(entry) for entry in ended}
+        with self._cond:  # entries added meanwhile are kept as they are
+            self._entries = [still.get(id(entry), entry) for entry in self._entries if id(entry) not in gone]
+        for _since, _batches, then in ended:
+            if then is not None:
+                try:
+                    then()
+                except Exception:  # a release to a pool that is down: its lease ends by itself
+                    log.debug("after an abandoned transfer ended", exc_info=True)
 
     def close(self) -> None:
         with self._cond:
