@@ -20,7 +20,7 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 
 from tiers.stores.remote.engine import MERGE_BYTES, abandoned_batches, abandoned_groups, merge_pieces
 from tests.support.nodes import eventually
-from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
+from tests.support.remote_staging import freeze_after, held_staging, pool_and_store
 
 PAGE = 64 << 10
 PAGES = 8  # a read of 8 pages of 64 KiB: MERGE_BYTES / PAGE pages a transfer when both ends are adjacent
@@ -132,7 +132,7 @@ def test_a_merged_read_given_up_holds_every_page_it_carries(node):
         assert len(counting.submitted) < PAGES  # merged: the case this test is about
         assert staging.pages() == [page(200 + i) for i in range(PAGES)]
         pid = pool.pid("pool0")
-        freeze_after_locate(store, pid)
+        freeze_after(store, pid, "locate")
         try:
             sums = staging.read(deadline=time.time() + 0.6)
             assert sums == [None] * PAGES, "a frozen pool's pages must miss"
@@ -159,7 +159,7 @@ def test_a_merged_read_into_landing_given_up_holds_its_chunks_until_it_ended(nod
     landing = store._landing
     free_before = landing.free_chunks()
     pid = pool.pid("pool0")
-    freeze_after_locate(store, pid)
+    freeze_after(store, pid, "locate")
     try:
         for i in range(PAGES):
             slot(view, PAGES + i)[:] = b"\xa5" * PAGE

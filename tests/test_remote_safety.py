@@ -24,7 +24,7 @@ pytest.importorskip("mooncake.engine", reason="needs the Mooncake Transfer Engin
 
 from tests.support.nodes import eventually
 from tiers.shm.buffers import address_of
-from tests.support.remote_staging import freeze_after_locate, held_staging, pool_and_store
+from tests.support.remote_staging import freeze_after, held_staging, pool_and_store
 
 PAGE = 1 << 20
 PAGES = 16  # host pool: pages written from slots 0-7, read into slots 8-15
@@ -85,7 +85,7 @@ def test_a_read_given_up_never_lands_in_reused_host_memory(node, direct):
     keys = [f"late-{direct}-{i}" for i in range(2)]
     write(store, view, keys, [10, 11])
     pid = pool.pid("pool0")
-    freeze_after_locate(store, pid)
+    freeze_after(store, pid, "locate")
     try:
         start = time.monotonic()
         found, _ = read(store, view, keys, deadline=time.time() + 0.6)
@@ -126,15 +126,7 @@ def test_a_write_given_up_keeps_its_blocks_reserved_until_it_ends(node):
     pool, store, view = node
     store.direct_reads = False
     pid = pool.pid("pool0")
-    client = store._pools.clients()[0]
-    original = client.alloc
-
-    def alloc(*args, **kwargs):  # freeze the pool right after it granted the blocks
-        grant = original(*args, **kwargs)
-        os.kill(pid, signal.SIGSTOP)
-        client.alloc = original
-        return grant
-    client.alloc = alloc
+    freeze_after(store, pid, "alloc")
     try:
         for i in range(2):
             slot(view, i)[:] = page(20 + i)
@@ -175,7 +167,7 @@ def test_a_read_into_held_staging_lands_in_place_and_holds_what_it_gave_up(node)
         assert staging.pages() == [page(20), page(21)]
         assert store.stats().extra["landing_chunks_free"] == free_before  # nothing went through the landing
         pid = pool.pid("pool0")
-        freeze_after_locate(store, pid)
+        freeze_after(store, pid, "locate")
         try:
             sums = staging.read(deadline=time.time() + 0.6)
             assert sums == [None, None], "a frozen pool's pages must miss"
@@ -200,15 +192,7 @@ def test_a_write_given_up_keeps_its_source_mapped_until_it_ends(node):
     store.region_mapped(memoryview(host))
     assert eventually(lambda: store._registrations.covers(address_of(memoryview(host)), 2 * PAGE), 10)
     pid = pool.pid("pool0")
-    client = store._pools.clients()[0]
-    original = client.alloc
-
-    def alloc(*args, **kwargs):  # freeze the pool right after it granted the blocks
-        grant = original(*args, **kwargs)
-        os.kill(pid, signal.SIGSTOP)
-        client.alloc = original
-        return grant
-    client.alloc = alloc
+    freeze_after(store, pid, "alloc")
     try:
         whole = memoryview(host)
         pages = [[whole[i * PAGE:(i + 1) * PAGE]] for i in range(2)]

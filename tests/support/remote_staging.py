@@ -44,17 +44,18 @@ def pool_and_store(tmp, pool_options: dict, store_options: dict, host_bytes: int
         pool.stop()
 
 
-def freeze_after_locate(store, pid: int) -> None:
-    """Freeze the pool right after it answered the store's next locate: the read's transfer then hangs."""
+def freeze_after(store, pid: int, call: str) -> None:
+    """Freeze the pool right after it answered the store's next call (``locate``: a read's transfers then hang;
+    ``alloc``: a put's)."""
     client = store._pools.clients()[0]
-    original = client.locate
+    original = getattr(client, call)
 
-    def locate(*args, **kwargs):
+    def answered_then_frozen(*args, **kwargs):
         grant = original(*args, **kwargs)
-        freeze(pid)  # stopped before the read's transfers start
-        client.locate = original
+        freeze(pid)  # stopped before the transfers start
+        setattr(client, call, original)
         return grant
-    client.locate = locate
+    setattr(client, call, answered_then_frozen)
 
 
 class HeldStaging:
