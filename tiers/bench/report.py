@@ -104,8 +104,8 @@ def target_rows(figs: Figures, sizes: List[str]) -> List[tuple]:
             bound = bounds.get(m, bounds["default"]) if isinstance(bounds, dict) else bounds
             ratio = figs.ratio(fig.format(m=m), limit.format(m=m))
             if ratio is not None:
-                floor = figs.ratio(FLOORS[fig].format(m=m), limit.format(m=m)) if fig in FLOORS else None
-                shown = f"{ratio:.2f}x" + ("" if floor is None else f" (SGLang's own floor {floor:.2f}x)")
+                sglang = figs.ratio(FLOORS[fig].format(m=m), limit.format(m=m)) if fig in FLOORS else None
+                shown = f"{ratio:.2f}x" + ("" if sglang is None else f" (SGLang's own floor {sglang:.2f}x)")
                 rows.append((f"{text.format(b=bound)} ({_human(m)} pages)", shown,
                              "yes" if ratio >= bound else "**no**"))
     floor = figs.median("lookup.zmq_rtt.p50")

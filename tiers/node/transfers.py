@@ -302,12 +302,7 @@ class PageTransfers:
         disk under the sum of the old ones: a read finds the mismatch and misses, never serves them.  The
         mapping stays while its views live (tiers/node/regions.py); the store is done with them on return."""
         def fill(positions: List[int]) -> List[int]:
-            if _late(deadline):
-                raise FillFailed("deadline", "deadline passed during the batch")
-            try:
-                got = sources.runs.take(positions).sums(sources.region_base)
-            except MemoryFault:
-                raise FillFailed(*self._source_gone()) from None
+            got = self._sums_in_place(sources, sources.runs.take(positions), deadline)
             if hashed:
                 for p, checksum in zip(positions, got):
                     sums[p] = checksum
@@ -329,18 +324,26 @@ class PageTransfers:
         (the engine may have reused the memory)."""
         n = len(keys)
         if hashed:
-            if _late(deadline):
-                return [False] * n, ("deadline", "deadline passed before the batch was sent")
             try:
-                sums[:] = sources.runs.sums(sources.region_base)
-            except MemoryFault:
-                return [False] * n, self._source_gone()
+                sums[:] = self._sums_in_place(sources, sources.runs, deadline)
+            except FillFailed as exc:
+                return [False] * n, (exc.code, str(exc))
         self.region_puts += 1
         out = self.store.put_many_with_sums([(ns, key) for key in keys], sources.views, parents, deadline,
                                             list(sums), list(sums) if hashed else None)
         return _outcomes(_results(n, list(range(n)), out))
 
     # --------------------------------------------------------------- helpers
+    def _sums_in_place(self, sources: "Sources", runs: PageRuns, deadline: Optional[float]) -> List[int]:
+        """Each of runs' pages hashed where it lies in the host pool (guarded); FillFailed when the deadline
+        passed first or the host pool shrank under the hash."""
+        if _late(deadline):
+            raise FillFailed("deadline", "deadline passed during the batch")
+        try:
+            return runs.sums(sources.region_base)
+        except MemoryFault:
+            raise FillFailed(*self._source_gone()) from None
+
     def each(self, n: int, work: Callable[[int], object]) -> list:
         """work(i) for every page; several in flight for stores that take concurrent calls (disk)."""
         if n > 1 and self.store.parallel_io:

@@ -87,14 +87,13 @@ class PageRuns(NamedTuple):
 
     def whole_pages(self) -> bool:
         """Every page is one piece of memory: its runs (one, or several end to end) are contiguous."""
-        if not len(self.counts):
+        if not len(self.counts) or not bool((self.counts > 0).all()):
             return False
         if bool((self.counts == 1).all()):
             return True
         joined = self.addr[:-1] + self.length[:-1] == self.addr[1:]  # run j ends where run j + 1 starts
-        last = np.cumsum(self.counts)[:-1] - 1  # the last run of every page but the final one: no join needed
-        joined[last] = True
-        return bool(joined.all()) and bool((self.counts > 0).all())
+        joined[np.cumsum(self.counts)[:-1] - 1] = True  # a page's last run need not join the next page's first
+        return bool(joined.all())
 
     def aligned(self, base: int, align: int) -> bool:
         """Every run starts (at base + addr) and ends on an align boundary (a device may read it directly)."""

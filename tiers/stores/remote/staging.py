@@ -42,21 +42,14 @@ class Registrations:
         self._pending: Dict[int, threading.Thread] = {}
 
     def add(self, view: memoryview, background: bool = False) -> None:
-        """Register view with the engine (EngineError on refusal unless in the background: then a log line)."""
+        """Register view with the engine (EngineError on refusal unless in the background: then a log line).
+        In the background, once: nothing is done for a view registered, on its way, or refused already (its
+        pages keep going through staging; the refusal was logged)."""
         base, size = address_of(view), view.nbytes
         if not background:
             self._register(base, size)
             self._publish(base, size)
             return
-        thread = threading.Thread(target=self._register_later, args=(base, size), name="register", daemon=True)
-        with self._lock:
-            self._pending[base] = thread
-        thread.start()
-
-    def add_once(self, view: memoryview) -> None:
-        """Register view in the background unless it is registered, on its way, or was refused (a refusal is
-        logged once; the view's pages keep going through staging)."""
-        base, size = address_of(view), view.nbytes
         with self._lock:  # checked and claimed in one hold: two puts at once register it once
             if base in self._ranges or base in self._pending:
                 return

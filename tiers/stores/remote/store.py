@@ -185,7 +185,7 @@ class RemoteStore(PageStore):
         through staging, where neighbours merge), so no other pool is pinned; until then its pages are staged."""
         if self._registrations.extents([view]) is not None:
             return True
-        self._registrations.add_once(view)
+        self._registrations.add(view, background=True)
         return False
 
     def stats(self) -> StoreStats:
