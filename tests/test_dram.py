@@ -1,12 +1,13 @@
 """The DRAM tier: exact bytes back, eviction by policy, memory within its bound."""
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from tiers.wire.client import TierClient
 from tiers.stores.dram import DramStore
-from tiers.stores.base import PageTooLarge
+from tiers.stores.base import EvictionListener, PageTooLarge
 from tests.support.nodes import dram_config, rss_bytes, start_node
 
 
@@ -136,38 +137,66 @@ def _put_as_transfers_do(store, ns, keys, size):
             i += 1
 
 
-@pytest.mark.parametrize("ahead_pages,ahead_s", [(None, None), (3, None), (None, 0.0)])
+class _Heard(EvictionListener):
+    """Every page a store evicted, in order, with its first bytes (what write-back demotion would copy)."""
+
+    def __init__(self):
+        self.pages = []
+
+    def page_evicted(self, key, views, reads, checksum=0):
+        self.pages.append((key, bytes(views[0][:8]), reads, checksum))
+
+
+@pytest.mark.parametrize("ahead_pages,ahead_s,blocks", [(None, None, 1), (3, None, 1), (None, 0.0, 1),
+                                                        (None, None, 2), (5, None, 2)])
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "lfu", "radix-lru"])
-def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead_pages, ahead_s, monkeypatch):
-    """Random batches of two namespaces (fair share), re-puts of held pages, keys twice in a batch and reads:
-    after every batch both stores hold the same pages and counted the same evictions (ahead_pages / ahead_s:
-    a batch reserve evicts for at most that many pages / seconds a lock hold, and goes on in the next)."""
+def test_batch_reserve_evicts_exactly_what_page_by_page_puts_evict(policy, ahead_pages, ahead_s, blocks,
+                                                                   monkeypatch):
+    """Random batches of two namespaces (fair share), re-puts of held pages, keys twice in a batch, reads, and
+    pages leased to readers (their blocks wait for the lease): after every batch both stores hold the same
+    pages, counted the same evictions and told their listener of the same victims in the same order
+    (ahead_pages / ahead_s: a batch reserve evicts for at most that many pages, where a listener copies
+    victims out, / seconds a lock hold, and goes on in the next; blocks: blocks a page)."""
     import tiers.stores.dram as dram
     rng = np.random.default_rng(11)
-    size = 4096
+    block = 4096
+    size = blocks * block - 100
     if ahead_pages:
         monkeypatch.setattr(dram, "EVICT_AHEAD_BYTES", ahead_pages * size)
     if ahead_s is not None:
         monkeypatch.setattr(dram, "EVICT_AHEAD_S", ahead_s)
-    stores = [DramStore(40 * size, policy, block_size=size, prefault=False,
-                        quotas={"b": 25 * size}) for _ in range(2)]
+    heard = [_Heard(), _Heard()]
+    stores = [DramStore(40 * blocks * block, policy, block_size=block, prefault=False,
+                        quotas={"b": 25 * blocks * block}, evictions=heard[i] if ahead_pages else None)
+              for i in range(2)]
     made_room_ahead = False
+    leases = []
     for step in range(300):
         ns = "ab"[int(rng.integers(0, 2))]
         keys = [f"{ns}{int(k)}" for k in rng.integers(0, 120, int(rng.integers(1, 30)))]  # repeats too
         free_before = stores[1].arena.free_blocks()
         _put_page_by_page(stores[0], ns, keys, size)
         _put_as_transfers_do(stores[1], ns, keys, size)
-        made_room_ahead |= len(keys) > free_before + 1
+        made_room_ahead |= len(keys) * blocks > free_before + blocks
         reads = [(ns, f"{ns}{int(k)}") for k in rng.integers(0, 120, 10)]
         for store in stores:
             for key in reads:
                 store.get_bytes(key)
+        if step % 7 == 0:  # a reader leases two pages for a while: evicted meanwhile, their blocks park
+            leased = reads[:2]
+            leases.append([(s, s.lease_pages(leased, [size] * 2, 1, time.monotonic() + 60, 1 << 30)[0])
+                           for s in stores])
+        if len(leases) > 3:
+            for store, lease_id in leases.pop(0):
+                if lease_id is not None:
+                    store.arena.release(lease_id, 1)
         everything = [(n, f"{n}{k}") for n in "ab" for k in range(120)]
         held = [s.contains(everything) for s in stores]
         assert held[0] == held[1], f"step {step}"
         assert stores[0].stats().evictions == stores[1].stats().evictions > 0 or step < 5
+        assert heard[0].pages == heard[1].pages, f"step {step}"
     assert made_room_ahead  # batches larger than the free room came, so the batch path evicted ahead
+    assert not ahead_pages or len(heard[0].pages) == stores[0].stats().evictions
 
 
 def test_a_batch_reserve_stops_evicting_ahead_once_its_time_in_the_lock_is_spent(monkeypatch):

@@ -264,3 +264,24 @@ def test_insert_packed_batches_agree_with_one_by_one():
         index.insert_packed(b"\0" * 16, b"\0" * 8)  # a size a digest
     with pytest.raises(ValueError):
         PageIndex(ORDER_LRU).insert_packed(b"\0" * 16, b"\0" * 4)  # an ordered index inserts row by row
+
+
+@pytest.mark.parametrize("order", [ORDER_NONE, ORDER_LRU])
+def test_remove_packed_drops_the_batch_and_leaves_the_rest(order):
+    """A batch of victims off the index in one call (a DRAM tier's evictions): present digests go (their list
+    places too), absent ones and a digest twice are counted once, everything else stays and still inserts."""
+    index = PageIndex(order)
+    digests = [random.getrandbits(128) for _ in range(3000)]
+    for d in digests:
+        index.insert(d, 0, 5)
+    gone = digests[:1000:2] + [random.getrandbits(128), digests[0]]  # one never held, one twice
+    assert index.remove_packed(b"".join(d.to_bytes(16, "little") for d in gone)) == 500
+    kept = [d for d in digests if d not in set(digests[:1000:2])]
+    assert len(index) == len(kept) == 2500
+    assert index.contains_packed(b"".join(d.to_bytes(16, "little") for d in digests[:4])) == b"\0\1\0\1"
+    if order == ORDER_LRU:
+        assert index.digests(0) == kept  # the list skips exactly the removed rows, in order
+    index.insert(digests[0], 0, 9)
+    assert row(index.get(digests[0])).size == 9
+    with pytest.raises(ValueError):
+        index.remove_packed(b"\0" * 17)

@@ -539,6 +539,33 @@ static PyObject *PageIndex_insert_packed(PageIndex *ix, PyObject *args) {
     return out;
 }
 
+/* remove_packed(digests) -> rows removed: each 16-byte digest of a packed batch no longer held (absent ones are
+   skipped).  A DRAM tier's victims of one put leave its lookup set in one call, no Python int a key. */
+static PyObject *PageIndex_remove_packed(PageIndex *ix, PyObject *arg) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = NULL;
+    if (buf.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "packed digests are 16 bytes each");
+    } else {
+        const unsigned char *p = buf.buf;
+        long removed = 0;
+        for (Py_ssize_t i = 0; i < buf.len / 16; i++, p += 16) {
+            uint64_t lo, hi;
+            memcpy(&lo, p, 8);
+            memcpy(&hi, p + 8, 8);
+            uint32_t row = ix->nslots ? find(ix, lo, hi) : NIL;
+            if (row != NIL) {
+                drop_row(ix, row);
+                removed++;
+            }
+        }
+        out = PyLong_FromLong(removed);
+    }
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 /* digests(tenant=-1) -> every digest (of one tenant), in list order when the index keeps one. */
 static PyObject *PageIndex_digests(PageIndex *ix, PyObject *args) {
     long tenant = -1;
@@ -974,6 +1001,8 @@ static PyMethodDef PageIndex_methods[] = {
     {"contains_packed", (PyCFunction)PageIndex_contains_packed, METH_VARARGS,
      "contains_packed(digests, tenant=-1) -> bytes: one byte a 16-byte digest of the packed batch"},
     {"digests", (PyCFunction)PageIndex_digests, METH_VARARGS, "digests(tenant=-1) -> list of digests"},
+    {"remove_packed", (PyCFunction)PageIndex_remove_packed, METH_O,
+     "remove_packed(digests) -> rows removed: 16-byte digests packed, absent ones skipped"},
     {"insert_packed", (PyCFunction)PageIndex_insert_packed, METH_VARARGS,
      "insert_packed(digests, sizes) -> rows added: packed 16-byte digests, uint32 sizes (ORDER_NONE only)"},
     {"place_scanned", (PyCFunction)PageIndex_place_scanned, METH_NOARGS,

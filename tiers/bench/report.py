@@ -15,6 +15,8 @@ TIER_ROWS = [
      "limit.memcpy.{m}", "file.{m}.write"),
     ("SGLang's own floor: read", "dram_floor.{m}.read", "limit.memcpy.{m}", "file.{m}.read_warm"),
     ("DRAM read, x memcpy between memfds", "dram.{m}.read", "limit.memcpy_shm.{m}", "file.{m}.read_warm"),
+    ("DRAM write into a full tier (each batch evicts its size)", "dram.{m}.write_full", "limit.memcpy.{m}",
+     "file.{m}.write"),
     ("NVMe write (fsync; the file backend does not)", "nvme.{m}.write", "limit.disk_write.{m}", "file.{m}.write"),
     ("NVMe write, x one file and one fdatasync a batch", "nvme.{m}.write", "limit.disk_write_batch.{m}",
      "file.{m}.write"),

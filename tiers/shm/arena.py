@@ -195,6 +195,11 @@ class BlockArena:
                 else:
                     free.extend(alloc.blocks)
 
+    def pinned(self, alloc: Alloc) -> bool:
+        """A reader's lease holds alloc: given back, its blocks wait for the lease to end."""
+        with self._lock:
+            return alloc.alloc_id in self._pins
+
     def free_blocks(self) -> int:
         with self._lock:
             return len(self._free)

@@ -24,6 +24,7 @@ import numpy as np
 from tiers.shm.arena import Alloc, BlockArena, Extents
 from tiers.shm.buffers import MemoryFault, as_bytes_view, scatter_copy
 from tiers.shm.directory import PageDirectory
+from tiers.stores.dram_evictions import DramEvictions
 from tiers.stores.dram_reads import DramReads, PageEntry
 from tiers.stores.dram_tenants import Tenants
 from tiers.stores.fairness import bounded_top
@@ -32,15 +33,15 @@ from tiers.plugins import make_policy
 from tiers.stores.base import (INDEX_BYTES_PER_PAGE, Buffers, EvictionListener, PageKey, PageStore, PageTooLarge,
                                SourceGone, StoreFull, StoreStats, total_size)
 from tiers.plugins import StoreKind
-from tiers.wire.protocol import key_digest, pack_key_digests
+from tiers.wire.protocol import pack_key_digests
 
 log = logging.getLogger("hicache.dram")
 
 
-# Bytes a batch reserve evicts for in one lock hold at most: under write-back each evicted page is copied
-# into the demotion queue inside the lock, and every reader of the tier waits meanwhile (about a millisecond
-# at this size; a batch of 128 pages of 8 MiB would have held it for ~0.1 s).  Past it the batch goes on in
-# the next hold.
+# Bytes a batch reserve evicts for in one lock hold at most where evicted pages are copied out (write-back:
+# each into the demotion queue inside the lock, and every reader of the tier waits meanwhile: about a
+# millisecond at this size; a batch of 128 pages of 8 MiB would have held it for ~0.1 s).  Past it the batch
+# goes on in the next hold.  With nobody listening a victim costs no copy, and EVICT_AHEAD_S bounds the hold.
 EVICT_AHEAD_BYTES = 8 << 20
 # Seconds of evicting ahead in one lock hold at most, whatever the bytes: choosing a victim walks every
 # namespace (tiers/stores/fairness.py), so with thousands of them a batch's evictions in one hold would stall
@@ -76,7 +77,10 @@ class DramStore(PageStore):
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=self.capacity)
         self._evictions = evictions
+        self._evict_ahead_bytes = EVICT_AHEAD_BYTES if evictions is not None else self.capacity
         self._reads = DramReads(self._lock, self.arena, self._index, self._tenants, self._stats)
+        self._evict = DramEvictions(self.arena, self._index, self._held, self.directory, self._tenants, self._stats,
+                                    evictions)
 
     def export_arena(self) -> BlockArena:
         return self.arena
@@ -94,45 +98,8 @@ class DramStore(PageStore):
         return self._reads.touch(namespace, keys, sizes)
 
     # ------------------------------------------------------------- helpers
-    def _release_locked(self, key: PageKey) -> Optional[PageEntry]:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            digest = key_digest(*key)
-            if self.directory is not None:  # engines stop finding it before its blocks can be reused
-                self.directory.withdraw(key[0], digest.to_bytes(16, "little"))
-            self.arena.give(entry.alloc)  # parked while a reader's lease holds them
-            self._stats.used_bytes -= entry.size
-            self._held.remove(digest)
-            self._tenants.released(key, entry.size)
-        return entry
-
-    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None,
-                          pending: int = 0) -> bool:
-        """pending: bytes the writer has reserved for pages of its batch not committed yet (they count as
-        its own, as they would once committed page by page)."""
-        own = self._tenants.get(writer) if writer is not None else None
-        over = own is not None and self._tenants.fair.over_quota(writer, own.bytes + pending + need)
-        plan, namespace, grown = None, only, pending if own is not None else 0
-        if only is None:
-            plan = self._tenants.plan_for(writer, over, grown)
-            namespace = plan.next()
-        tenant = self._tenants.get(namespace) if namespace is not None else None
-        victim = tenant.policy.pop_victim() if tenant is not None else None
-        if victim is None:
-            return False
-        entry = self._index[victim]
-        if self._evictions is not None:
-            # Runs inside the lock: the listener copies the page into the demotion queue (bounded memory,
-            # tiers/node/demotion.py) and never waits on a peer; the blocks are free for the writer at once
-            # (pinning them instead made a writer of a full arena evict more pages, or fail).
-            self._evictions.page_evicted(victim, self.arena.views(entry.alloc), entry.reads, entry.checksum)
-        self._release_locked(victim)
-        if plan is not None:  # the usage changed only as the plan knows
-            plan.gave(namespace, entry.size)
-            self._tenants.keep_plan(writer, over, plan, grown)
-        tenant.evictions += 1
-        self._stats.evictions += 1
-        return True
+    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
+        return self._evict.evict_one_locked(writer, need, only)
 
     def _allocate_locked(self, namespace: str, size: int) -> Alloc:
         while True:
@@ -177,7 +144,8 @@ class DramStore(PageStore):
         reserves the next page alone, evicting, once these are committed.  Nor does it evict once a page
         held already (or one twice in the batch) is among those reserved: committing it frees its old
         blocks, and page by page the pages after it would have found them free; nor for more than
-        EVICT_AHEAD_BYTES of pages or EVICT_AHEAD_S in one call (one lock hold).
+        EVICT_AHEAD_BYTES of pages where evicted pages are copied out, or EVICT_AHEAD_S, in one call (one lock
+        hold).
         """
         largest = min(self.max_page_bytes, self.capacity)
         sizes = sizes[:next((i for i, size in enumerate(sizes) if not 0 < size <= largest), len(sizes))]
@@ -191,14 +159,18 @@ class DramStore(PageStore):
             seen = set(keys[:len(out)])  # a key twice in a batch replaces its own first copy when committed
             replaces = len(seen) < len(out) or any((namespace, key) in index for key in seen)
             until = time.perf_counter() + EVICT_AHEAD_S
+            if room is None and evict and not replaces:  # the usual full tier: victims released together
+                return out + self._evict.reserve_evicting_locked(namespace, keys[len(out):], sizes[len(out):],
+                                                                 pending, seen, until, self._evict_ahead_bytes)
             for key, size in zip(keys[len(out):], sizes[len(out):]):
                 while room is not None and pending + size > room[0]:
                     if not (evict and room[2] and not replaces and self._evict_one_locked(namespace, only=room[1])):
                         return out
                     room = self._tenants.quota_room(namespace)
                 alloc = self.arena.take(size)
-                while (alloc is None and evict and not replaces and pending < EVICT_AHEAD_BYTES
-                       and time.perf_counter() < until and self._evict_one_locked(namespace, size, pending=pending)):
+                while (alloc is None and evict and not replaces and pending < self._evict_ahead_bytes
+                       and time.perf_counter() < until and self._evict.evict_one_locked(namespace, size,
+                                                                                         pending=pending)):
                     alloc = self.arena.take(size)
                 if alloc is None:
                     return out
@@ -217,10 +189,11 @@ class DramStore(PageStore):
         with self._lock:
             tenant = self._tenants.tenant(namespace)
             index, policy, added = self._index, tenant.policy, 0
+            self._evict.release_keys_locked([(namespace, key) for key in keys])  # pages written again
             for key, alloc, parent, checksum in zip(keys, allocs, parents, checksums):
                 page = (namespace, key)
-                if page in index:
-                    self._release_locked(page)
+                if page in index:  # twice in this batch: the later copy replaces the first
+                    self._evict.release_keys_locked([page])
                 index[page] = PageEntry(alloc, checksum=checksum)
                 policy.insert(page, (namespace, parent) if parent else None)
                 added += alloc.size
@@ -295,14 +268,11 @@ class DramStore(PageStore):
 
     def delete(self, keys: Iterable[PageKey]) -> int:
         with self._lock:
-            return sum(1 for key in keys if self._release_locked(key) is not None)
+            return self._evict.release_keys_locked(list(keys))
 
     def clear(self, namespace: Optional[str] = None) -> int:
         with self._lock:
-            doomed = [k for k in self._index if namespace is None or k[0] == namespace]
-            for key in doomed:
-                self._release_locked(key)
-            return len(doomed)
+            return self._evict.release_keys_locked([k for k in self._index if namespace is None or k[0] == namespace])
 
     def evict(self, nbytes: int, namespace: Optional[str] = None) -> Tuple[int, int]:
         pages = freed = 0

@@ -9,7 +9,7 @@ under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from tiers.plugins import make_policy
 from tiers.policies import EvictionPolicy
@@ -103,13 +103,21 @@ class Tenants:
         else:
             self._usage_version += 1
 
-    def released(self, key: PageKey, size: int) -> None:
-        """key's page of size bytes left the tier."""
-        tenant = self.by_name[key[0]]
+    def released_many(self, namespace: str, keys: Sequence[PageKey], size: int, planned: bool = False) -> None:
+        """namespace's pages keys, size bytes in all, left the tier (victims its policy popped are told too:
+        a plug-in may keep more of a page than its place in the order); planned: victims the kept plan chose
+        (it counted what they gave, so it stays good)."""
+        tenant = self.by_name[namespace]
         tenant.bytes -= size
-        tenant.policy.remove(key)
+        remove = tenant.policy.remove
+        for key in keys:
+            remove(key)
+        kept = self._victim_plan
+        current = planned and kept is not None and kept[0] == self._usage_version
         self._usage_version += 1
-        self._bytes_changed(key[0], tenant, -size)
+        if current:
+            self._victim_plan = (self._usage_version,) + kept[1:]
+        self._bytes_changed(namespace, tenant, -size)
 
     def quota_room(self, namespace: str) -> Optional[Tuple[int, str, int]]:
         """(bytes namespace may still add, the namespace that gives way when it adds more, what that quota's

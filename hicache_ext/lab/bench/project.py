@@ -12,7 +12,7 @@ import os
 from typing import Callable, Dict, Optional
 
 from hicache_ext.lab.bench import memory_backend
-from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_toml
+from hicache_ext.lab.bench.rig import MiB, Node, Rank, drop_page_cache, node_toml, tier_capacity, tier_toml
 from tiers.bench import limits
 from tiers.bench.stats import Figures, Progress, gbps, size_label, timed
 from tiers.stores.remote.loopback import free_ports, pool_config
@@ -55,10 +55,29 @@ def measure(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progres
         rank.clear()
 
 
+def measure_full(rank: Rank, figs: Figures, prefix: str, reps: int, progress: Progress, salt: int,
+                 capacity: int) -> None:
+    """Writes into a full tier, the steady state of a cache: the tier filled past capacity bytes first
+    (untimed), then each timed batch evicts its own size; figure prefix.write_full."""
+    for fill in range(capacity // rank.nbytes + 1):
+        rank.write(rank.keys(salt + 100 + fill))
+    for rep in range(reps):
+        progress.step(f"{prefix}: into a full tier, repetition {rep + 1}/{reps}")
+        keys = rank.keys(salt + rep)
+        done = {}
+        seconds = timed(lambda: done.setdefault("n", rank.write(keys)))
+        if done["n"] != rank.pages:
+            figs.failures.append(f"{prefix}: wrote {done['n']} of {rank.pages} pages into a full tier")
+            continue
+        figs.add(f"{prefix}.write_full", gbps(rank.nbytes, seconds))
+    rank.clear()
+
+
 def _through_node(figs: Figures, args, progress: Progress, root: str, config: str, page: int, prefix: str,
                   salt: int, write_policy: Optional[str] = None, cold_tier: Optional[str] = None,
-                  settings: Optional[dict] = None, **kw) -> None:
-    """Start the node's daemons, build a rank on them, warm up (untimed), measure, stop everything."""
+                  settings: Optional[dict] = None, full_capacity: int = 0, **kw) -> None:
+    """Start the node's daemons, build a rank on them, warm up (untimed), measure (then, with full_capacity,
+    into the full tier: measure_full), stop everything."""
     node = Node(os.path.join(args.work_dir, root), config)
     try:
         rank = Rank.tiered(node, page, args.pages, write_policy=write_policy, settings=settings)
@@ -66,6 +85,8 @@ def _through_node(figs: Figures, args, progress: Progress, root: str, config: st
         rank.clear()
         cold = node.data_path(cold_tier) if cold_tier else None
         measure(rank, figs, prefix, args.repeat, progress, salt=salt, cold_dir=cold, **kw)
+        if full_capacity:
+            measure_full(rank, figs, prefix, args.repeat, progress, salt + 500, full_capacity)
         rank.close()
     finally:
         node.close()
@@ -89,7 +110,8 @@ def run_dram(figs: Figures, args, progress: Progress, size: int) -> None:
         floor.read()
     try:
         _through_node(figs, args, progress, "dram", node_toml([tier_toml("dram", args.pages * size, size)]), size,
-                      f"dram.{label}", 1000, before={"write": before_write, "read": before_read})
+                      f"dram.{label}", 1000, before={"write": before_write, "read": before_read},
+                      full_capacity=tier_capacity(args.pages * size))
     finally:
         floor.close()
 

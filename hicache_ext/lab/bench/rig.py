@@ -32,11 +32,16 @@ def _size(nbytes: int) -> str:
     return f"{max(1, -(-nbytes // MiB))}MiB"
 
 
+def tier_capacity(batch_bytes: int) -> int:
+    """What tier_toml gives a tier: a batch and a quarter, and 64 MiB (whole MiB)."""
+    return max(1, -(-(batch_bytes * 5 // 4 + 64 * MiB) // MiB)) * MiB
+
+
 def tier_toml(kind: str, batch_bytes: int, page_bytes: int, pool_port: Optional[int] = None,
               name: Optional[str] = None, **options) -> str:
     """One [[tiers]] table sized for a batch and a quarter (tiers are cleared between repetitions)."""
     name = name or kind
-    lines = [f'name = "{name}"', f'kind = "{kind}"', f'capacity = "{_size(batch_bytes * 5 // 4 + 64 * MiB)}"',
+    lines = [f'name = "{name}"', f'kind = "{kind}"', f'capacity = "{tier_capacity(batch_bytes) >> 20}MiB"',
              f'max_page_bytes = "{_size(page_bytes)}"']
     if kind == "remote":
         lines += [f'pools = ["tcp://127.0.0.1:{pool_port}"]', 'te_hostname = "127.0.0.1"',
