@@ -19,37 +19,7 @@ import pytest
 from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme import batch, ceiling
 from tiers.stores.nvme.chunkfile import ALIGN, HEADER_SIZE
-
-PAGE = 64 << 10
-RECORD = HEADER_SIZE + PAGE  # a 64 KiB page's record: aligned already
-
-
-def page(seed: int, size: int = PAGE) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def batch_files(root) -> list:
-    top = os.path.join(root, batch.TOP)
-    return sorted(os.path.join(d, f) for d, _s, files in os.walk(top) for f in files) if os.path.isdir(top) else []
-
-
-def disk_bytes(root) -> int:
-    """Bytes the file system gives the store's files (holes excluded)."""
-    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _s, files in os.walk(root) for f in files
-               if f not in ("LOCK", "usage.ceiling", "index.snapshot"))  # the chunks, not the store's own files
-
-
-def put_batch(store, names, seeds):
-    keys = [("ns", n) for n in names]
-    out = store.put_many(keys, [[memoryview(page(s))] for s in seeds], [None] * len(keys), time.time() + 30)
-    assert out == [None] * len(keys), out
-    return keys
-
-
-def read_all(store, keys):
-    outs = [bytearray(PAGE) for _ in keys]
-    found = store.get_many_into(keys, [[memoryview(o)] for o in outs], time.time() + 30)
-    return found, [bytes(o) for o in outs]
+from tests.support.nvme_batches import PAGE, RECORD, batch_files, disk_bytes, page, put_batch, read_all
 
 
 @pytest.fixture
@@ -232,7 +202,7 @@ def test_a_batch_into_a_full_tier_evicts_at_most_a_bounded_amount_a_lock_hold(ma
     import threading
     from tiers.stores.nvme import ledger as ledger_mod
     n = 3 * (ledger_mod.RESERVE_HOLD_BYTES // RECORD) + 5
-    store = make_store(capacity=n * RECORD, fsync=False)
+    store = make_store(capacity=n * RECORD, fsync=False, recycle_bytes=0)  # the index holds the whole capacity
     put_batch(store, [f"old{i}" for i in range(n)], range(n))  # full
     ledger = store._ledger
     holds, evicted = [0], []

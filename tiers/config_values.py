@@ -55,6 +55,11 @@ def parse_size(value: Any, where: str = "size") -> int:
     raise ConfigError(f"{where}: {value!r} is not a size (examples: 4GiB, 512MB, 65536)")
 
 
+def _size_or_auto(value: Any, where: str) -> Optional[int]:
+    """A size, or None for "auto" (the component picks one from what it knows)."""
+    return None if value == "auto" else parse_size(value, where)
+
+
 def _bool(value: Any, where: str) -> bool:
     if isinstance(value, bool):
         return value

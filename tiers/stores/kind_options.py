@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from tiers.config_values import _bool, _choice, _endpoint, _int, _list_of, _str, _weight, parse_size
+from tiers.config_values import _bool, _choice, _endpoint, _int, _list_of, _size_or_auto, _str, _weight, parse_size
 
 
 # The Mooncake Transfer Engine's settings, shared by remote tiers and pools (docs/REMOTE.md).
@@ -45,6 +45,11 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "index_snapshot": (_bool, True, "save the index at a clean shutdown and load it at the next start instead "
                                         "of scanning every chunk name (removed once loaded: after a crash the "
                                         "start scans)"),
+        "recycle_bytes": (_size_or_auto, "auto", "batch files whose every page left, kept (up to this many bytes, "
+                                                 "an eighth of the capacity at most, taken out of what the index may "
+                                                 "hold) for the next batch of their size to be written over: no "
+                                                 "allocation or freeing on its way; auto: 128MiB on tiers of 8GiB and "
+                                                 "more, 0 below; 0: removed at once"),
     },
     "remote": {
         **TRANSFER_ENGINE_OPTIONS,

@@ -111,10 +111,12 @@ class BatchWriter:
     of pool (pwritev lets go of the GIL) while the caller prepares the next, and the file gets one flush at
     the end (finish).  Parts whose buffers allow it are written with O_DIRECT."""
 
-    def __init__(self, path: str, direct: bool, pool=None):
+    def __init__(self, path: str, direct: bool, pool=None, over: bool = False):
+        """over: path is a recycled file of the batch's exact size (tiers/stores/nvme/recycle.py), written over
+        from its start; else a new file."""
         self.path = path
         self._pool = pool
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CLOEXEC | (0 if over else os.O_CREAT | os.O_EXCL)
         self._fd = os.open(path, flags | (cf.O_DIRECT if direct else 0), 0o600)
         self._direct = direct
         self._buffered_fd: Optional[int] = None if direct else self._fd
@@ -189,6 +191,45 @@ def punch(path: str, block: int, blocks: int) -> bool:
     return punch_ranges(path, [(block, blocks)]) is not None
 
 
+def _merged(ranges: Sequence[Tuple[int, int]]) -> List[List[int]]:
+    merged: List[List[int]] = []
+    for block, blocks in sorted(ranges):
+        if merged and merged[-1][0] + merged[-1][1] >= block:
+            merged[-1][1] = max(merged[-1][1], block + blocks - merged[-1][0])
+        else:
+            merged.append([block, blocks])
+    return merged
+
+
+def holds_data_outside(path: str, ranges: Sequence[Tuple[int, int]]) -> bool:
+    """Whether the batch file at path holds data anywhere but in the (first block, blocks) ranges: False when
+    giving those back leaves it empty (or it is gone), so it can go whole without a hole punched."""
+    merged = _merged(ranges)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        end = os.fstat(fd).st_size
+        at, i = 0, 0
+        while at < end:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only holes from here
+                    return False
+                raise
+            stop = os.lseek(fd, start, os.SEEK_HOLE)
+            while i < len(merged) and (merged[i][0] + merged[i][1]) * cf.ALIGN <= start:
+                i += 1
+            if i == len(merged) or merged[i][0] * cf.ALIGN > start or (merged[i][0] + merged[i][1]) * cf.ALIGN < stop:
+                return True  # data from start on that no range covers
+            at = stop
+        return False
+    finally:
+        os.close(fd)
+
+
 def punch_ranges(path: str, ranges: Sequence[Tuple[int, int]]) -> Optional[bool]:
     """Punch (first block, blocks) ranges of one batch file, adjacent ones merged, through one descriptor;
     whether the file still holds data afterwards (False: remove it), None where holes cannot be punched."""
@@ -197,13 +238,7 @@ def punch_ranges(path: str, ranges: Sequence[Tuple[int, int]]) -> Optional[bool]
     except FileNotFoundError:
         return False
     try:
-        merged: List[List[int]] = []
-        for block, blocks in sorted(ranges):
-            if merged and merged[-1][0] + merged[-1][1] >= block:
-                merged[-1][1] = max(merged[-1][1], block + blocks - merged[-1][0])
-            else:
-                merged.append([block, blocks])
-        for block, blocks in merged:
+        for block, blocks in _merged(ranges):
             if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, block * cf.ALIGN,
                                blocks * cf.ALIGN) != 0:
                 err = ctypes.get_errno()

@@ -32,6 +32,7 @@ from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.layout import key_digest, namespace_hash
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.nvme.recycle import RecycledFiles
 
 BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
 # Bytes prepared (filled, checked, given headers) and handed to the device at a time within one file, the
@@ -67,10 +68,15 @@ DIRSYNC_CONCURRENT_BYTES = 40 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _finish_durable(t: "BatchTarget", writer: batch.BatchWriter, path: str, file_bytes: int) -> None:
-    """Every part on the device and, with fsync, the file flushed and its name durable (DIRSYNC_CONCURRENT_BYTES
-    says in which order).  The directory is synced on this thread: on a writer's, concurrent puts' syncs would
-    hold up their parts."""
+def _finish_durable(t: "BatchTarget", writer: batch.BatchWriter, path: str, file_bytes: int,
+                    new_name: bool = True) -> None:
+    """Every part on the device and, with fsync, the file flushed and, when new_name (not a kept file written
+    over: its name is durable since its first put), its name made durable (DIRSYNC_CONCURRENT_BYTES says in
+    which order).  The directory is synced on this thread: on a writer's, concurrent puts' syncs would hold up
+    their parts."""
+    if not new_name:
+        writer.finish(t.fsync)
+        return
     early = t.fsync and file_bytes <= DIRSYNC_CONCURRENT_BYTES
     if early:
         t.dirsync.sync(os.path.dirname(path))
@@ -96,6 +102,7 @@ class BatchTarget:
     discard: Callable[[List[Victim], bool], None]  # evicted chunks' files or records given back
     replaced: Callable[[int, Entry], None]  # an older version of a page just indexed goes
     buffered_up_to: int = 0  # batch files of at most this many bytes go through the page cache (0: none)
+    recycled: Optional[RecycledFiles] = None  # dead batch files a batch of their size is written over
 
 
 @dataclass
@@ -193,8 +200,8 @@ class BatchWrites:
         lay = laid_out.lay_out(t, namespace, ns_hash, idx, pages, page_bytes, out)
         if lay is None:
             return
-        with self._new_file() as (file_id, path):
-            writer = self._open_writer(path, sum(lay.disks))
+        with self._new_file(sum(lay.disks)) as (file_id, path, over):
+            writer = self._open_writer(path, sum(lay.disks), over)
             if isinstance(writer, StoreError):
                 self._refuse(lay, ns_hash, out, writer)
                 return
@@ -217,7 +224,7 @@ class BatchWrites:
                     return
                 if lay.gaps:
                     writer.punch(lay.gaps)
-                _finish_durable(t, writer, path, sum(lay.disks))
+                _finish_durable(t, writer, path, sum(lay.disks), new_name=not over)
             except FillFailed as exc:  # nothing of this file is kept: its pages are refused as the fill says
                 writer.abort()
                 self._refuse(lay, ns_hash, out, exc)
@@ -251,7 +258,7 @@ class BatchWrites:
     def _write_file(self, namespace: str, idx: List[int], keys, pages, parents, checksums, page_sums,
                     fill: Optional[FillPages], out: list, aligned: bool = False) -> None:
         """Pages idx of a put into one new batch file, then indexed; each refusal to its page's slot in out."""
-        with self._new_file() as (file_id, path):
+        with self._new_file() as (file_id, path, _over):
             t = self.t
             ns_hash = namespace_hash(namespace)
             writer = self._open_writer(path, sum(total_size(pages[i]) for i in idx))  # at most: compressed later
@@ -312,9 +319,15 @@ class BatchWrites:
                 t.replaced(digest, replaced)
             t.ledger.wrote(sum(r.size for r, _b in written), sum(r.stored for r, _b in written), len(written))
 
-    def _open_writer(self, path: str, nbytes: int):
-        """A BatchWriter for a new file of about nbytes at path, or the StoreIOError that refuses its pages."""
+    def _open_writer(self, path: str, nbytes: int, over: bool = False):
+        """A BatchWriter for a file of about nbytes at path (over: a kept file of exactly nbytes, written over),
+        or the StoreIOError that refuses its pages."""
         direct = self.t.direct() and nbytes > self.t.buffered_up_to
+        if over:
+            try:
+                return batch.BatchWriter(path, direct, self.t.writers, over=True)
+            except OSError as exc:  # removed behind our back: this put's pages are refused, the next one's not
+                return StoreIOError(f"{self.t.name}: writing over {path}: {exc.strerror}")
         try:
             try:
                 return batch.BatchWriter(path, direct, self.t.writers)
@@ -326,10 +339,19 @@ class BatchWrites:
             return StoreIOError(f"{self.t.name}: creating {path}: {exc.strerror}")
 
     @contextmanager
-    def _new_file(self) -> Iterator[Tuple[int, str]]:
+    def _new_file(self, exact_bytes: int = 0) -> Iterator[Tuple[int, str, bool]]:
         """A file id no batch chunk holds (random: nothing to recover at start) and its path, in writing (so a
         restart scan leaves the file alone) from before the file exists until the block ends: it is indexed
-        or removed by then."""
+        or removed by then; or, for a file of exact_bytes, a kept dead file of that size to write over (its
+        id and path, and True)."""
+        kept = self.t.recycled.take(exact_bytes) if exact_bytes and self.t.recycled is not None else None
+        if kept is not None:
+            self.writing.add(kept[0])
+            try:
+                yield kept[0], kept[1], True
+            finally:
+                self.writing.discard(kept[0])
+            return
         while True:
             file_id = secrets.randbits(32) or 1
             path = batch.batch_path(self.t.root, file_id)
@@ -343,7 +365,7 @@ class BatchWrites:
             if directory not in self._made:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
                 self._made.add(directory)
-            yield file_id, path
+            yield file_id, path, False
         finally:
             self.writing.discard(file_id)
 

@@ -18,6 +18,7 @@ from tiers.stores.base import EvictionListener
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.nvme.recycle import RecycledFiles
 
 N_STRIPES = 64
 
@@ -26,8 +27,9 @@ class Removal:
     """Files and batch records of chunks already out of the index (or of one that cannot be served) removed."""
 
     def __init__(self, name: str, ledger: Ledger, codec: Codec, evictions: Optional[EvictionListener],
-                 rlog: RateLimitedLog):
+                 rlog: RateLimitedLog, recycled: Optional[RecycledFiles] = None):
         self.name = name
+        self._recycled = recycled  # a batch file that loses its last page is kept for a batch of its size
         self._ledger = ledger
         self._codec = codec
         # Hears of each evicted chunk before its file is removed: the daemon may demote it further.
@@ -56,13 +58,17 @@ class Removal:
 
     def _give_back_many(self, entries: List[Entry]) -> None:
         """Batch records' blocks back, each file opened once and adjacent records punched as one range (the
-        victims of a batch are mostly the oldest records of one file); a file goes with its last record."""
+        victims of a batch are mostly the oldest records of one file); a file that loses its last record goes
+        whole, with no hole punched: kept for a batch of its size (tiers/stores/nvme/recycle.py) or removed."""
         by_file: dict = {}
         for entry in entries:
             by_file.setdefault(entry.path, []).append((entry.block, -(-entry.disk_size // cf.ALIGN)))
         for path, ranges in by_file.items():
             try:
-                if batch.punch_ranges(path, ranges) is False:
+                if not batch.holds_data_outside(path, ranges):
+                    if self._recycled is None or not self._recycled.offer(path):
+                        cf.unlink_quietly(path)
+                elif batch.punch_ranges(path, ranges) is False:
                     cf.unlink_quietly(path)
             except OSError as exc:
                 self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)

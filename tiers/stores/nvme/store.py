@@ -35,6 +35,7 @@ from tiers.stores.nvme.rebuild import IndexBuild
 from tiers.stores.nvme.layout import LeafDirs, key_digest, namespace_hash
 from tiers.stores.nvme.page_reads import PageReadSource, PageReads
 from tiers.stores.nvme.page_writes import PageWrites
+from tiers.stores.nvme.recycle import RECYCLE_BYTES, RecycledFiles
 from tiers.stores.nvme.removal import Removal
 from tiers.wire.protocol import pack_key_digests
 from tiers.stores.nvme.ledger import Ledger, Victim
@@ -59,7 +60,7 @@ class NvmeStore(PageStore):
     def __init__(self, path: str, capacity: int, policy: str = "lru", max_page_bytes: int = 64 << 20,
                  fsync: bool = True, compression: str = "none", compression_level: int = 1,
                  direct_io: bool = True, direct_writes: bool = False, io_threads: int = 4, name: str = "nvme",
-                 index_snapshot: bool = True,
+                 index_snapshot: bool = True, recycle_bytes: Optional[int] = None,
                  quotas: Optional[dict] = None, evictions: Optional[EvictionListener] = None):
         if capacity < cf.HEADER_SIZE + 1:
             raise ValueError("capacity must hold at least one chunk")
@@ -70,12 +71,6 @@ class NvmeStore(PageStore):
         self.name = name
         self.io_threads = io_threads  # the daemon's I/O pool size for this store (several reads in flight)
         self._codec = Codec(compression, compression_level)
-        self._ledger = Ledger(self.root, capacity, policy, quotas, ceiling=UsageCeiling(self.root, capacity))
-        self._snapshots = index_snapshot
-        self._dirsync = DirSyncer()
-        warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
-        rlog = RateLimitedLog(log)
-        self._removal = Removal(name, self._ledger, self._codec, evictions, rlog)
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd: Optional[int] = self._lock_directory()
         self._direct = bool(direct_io) and self._probe_direct()
@@ -87,15 +82,31 @@ class NvmeStore(PageStore):
         # Batch chunks give evicted pages' blocks back by punching holes; a file system that cannot keeps
         # them until the whole file goes, which the byte count would not see: a file a page there instead.
         self.batched = self._probe_punch()
+        # Dead batch files kept to be written over (tiers/stores/nvme/recycle.py) take up to recycle_bytes (an
+        # eighth of the capacity at most; None: RECYCLE_BYTES where that is a 64th or less) out of what the index
+        # may hold: the disk holds the capacity at most.
+        if recycle_bytes is None:
+            recycle_bytes = RECYCLE_BYTES if capacity >= 64 * RECYCLE_BYTES else 0
+        recycle = min(max(0, recycle_bytes), capacity // 8) if self.batched and compression == "none" else 0
+        self._recycled = RecycledFiles(recycle, ready=lambda: self._build.done.is_set())
+        pages_capacity = capacity - recycle
+        self._ledger = Ledger(self.root, pages_capacity, policy, quotas,
+                              ceiling=UsageCeiling(self.root, pages_capacity))
+        self._snapshots = index_snapshot
+        self._dirsync = DirSyncer()
+        warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
+        rlog = RateLimitedLog(log)
+        self._removal = Removal(name, self._ledger, self._codec, evictions, rlog, self._recycled)
         self._readers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-read")
         self._writers = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"{name}-write")
         self._dirs = LeafDirs()
         # Batch files go to the device with O_DIRECT while the next part is prepared, then one flush; without
         # fsync, small ones go through the page cache (batch_writes.BUFFERED_BATCH_BYTES).
         puts = BatchTarget(
-            name, self.root, capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers, self._dirsync,
-            direct=lambda: self._direct, discard=self._removal.discard_many, replaced=self._removal.replaced,
-            buffered_up_to=0 if fsync or self._direct_writes else BUFFERED_BATCH_BYTES)
+            name, self.root, pages_capacity, max_page_bytes, fsync, self._ledger, self._codec, self._writers,
+            self._dirsync, direct=lambda: self._direct, discard=self._removal.discard_many,
+            replaced=self._removal.replaced, buffered_up_to=0 if fsync or self._direct_writes else BUFFERED_BATCH_BYTES,
+            recycled=self._recycled)
         self._page_writes = PageWrites(puts, self._dirs, self._removal, warn_once, self._direct_writes,
                                        self._refuse_direct)
         self._page_reads = PageReads(PageReadSource(
@@ -117,7 +128,8 @@ class NvmeStore(PageStore):
         return cls(opt["path"], tier.capacity, policy=tier.policy, max_page_bytes=tier.max_page_bytes,
                    fsync=opt["fsync"], compression=opt["compression"], compression_level=opt["compression_level"],
                    direct_io=opt["direct_io"], direct_writes=opt["direct_writes"], io_threads=opt["io_threads"],
-                   index_snapshot=opt["index_snapshot"], name=tier.name, quotas=quotas,
+                   index_snapshot=opt["index_snapshot"], recycle_bytes=opt["recycle_bytes"], name=tier.name,
+                   quotas=quotas,
                    evictions=evictions)
 
     # ------------------------------------------------------------ start-up
@@ -168,8 +180,9 @@ class NvmeStore(PageStore):
             self._build.done.set()
             log.info("%s: index of %d chunks loaded from the snapshot of the last clean shutdown in %.2f s",
                      self.name, loaded, time.perf_counter() - started)
-            for victim in self._ledger.evict_bytes(self._ledger.used - self.capacity, full_disk=False) \
-                    if self._ledger.used > self.capacity else ():
+            held_at_most = self._ledger.capacity
+            for victim in self._ledger.evict_bytes(self._ledger.used - held_at_most, full_disk=False) \
+                    if self._ledger.used > held_at_most else ():
                 self._removal.discard(*victim)  # capacity lowered since
             self._ledger.settle_ceiling()
         elif not self._build.start():
@@ -298,7 +311,9 @@ class NvmeStore(PageStore):
     def stats(self) -> StoreStats:
         snap = ledger_figures.stats(self._ledger)
         snap.extra.update(direct_io=float(self._direct), direct_writes=float(self._direct and self._direct_writes),
-                          fsync=float(self.fsync), dir_syncs=self._dirsync.syncs)
+                          fsync=float(self.fsync), dir_syncs=self._dirsync.syncs,
+                          recycled_bytes=self._recycled.nbytes, recycled_kept=self._recycled.kept,
+                          recycled_reused=self._recycled.reused)
         return snap
 
     def close(self) -> None:
@@ -307,6 +322,7 @@ class NvmeStore(PageStore):
         self._build.stop()
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        self._recycled.drain()  # the next start's index will not know them
         if self._snapshots and self._build.done.is_set() and self._lock_fd is not None:
             try:
                 rows = snapshot.save(self.root, self._ledger, self._dirs)
