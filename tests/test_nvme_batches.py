@@ -19,22 +19,15 @@ import pytest
 from tiers.stores.nvme import NvmeStore
 from tiers.stores.nvme import batch, ceiling
 from tiers.stores.nvme.chunkfile import ALIGN, HEADER_SIZE
-from tests.support.nvme_batches import PAGE, RECORD, batch_files, disk_bytes, page, put_batch, read_all
+from tests.support.nvme_batches import (PAGE, RECORD, batch_files, disk_bytes, page, put_batch, read_all,
+                                        store_maker)
 
 
 @pytest.fixture
 def make_store(tmp_path, monkeypatch):
     monkeypatch.setattr(ceiling, "MIN_STEP_BYTES", 0)  # as a large tier's (tiers/stores/nvme/ceiling.py)
-    stores = []
-
-    def make(capacity=64 * RECORD, **kw):
-        store = NvmeStore(str(tmp_path / "nvme"), capacity, fsync=kw.pop("fsync", True), **kw)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
+    with store_maker(tmp_path / "nvme", 64 * RECORD, fsync=True) as make:
+        yield make
 
 
 def test_a_batch_is_one_file_and_reads_back_exactly(make_store, tmp_path):

@@ -12,23 +12,15 @@ import time
 import pytest
 
 from tiers.stores.nvme import NvmeStore, batch, ceiling
-from tests.support.nvme_batches import RECORD, batch_files, disk_bytes, page, put_batch, read_all
+from tests.support.nvme_batches import RECORD, batch_files, disk_bytes, page, put_batch, read_all, store_maker
 
 
 @pytest.fixture
 def make_store(tmp_path, monkeypatch):
     monkeypatch.setattr(ceiling, "MIN_STEP_BYTES", 0)
-    stores = []
-
-    def make(capacity=80 * RECORD, **kw):
-        kw.setdefault("recycle_bytes", capacity)  # an eighth of it: a small tier keeps nothing by default
-        store = NvmeStore(str(tmp_path / "nvme"), capacity, **kw)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
+    # recycle_bytes: an eighth of the capacity (a tier this small keeps nothing by default)
+    with store_maker(tmp_path / "nvme", 80 * RECORD, recycle_bytes=80 * RECORD) as make:
+        yield make
 
 
 def test_a_dead_batch_file_is_written_over_by_the_next_batch_of_its_size(make_store, tmp_path):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 
-from tiers.stores.nvme import batch
+from tiers.stores.nvme import NvmeStore, batch
 from tiers.stores.nvme.chunkfile import HEADER_SIZE
 
 PAGE = 64 << 10
@@ -38,3 +39,20 @@ def read_all(store, keys):
     outs = [bytearray(PAGE) for _ in keys]
     found = store.get_many_into(keys, [[memoryview(o)] for o in outs], time.time() + 30)
     return found, [bytes(o) for o in outs]
+
+
+@contextmanager
+def store_maker(root, capacity: int, **defaults):
+    """make(capacity=capacity, **options): NvmeStores on root (each call's options over defaults), every one
+    closed at the end."""
+    stores = []
+
+    def make(capacity=capacity, **kw):
+        store = NvmeStore(str(root), capacity, **{**defaults, **kw})
+        stores.append(store)
+        return store
+    try:
+        yield make
+    finally:
+        for store in stores:
+            store.close()
