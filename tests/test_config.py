@@ -36,6 +36,7 @@ def test_environment_overrides_file(tmp_path, monkeypatch):
     ("[node]\n", "at least one [[tiers]] table is required"),
     ("[[tiers]\n", "not valid TOML"),
     ("[[tiers]]\nname='a'\nkind='dram'\nendpoint='http://x'", "must start with ipc:// or tcp://"),
+    ("[[tiers]]\nname='n'\nkind='nvme'\nrecycle_bytes='some'", "tiers[0].recycle_bytes: 'some' is not a size"),
     ("[[tiers]]\nname='a'\nkind='dram'\n[[tenants]]\nname='t'\nuids=[65534]\nquota={b='1GiB'}",
      "tenant t's quota names no tier b (tiers: a)"),
     ("[[tiers]]\nname='a'\nkind='dram'\n[[tenants]]\nname='t'\nuids=[65534]\nquota={a='lots'}",
@@ -46,6 +47,14 @@ def test_each_mistake_has_its_message(text, message):
         parse_config(text, "/etc/hicache-tiers/node.toml")
     assert str(err.value).startswith("/etc/hicache-tiers/node.toml")
     assert message in str(err.value)
+
+
+def test_nvme_recycle_bytes_is_auto_or_a_size():
+    """auto (the default) leaves the choice to the store (tiers/stores/nvme/store.py); a size is taken as it is."""
+    def recycle(line):
+        return parse_config(f"[[tiers]]\nname='n'\nkind='nvme'\n{line}", "f.toml").tiers[0].options.get("recycle_bytes")
+    assert recycle("") is None and recycle("recycle_bytes='auto'") is None
+    assert recycle("recycle_bytes='64MiB'") == 64 << 20 and recycle("recycle_bytes=0") == 0
 
 
 def test_sizes():
