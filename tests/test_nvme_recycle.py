@@ -89,6 +89,37 @@ def test_recycling_keeps_the_disk_within_the_capacity_of_a_full_tier(make_store,
     assert found == [True] * 8 and data == [page(152 + i) for i in range(8)]
 
 
+def test_records_evicted_from_a_live_file_stay_in_place_until_it_dies_whole(make_store, tmp_path):
+    """The index holds 70 pages (80 less the 10 recycling may keep): not whole files of 8.  A batch into the
+    full tier evicts the oldest file's head; those records are left in place (no hole; counted in the budget),
+    so the file dies whole a put later and is written over with no block allocated again.  A clean stop
+    punches what is left in place: the next start finds the live pages and no byte no index knows."""
+    root = tmp_path / "nvme"
+    store = make_store(index_snapshot=True)
+    put_batch(store, [f"r0-{i}" for i in range(8)], range(8))
+    (oldest,) = batch_files(root)
+    for r in range(1, 9):  # eight files, then the ninth evicts two pages of the first
+        put_batch(store, [f"r{r}-{i}" for i in range(8)], range(8 * r, 8 * r + 8))
+    stats = store.stats().extra
+    assert stats["recycled_kept"] == 0 and stats["recycled_bytes"] == 2 * RECORD, stats
+    blocks = os.stat(oldest).st_blocks
+    assert blocks * 512 == 8 * RECORD  # no hole
+    put_batch(store, [f"r9-{i}" for i in range(8)], range(72, 80))  # the first file dies whole: written over
+    stats = store.stats().extra
+    assert stats["recycled_kept"] == 1 and stats["recycled_reused"] == 1, stats
+    assert os.stat(oldest).st_blocks == blocks
+    assert stats["recycled_bytes"] == 2 * RECORD  # the second file's head, left in place in its turn
+    found, data = read_all(store, [("ns", f"r9-{i}") for i in range(8)])
+    assert found == [True] * 8 and data == [page(72 + i) for i in range(8)]
+    live = [("ns", f"r{r}-{i}") for r in range(10) for i in range(8)]
+    held = [key for key, ok in zip(live, store.contains(live)) if ok]
+    assert len(held) == 70
+    store.close()
+    again = make_store(index_snapshot=True)
+    assert again.stats().pages == 70 and again.contains(held) == [True] * 70
+    assert disk_bytes(root) == again.stats().used_bytes  # nothing left in place that no index knows
+
+
 @pytest.mark.parametrize("recycle", [0, None], ids=["off", "auto on a small tier"])
 def test_dead_files_are_removed_at_once_without_recycling(make_store, tmp_path, recycle):
     """recycle_bytes 0, or auto on a tier under 8 GiB: a dead file goes at once and the index has the whole

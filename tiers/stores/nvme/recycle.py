@@ -22,6 +22,12 @@ evicted or deleted is not found again.  A clean stop removes the kept files.
 Nothing is kept while the index is rebuilt (a scan must not meet a kept file
 that a put is about to write over).
 
+Records evicted from a file that still holds live pages are left in place
+too (not punched) while the same budget allows, so that file is whole when
+its last page goes and a batch is written over it with no block allocated
+again; a clean stop punches them.  After a crash the restart walks them as
+the pages they were, whole and checked.
+
 A batch written over a kept file lays its records from the start and writes
 every block up to its own size, which is the file's size (only a file of
 exactly that size is taken): a finished file holds nothing of the old one.  A
@@ -51,13 +57,45 @@ class RecycledFiles:
         self._ready = ready  # false while the index is rebuilt
         self._by_size: Dict[int, List[Tuple[int, str]]] = {}
         self._bytes = 0
+        # Records evicted from files that still hold live ones, left in place (not punched) while the budget
+        # allows, so the file is whole when its last page goes: path -> (first block, blocks) ranges.
+        self._deferred: Dict[str, List[Tuple[int, int]]] = {}
+        self._deferred_bytes = 0
         self._lock = threading.Lock()
         self.kept = 0  # dead files kept instead of removed
         self.reused = 0  # batches written over a kept file
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        """Bytes of kept files and of dead records left in place."""
+        return self._bytes + self._deferred_bytes
+
+    def deferred(self, path: str) -> List[Tuple[int, int]]:
+        """The dead records left in place in the file at path."""
+        with self._lock:
+            return list(self._deferred.get(path, ()))
+
+    def defer(self, path: str, ranges: List[Tuple[int, int]]) -> bool:
+        """Leave dead records (first block, blocks) of a file that still holds live ones in place, when the
+        budget allows: the file stays whole for a batch to be written over once its last page goes.  False:
+        the caller punches them."""
+        nbytes = sum(blocks for _block, blocks in ranges) * cf.ALIGN
+        if not self.limit or not self._ready():
+            return False
+        with self._lock:
+            if self._bytes + self._deferred_bytes + nbytes > self.limit:
+                return False
+            self._deferred.setdefault(path, []).extend(ranges)
+            self._deferred_bytes += nbytes
+            return True
+
+    def forget(self, path: str) -> List[Tuple[int, int]]:
+        """The file at path goes (removed, or its dead records punched): its deferred records, no longer
+        counted."""
+        with self._lock:
+            ranges = self._deferred.pop(path, [])
+            self._deferred_bytes -= sum(blocks for _block, blocks in ranges) * cf.ALIGN
+            return ranges
 
     def offer(self, path: str) -> bool:
         """Keep the dead batch file at path, its first header zeroed, when it fits the limit; False: the caller
@@ -70,7 +108,10 @@ class RecycledFiles:
         except OSError:
             return False
         with self._lock:
-            if not size or self._bytes + size > self.limit:
+            # Its dead records left in place become part of the kept file's bytes.
+            deferred = self._deferred.pop(path, [])
+            self._deferred_bytes -= sum(blocks for _block, blocks in deferred) * cf.ALIGN
+            if not size or self._bytes + self._deferred_bytes + size > self.limit:
                 return False
             self._bytes += size  # claimed before the write below, so two offers never pass the limit together
         try:
@@ -99,11 +140,19 @@ class RecycledFiles:
             return got
 
     def drain(self) -> int:
-        """Remove every kept file (a clean stop: the next start's index would not know them); how many."""
+        """Remove every kept file and punch every dead record left in place (a clean stop: the next start's
+        index would not know them, and a file would never be found empty); how many files removed."""
         with self._lock:
             files = [path for kept in self._by_size.values() for _id, path in kept]
             self._by_size.clear()
             self._bytes = 0
+            deferred, self._deferred, self._deferred_bytes = self._deferred, {}, 0
+        for path, ranges in deferred.items():
+            try:
+                if batch.punch_ranges(path, ranges) is False:
+                    cf.unlink_quietly(path)
+            except OSError:
+                pass  # the next start walks the file: those records come back as pages, whole
         return sum(cf.unlink_quietly(path) for path in files)
 
 

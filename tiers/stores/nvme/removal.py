@@ -63,12 +63,19 @@ class Removal:
         by_file: dict = {}
         for entry in entries:
             by_file.setdefault(entry.path, []).append((entry.block, -(-entry.disk_size // cf.ALIGN)))
+        recycled = self._recycled
         for path, ranges in by_file.items():
             try:
-                if not batch.holds_data_outside(path, ranges):
-                    if self._recycled is None or not self._recycled.offer(path):
+                deferred = recycled.deferred(path) if recycled is not None else []
+                if not batch.holds_data_outside(path, ranges + deferred):
+                    if recycled is None or not recycled.offer(path):
+                        if recycled is not None:
+                            recycled.forget(path)
                         cf.unlink_quietly(path)
-                elif batch.punch_ranges(path, ranges) is False:
+                elif recycled is not None and recycled.defer(path, ranges):
+                    continue  # left in place: the file stays whole for a batch to be written over
+                elif batch.punch_ranges(path, ranges + (recycled.forget(path) if recycled is not None else [])) \
+                        is False:
                     cf.unlink_quietly(path)
             except OSError as exc:
                 self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)
