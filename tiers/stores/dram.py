@@ -98,21 +98,18 @@ class DramStore(PageStore):
         return self._reads.touch(namespace, keys, sizes)
 
     # ------------------------------------------------------------- helpers
-    def _evict_one_locked(self, writer: Optional[str], need: int = 0, only: Optional[str] = None) -> bool:
-        return self._evict.evict_one_locked(writer, need, only)
-
     def _allocate_locked(self, namespace: str, size: int) -> Alloc:
         while True:
             room = self._tenants.quota_room(namespace)
             if room is None or room[0] >= size:
                 break
-            if not self._evict_one_locked(namespace, only=room[1]):
+            if not self._evict.evict_one_locked(namespace, only=room[1]):
                 break  # a page larger than the quota still fits once the namespace holds nothing else
         while True:
             alloc = self.arena.take(size)
             if alloc is not None:
                 return alloc
-            if not self._evict_one_locked(namespace, size):
+            if not self._evict.evict_one_locked(namespace, size):
                 raise StoreFull("arena full (every page is being read or written)")
 
     # ----------------------------------------------------------- interface
@@ -164,7 +161,8 @@ class DramStore(PageStore):
                                                                  pending, seen, until, self._evict_ahead_bytes)
             for key, size in zip(keys[len(out):], sizes[len(out):]):
                 while room is not None and pending + size > room[0]:
-                    if not (evict and room[2] and not replaces and self._evict_one_locked(namespace, only=room[1])):
+                    if not (evict and room[2] and not replaces
+                            and self._evict.evict_one_locked(namespace, only=room[1])):
                         return out
                     room = self._tenants.quota_room(namespace)
                 alloc = self.arena.take(size)
@@ -189,10 +187,9 @@ class DramStore(PageStore):
         with self._lock:
             tenant = self._tenants.tenant(namespace)
             index, policy, added = self._index, tenant.policy, 0
-            self._evict.release_keys_locked([(namespace, key) for key in keys])  # pages written again
             for key, alloc, parent, checksum in zip(keys, allocs, parents, checksums):
                 page = (namespace, key)
-                if page in index:  # twice in this batch: the later copy replaces the first
+                if page in index:  # written again (or twice in this batch): the new copy replaces the old
                     self._evict.release_keys_locked([page])
                 index[page] = PageEntry(alloc, checksum=checksum)
                 policy.insert(page, (namespace, parent) if parent else None)
@@ -279,7 +276,7 @@ class DramStore(PageStore):
         with self._lock:
             while freed < nbytes:
                 before = self._stats.used_bytes
-                if not self._evict_one_locked(None, only=namespace):
+                if not self._evict.evict_one_locked(None, only=namespace):
                     break
                 pages, freed = pages + 1, freed + before - self._stats.used_bytes
         return pages, freed

@@ -99,7 +99,8 @@ class RecycledFiles:
 
     def offer(self, path: str) -> bool:
         """Keep the dead batch file at path, its first header zeroed, when it fits the limit; False: the caller
-        removes it."""
+        removes it.  Either way its dead records left in place are no longer counted apart."""
+        self.forget(path)
         file_id = batch.parse_name(os.path.basename(path))
         if not self.limit or file_id is None or not self._ready():
             return False
@@ -108,9 +109,6 @@ class RecycledFiles:
         except OSError:
             return False
         with self._lock:
-            # Its dead records left in place become part of the kept file's bytes.
-            deferred = self._deferred.pop(path, [])
-            self._deferred_bytes -= sum(blocks for _block, blocks in deferred) * cf.ALIGN
             if not size or self._bytes + self._deferred_bytes + size > self.limit:
                 return False
             self._bytes += size  # claimed before the write below, so two offers never pass the limit together

@@ -27,7 +27,7 @@ class Removal:
     """Files and batch records of chunks already out of the index (or of one that cannot be served) removed."""
 
     def __init__(self, name: str, ledger: Ledger, codec: Codec, evictions: Optional[EvictionListener],
-                 rlog: RateLimitedLog, recycled: Optional[RecycledFiles] = None):
+                 rlog: RateLimitedLog, recycled: RecycledFiles):
         self.name = name
         self._recycled = recycled  # a batch file that loses its last page is kept for a batch of its size
         self._ledger = ledger
@@ -66,17 +66,12 @@ class Removal:
         recycled = self._recycled
         for path, ranges in by_file.items():
             try:
-                deferred = recycled.deferred(path) if recycled is not None else []
-                if not batch.holds_data_outside(path, ranges + deferred):
-                    if recycled is None or not recycled.offer(path):
-                        if recycled is not None:
-                            recycled.forget(path)
+                if not batch.holds_data_outside(path, ranges + recycled.deferred(path)):
+                    if not recycled.offer(path):
                         cf.unlink_quietly(path)
-                elif recycled is not None and recycled.defer(path, ranges):
-                    continue  # left in place: the file stays whole for a batch to be written over
-                elif batch.punch_ranges(path, ranges + (recycled.forget(path) if recycled is not None else [])) \
-                        is False:
-                    cf.unlink_quietly(path)
+                elif not recycled.defer(path, ranges):  # else left in place: the file stays whole
+                    if batch.punch_ranges(path, ranges + recycled.forget(path)) is False:
+                        cf.unlink_quietly(path)
             except OSError as exc:
                 self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)
 
