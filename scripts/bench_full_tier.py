@@ -11,8 +11,10 @@ size.  This script drives the stores themselves (no daemon, no engine), one
   full one after, for each --policies entry;
 - NVMe (tiers/stores/nvme/store.py, fsync on): milliseconds a put into a full
   tier of --nvme-batches batches (plus --nvme-extra-mib, so the capacity is not
-  whole files), with recycle_bytes 0 and with recycling on (the capacity as
-  its request: an eighth of it), the two alternated --rounds times.
+  whole files), with recycle_bytes 0 (off), auto (a tier this small keeps
+  no budget: each put writes over the file its own victims emptied, or a new
+  one) and the capacity as its request (an eighth of it: dead records left
+  in place too), the three alternated --rounds times.
 
     python3 scripts/bench_full_tier.py --page-kib 64,256 --rounds 2
 """
@@ -43,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nvme-batches", type=int, default=12, help="NVMe capacity in batch files (default 12)")
     parser.add_argument("--nvme-extra-mib", type=int, default=3,
                         help="MiB added to the NVMe capacity, so it is not whole files (default 3; 0: whole files)")
-    parser.add_argument("--rounds", type=int, default=2, help="NVMe rounds, recycling off and on in each (default 2)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="NVMe rounds, recycling off, auto and with a budget in each (default 2)")
     parser.add_argument("--dir", default=None, help="directory for the NVMe chunks (default a temporary one)")
     return parser.parse_args(argv)
 
@@ -73,12 +76,15 @@ def dram(policy: str, pages: int, batches: int) -> tuple:
         store.close()
 
 
-def nvme(root: str, page: int, capacity_batches: int, extra: int, recycle: bool) -> tuple:
+NVME_MODES = (("off", lambda capacity: 0), ("auto", lambda capacity: None), ("budget", lambda capacity: capacity))
+
+
+def nvme(root: str, page: int, capacity_batches: int, extra: int, mode: str) -> tuple:
     """(ms a put into the full tier, files kept, batches written over a kept file)."""
     from tiers.stores.nvme.store import NvmeStore
     shutil.rmtree(root, ignore_errors=True)
     capacity = capacity_batches * (page + 4096) * PAGES + extra
-    store = NvmeStore(root, capacity, name="nvme", recycle_bytes=capacity if recycle else 0)
+    store = NvmeStore(root, capacity, name="nvme", recycle_bytes=dict(NVME_MODES)[mode](capacity))
     buffers = [memoryview(mmap.mmap(-1, page)) for _ in range(PAGES)]
     for buf in buffers:
         buf[:] = os.urandom(page)
@@ -118,9 +124,9 @@ def main(argv=None) -> int:
               "(ms a put, 12 puts after filling):")
         for kib in [int(k) for k in args.page_kib.split(",") if k]:
             for round_ in range(args.rounds):
-                for recycle in (False, True):
-                    ms, kept, reused = nvme(os.path.join(work, "nvme"), kib << 10, args.nvme_batches, extra, recycle)
-                    print(f"  {kib:5d} KiB, round {round_ + 1}, recycling {'on ' if recycle else 'off'}: {ms:7.2f} ms "
+                for mode, _limit in NVME_MODES:
+                    ms, kept, reused = nvme(os.path.join(work, "nvme"), kib << 10, args.nvme_batches, extra, mode)
+                    print(f"  {kib:5d} KiB, round {round_ + 1}, recycling {mode:6s}: {ms:7.2f} ms "
                           f"(files kept {kept}, written over {reused})", flush=True)
     finally:
         if args.dir is None:

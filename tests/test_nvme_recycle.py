@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from tiers.stores.nvme import NvmeStore, batch, ceiling
+from tiers.stores.nvme import NvmeStore, batch, ceiling, recycle
+from tiers.stores.nvme.ledger import Ledger
+from tiers.stores.nvme.recycle import RecycledFiles
 from tests.support.nvme_batches import RECORD, batch_files, disk_bytes, page, put_batch, read_all, store_maker
 
 
@@ -106,7 +108,7 @@ def test_records_evicted_from_a_live_file_stay_in_place_until_it_dies_whole(make
     assert blocks * 512 == 8 * RECORD  # no hole
     put_batch(store, [f"r9-{i}" for i in range(8)], range(72, 80))  # the first file dies whole: written over
     stats = store.stats().extra
-    assert stats["recycled_kept"] == 1 and stats["recycled_reused"] == 1, stats
+    assert stats["recycled_kept"] == 0 and stats["recycled_reused"] == 1, stats  # the put's own claim: not kept
     assert os.stat(oldest).st_blocks == blocks
     assert stats["recycled_bytes"] == 2 * RECORD  # the second file's head, left in place in its turn
     found, data = read_all(store, [("ns", f"r9-{i}") for i in range(8)])
@@ -120,20 +122,151 @@ def test_records_evicted_from_a_live_file_stay_in_place_until_it_dies_whole(make
     assert disk_bytes(root) == again.stats().used_bytes  # nothing left in place that no index knows
 
 
-@pytest.mark.parametrize("recycle", [0, None], ids=["off", "auto on a small tier"])
-def test_dead_files_are_removed_at_once_without_recycling(make_store, tmp_path, recycle):
-    """recycle_bytes 0, or auto on a tier under 8 GiB: a dead file goes at once and the index has the whole
-    capacity; auto on 8 GiB and more keeps 128 MiB."""
-    store = make_store(recycle_bytes=recycle)
+@pytest.mark.parametrize("limit", [None, 0], ids=["auto on a small tier", "off"])
+def test_a_put_into_a_full_tier_writes_over_the_file_its_own_victims_emptied(make_store, tmp_path, limit):
+    """No budget needed: in a tier of ten whole files every put past the tenth evicts the oldest file whole and
+    is written over it (the same ten files throughout), nothing kept, the index's capacity whole, the disk
+    within it, every page read back exactly and the evicted ones not found.  recycle_bytes 0: a new file a put."""
+    capacity = 80 * RECORD
+    store = make_store(recycle_bytes=limit)
+    root = tmp_path / "nvme"
+    assert store.stats().capacity_bytes == capacity
+    for r in range(10):
+        put_batch(store, [f"r{r}-{i}" for i in range(8)], range(8 * r, 8 * r + 8))
+    files = batch_files(root)
+    for r in range(10, 20):
+        put_batch(store, [f"r{r}-{i}" for i in range(8)], range(8 * r, 8 * r + 8))
+        assert disk_bytes(root) <= capacity
+    stats = store.stats().extra
+    if limit is None:
+        assert stats["recycled_reused"] == 10 and stats["recycled_kept"] == 0 and stats["recycled_bytes"] == 0
+        assert batch_files(root) == files
+    else:
+        assert stats["recycled_reused"] == 0 and not set(batch_files(root)) & set(files)
+    live = [("ns", f"r{r}-{i}") for r in range(10, 20) for i in range(8)]
+    found, data = read_all(store, live)
+    assert found == [True] * 80 and data == [page(80 + i) for i in range(80)]
+    assert read_all(store, [("ns", f"r{r}-{i}") for r in range(10) for i in range(8)])[0] == [False] * 80
+
+
+def _dead_file(root, file_id: int, blocks: int) -> str:
+    path = batch.batch_path(str(root), file_id)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"x" * (blocks * 4096))
+    return path
+
+
+def _recycled(tmp_path, room_blocks: int, limit: int = 0, on: bool = True):
+    """RecycledFiles over a real ledger whose capacity is room_blocks of 4 KiB (dead files are kept within it)."""
+    ledger = Ledger(str(tmp_path), room_blocks * 4096, "lru")
+    rec = RecycledFiles(ledger, limit, on=on)
+    ledger.spares = rec
+    return ledger, rec
+
+
+def test_a_claim_gets_only_a_file_of_its_size_and_hands_on_one_it_cannot_use(tmp_path):
+    """A claim takes the first dead file of its size offered while it is open, zeroed, whatever the ledger's
+    room; a file of another size is not its; a claim settled for another size (some of its put's pages were
+    refused) hands its file on: kept where the ledger has room, else removed; a settled claim takes nothing;
+    off: no claim, nothing kept."""
+    size = 10 * 4096
+    ledger, rec = _recycled(tmp_path, 12)
+    claim = rec.claim(size)
+    ledger.dead = 8 * 4096  # no room for another file beside these
+    assert not rec.offer(_dead_file(tmp_path, 1, 5))  # not its size, and no room: the caller removes it
+    path = _dead_file(tmp_path, 2, 10)
+    assert rec.offer(path) and open(path, "rb").read(4096) == bytes(4096)
+    assert rec.settle(claim, size) == (2, path) and rec.nbytes == 0 and rec.reused == 1
+    claim = rec.claim(size)
+    path = _dead_file(tmp_path, 3, 10)
+    assert rec.offer(path) and rec.settle(claim, size - 4096) is None and not os.path.exists(path)
+    assert rec.settle(rec.claim(size), size) is None and not rec.offer(_dead_file(tmp_path, 4, 10))
+    ledger.dead = 0  # room again
+    claim = rec.claim(size)
+    path = _dead_file(tmp_path, 5, 10)
+    assert rec.offer(path) and rec.settle(claim, size - 4096) is None
+    assert os.path.exists(path) and rec.kept == 1 and ledger.dead == size
+    again = rec.claim(size)  # a kept file of its size is a claim's at once, its bytes still counted as dead
+    assert again.file == (5, path) and again.spare == size and ledger.dead == size and rec.nbytes == 0
+    _ledger, off = _recycled(tmp_path, 100, on=False)
+    off.claim(size)
+    assert not off.offer(_dead_file(tmp_path, 6, 10))
+
+
+def test_kept_files_are_given_up_for_room_before_any_live_page(tmp_path):
+    """Kept files count in the ledger's room; a reservation that needs room gives them up (removed before its
+    writer writes) and evicts no live page while one is kept."""
+    ledger, rec = _recycled(tmp_path, 30)
+    paths = [_dead_file(tmp_path, i, 10) for i in (1, 2)]
+    assert all(rec.offer(p) for p in paths) and ledger.dead == 20 * 4096
+    assert not rec.offer(_dead_file(tmp_path, 3, 11))  # past the room: removed by the caller
+    victims, got = ledger.reserve_many([4096] * 15, 1, "ns")
+    assert got == [True] * 15 and victims == [] and ledger.dead == 10 * 4096 and rec.kept == 2
+    assert all(os.path.exists(p) for p in paths)  # given up, not yet removed: the writer removes it first
+    rec.remove_given_up()
+    assert sum(os.path.exists(p) for p in paths) == 1
+
+
+def test_a_file_offered_to_a_claim_settled_meanwhile_is_not_lost(tmp_path, monkeypatch):
+    """The put settles its claim while another thread zeroes the file offered to it: the file is kept where the
+    ledger has room, or removed; never left on disk unaccounted."""
+    size = 10 * 4096
+    for room, kept in ((5, False), (100, True)):
+        ledger, rec = _recycled(tmp_path, room)
+        claim = rec.claim(size)
+        zero = recycle._zero_first_header
+
+        def zero_while_settling(path):
+            assert rec.settle(claim, size) is None  # the claim's file is being zeroed: not the put's
+            zero(path)
+        monkeypatch.setattr(recycle, "_zero_first_header", zero_while_settling)
+        path = _dead_file(tmp_path, 7 + room, 10)
+        assert rec.offer(path)
+        assert os.path.exists(path) is kept and ledger.dead == (size if kept else 0)
+        assert (rec.claim(size).file == (7 + room, path)) is kept
+        monkeypatch.setattr(recycle, "_zero_first_header", zero)
+
+
+@pytest.mark.parametrize("limit", [0, None], ids=["off", "auto on a small tier"])
+def test_a_cleared_tier_keeps_its_files_for_the_next_batches_unless_off(make_store, tmp_path, limit):
+    """Auto on a tier under 8 GiB: a cleared batch's file is kept (it costs the cache nothing) and the next
+    batch of its size is written over it; the index has the whole capacity.  recycle_bytes 0: a dead file goes
+    at once.  Auto on 8 GiB and more leaves 128 MiB for dead records left in place."""
+    store = make_store(recycle_bytes=limit)
+    root = tmp_path / "nvme"
     put_batch(store, [f"a{i}" for i in range(8)], range(8))
+    files = batch_files(root)
     store.clear()
-    assert batch_files(tmp_path / "nvme") == [] and store.stats().extra["recycled_kept"] == 0
     assert store.stats().capacity_bytes == 80 * RECORD
+    assert batch_files(root) == ([] if limit == 0 else files)
+    assert store.stats().extra["recycled_kept"] == (0 if limit == 0 else 1)
+    put_batch(store, [f"b{i}" for i in range(8)], range(10, 18))
+    assert (batch_files(root) == files) is (limit is None)
+    assert store.stats().extra["recycled_reused"] == (0 if limit == 0 else 1)
     big = NvmeStore(str(tmp_path / "big"), 8 << 30)
     try:
         assert big.stats().capacity_bytes == (8 << 30) - (128 << 20)
     finally:
         big.close()
+
+
+def test_a_file_written_over_gets_its_first_header_last(tmp_path):
+    """Until finish, a file written over starts with the zeros it was kept with (a crash meanwhile: the restart
+    removes it whole, never indexes a record cut short over an old one's bytes); finish writes the header."""
+    path = _dead_file(tmp_path, 9, 4)
+    recycle._zero_first_header(path)
+    header = batch.aligned_block()
+    header[:8] = b"HEADER!!"
+    payload = memoryview(bytearray(b"p" * (3 * 4096)))
+    writer = batch.BatchWriter(path, direct=False, over=True)
+    writer.add([batch.Record(header, [payload], payload.nbytes)], block=0)
+    writer._wait()
+    with open(path, "rb") as f:
+        assert f.read(4096) == bytes(4096) and f.read() == bytes(payload)
+    writer.finish(fsync=True)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"HEADER!!"
 
 
 def test_holds_data_outside(tmp_path):
@@ -151,17 +284,19 @@ def test_holds_data_outside(tmp_path):
     assert not batch.holds_data_outside(str(tmp_path / "gone.hcb"), [(0, 1)])
 
 
-def test_kill_while_batches_are_written_over_kept_files_serves_no_wrong_page(tmp_path):
+@pytest.mark.parametrize("budget", [True, False], ids=["kept within a budget", "claims alone"])
+def test_kill_while_batches_are_written_over_kept_files_serves_no_wrong_page(tmp_path, budget):
     """SIGKILL a process whose every durable batch into a full tier is written over the file its eviction just
-    kept, three times at random moments; after each restart every page served is the one written and the bytes
-    on disk stay within the capacity."""
+    emptied (kept within the budget, or claimed by the put with none), three times at random moments; after
+    each restart every page served is the one written and the bytes on disk stay within the capacity."""
     root = tmp_path / "killed"
     capacity = 80 * RECORD
+    recycle_bytes = capacity if budget else None  # None: a small tier's auto, no budget
     code = f"""
 import os, sys, random, time
 sys.path.insert(0, {os.getcwd()!r})
 from tiers.stores.nvme import NvmeStore
-s = NvmeStore({str(root)!r}, {capacity}, fsync=True, index_snapshot=False, recycle_bytes={capacity})
+s = NvmeStore({str(root)!r}, {capacity}, fsync=True, index_snapshot=False, recycle_bytes={recycle_bytes})
 s._build.done.wait(10)
 print("ready", flush=True)
 i = int(sys.argv[1])
@@ -185,15 +320,16 @@ while True:
         proc.kill()
         proc.wait()
         assert int(counts.read_text() or 0) > 0  # batches were being written over kept files when it died
-        store = NvmeStore(str(root), capacity, fsync=True, index_snapshot=False, recycle_bytes=capacity)
+        store = NvmeStore(str(root), capacity, fsync=True, index_snapshot=False, recycle_bytes=recycle_bytes)
         try:
             store._build.done.wait(30)
             names = [f"k{i}" for i in range(197)]
             present = [n for n, ok in zip(names, store.contains([("ns", n) for n in names])) if ok]
             assert present
-            for n in present:
+            for n in present:  # a batch cut short lies in a file that starts with zeros: removed whole
                 got = store.get_bytes(("ns", n))
-                assert got is None or bytes(got) == random.Random(n).randbytes(RECORD - 4096), n
+                assert got is not None and bytes(got) == random.Random(n).randbytes(RECORD - 4096), n
+            assert store.stats().extra["corrupt_removed"] == 0
             assert disk_bytes(root) <= capacity, disk_bytes(root)
             put_batch(store, [f"after{round_}-{i}" for i in range(8)], range(8))  # the tier writes on
         finally:

@@ -45,11 +45,13 @@ KIND_OPTIONS: Dict[str, Dict[str, tuple]] = {
         "index_snapshot": (_bool, True, "save the index at a clean shutdown and load it at the next start instead "
                                         "of scanning every chunk name (removed once loaded: after a crash the "
                                         "start scans)"),
-        "recycle_bytes": (_size_or_auto, "auto", "batch files whose every page left, kept (up to this many bytes, "
-                                                 "an eighth of the capacity at most, taken out of what the index may "
-                                                 "hold) for the next batch of their size to be written over: no "
-                                                 "allocation or freeing on its way; auto: 128MiB on tiers of 8GiB and "
-                                                 "more, 0 below; 0: removed at once"),
+        "recycle_bytes": (_size_or_auto, "auto", "batch files whose every page left are written over by the next "
+                                                 "batch of their size (no allocation or freeing on its way; kept "
+                                                 "within the capacity, given up before any live page); evicted "
+                                                 "records of live files are left in place up to this many bytes (an "
+                                                 "eighth of the capacity at most, taken out of what the index may "
+                                                 "hold); auto: 128MiB on tiers of 8GiB and more, 0 below; 0: "
+                                                 "recycling off, dead files removed at once"),
     },
     "remote": {
         **TRANSFER_ENGINE_OPTIONS,

@@ -113,8 +113,14 @@ class BatchWriter:
 
     def __init__(self, path: str, direct: bool, pool=None, over: bool = False):
         """over: path is a recycled file of the batch's exact size (tiers/stores/nvme/recycle.py), written over
-        from its start; else a new file."""
+        from its start; else a new file.  Written over, its first record's header goes last (finish): until
+        then the file starts with the zeros it was kept with, and a restart after a crash meanwhile removes
+        it whole.  Otherwise a record cut short by the crash (a buffered write stops between pages at a
+        SIGKILL) would lie over the old record's bytes, its header whole: indexed by the scan, then a
+        checksum failure at its first read."""
         self.path = path
+        self._over = over
+        self._first_header: Optional[memoryview] = None  # held back until finish (over only)
         self._pool = pool
         flags = os.O_WRONLY | os.O_CLOEXEC | (0 if over else os.O_CREAT | os.O_EXCL)
         self._fd = os.open(path, flags | (cf.O_DIRECT if direct else 0), 0o600)
@@ -143,13 +149,9 @@ class BatchWriter:
             firsts.append(at)
             at += record_blocks(rec.payload_len)
         views = _views(records)
-        if self._direct and (aligned or cf.is_aligned(views)):
-            fd = self._fd
-            self.direct_parts += 1
-        else:
-            if self._buffered_fd is None:
-                self._buffered_fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
-            fd = self._buffered_fd
+        if self._over and offset == 0 and records:
+            self._first_header, views[0] = records[0].header, _PAD
+        fd = self._fd_for(views, aligned)
         self.blocks = max(self.blocks, at)
         if self._pool is None:
             cf.pwritev_all(fd, views, offset)
@@ -157,14 +159,27 @@ class BatchWriter:
             self._pending.append(self._pool.submit(cf.pwritev_all, fd, views, offset))
         return firsts
 
+    def _fd_for(self, views: List[memoryview], aligned: bool) -> int:
+        """The O_DIRECT descriptor where every buffer allows it, else a buffered one (opened once)."""
+        if self._direct and (aligned or cf.is_aligned(views)):
+            self.direct_parts += 1
+            return self._fd
+        if self._buffered_fd is None:
+            self._buffered_fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+        return self._buffered_fd
+
     def _wait(self) -> None:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()  # the first error raises
 
     def finish(self, fsync: bool) -> None:
-        """Every part on the device, then one fdatasync when fsync."""
+        """Every part on the device (and then a file written over its first header), then one fdatasync when
+        fsync."""
         self._wait()
+        if self._first_header is not None:
+            header, self._first_header = self._first_header, None
+            cf.pwritev_all(self._fd_for([header], False), [header], 0)
         if fsync:
             os.fdatasync(self._fd)  # the file's data, by whichever descriptor it was written
             if self._buffered_fd is not None:

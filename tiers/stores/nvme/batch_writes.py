@@ -31,8 +31,9 @@ from tiers.stores.nvme import batch, chunkfile as cf, laid_out
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.dirsync import DirSyncer
 from tiers.stores.nvme.layout import key_digest, namespace_hash
-from tiers.stores.nvme.ledger import Entry, Ledger, Victim
-from tiers.stores.nvme.recycle import RecycledFiles
+from tiers.stores.nvme.entry import Entry, Victim
+from tiers.stores.nvme.ledger import Ledger
+from tiers.stores.nvme.recycle import Claim, RecycledFiles
 
 BATCH_FILE_BYTES = 64 << 20  # a put's pages go into batch chunk files of at most this size (or one page)
 # Bytes prepared (filled, checked, given headers) and handed to the device at a time within one file, the
@@ -200,7 +201,7 @@ class BatchWrites:
         lay = laid_out.lay_out(t, namespace, ns_hash, idx, pages, page_bytes, out)
         if lay is None:
             return
-        with self._new_file(sum(lay.disks)) as (file_id, path, over):
+        with self._new_file(sum(lay.disks), lay.claim) as (file_id, path, over):
             writer = self._open_writer(path, sum(lay.disks), over)
             if isinstance(writer, StoreError):
                 self._refuse(lay, ns_hash, out, writer)
@@ -339,13 +340,14 @@ class BatchWrites:
             return StoreIOError(f"{self.t.name}: creating {path}: {exc.strerror}")
 
     @contextmanager
-    def _new_file(self, exact_bytes: int = 0) -> Iterator[Tuple[int, str, bool]]:
+    def _new_file(self, exact_bytes: int = 0, claim: Optional[Claim] = None) -> Iterator[Tuple[int, str, bool]]:
         """A file id no batch chunk holds (random: nothing to recover at start) and its path, in writing (so a
         restart scan leaves the file alone) from before the file exists until the block ends: it is indexed
-        or removed by then; or, for a file of exact_bytes, a kept dead file of that size to write over (its
-        id and path, and True)."""
-        kept = self.t.recycled.take(exact_bytes) if exact_bytes and self.t.recycled is not None else None
-        if kept is not None:
+        or removed by then; or the dead file of exactly exact_bytes the put's claim got, to write over (its id
+        and path, and True)."""
+        recycled = self.t.recycled
+        kept = recycled.settle(claim, exact_bytes) if claim is not None and recycled is not None else None
+        if kept is not None and os.path.exists(kept[1]):  # else removed behind our back: a new file
             self.writing.add(kept[0])
             try:
                 yield kept[0], kept[1], True

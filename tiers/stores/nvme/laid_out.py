@@ -2,7 +2,8 @@
 
 Before a byte is written each of the file's records gets its block and its
 room on disk (Ledger.reserve_many: the victims' blocks are given back
-first).  Each part's pages are then checked against their writers' checksums,
+first, and a file they empty of this file's size is claimed to be written
+over).  Each part's pages are then checked against their writers' checksums,
 their headers and key digests packed in one C call (tiers/_chunkscan.c
 pack_headers), and runs of them handed to the writer threads at their blocks;
 a page refused there leaves a hole.
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 from tiers._chunkscan import pack_headers
 from tiers.stores.base import PageTooLarge, StoreFull, StoreIOError
 from tiers.stores.nvme import batch, chunkfile as cf
+from tiers.stores.nvme.recycle import Claim
 
 if TYPE_CHECKING:  # the target is batch_writes' own: no import at run time (it imports this module)
     from tiers.stores.nvme.batch_writes import BatchTarget
@@ -35,6 +37,7 @@ class Layout:
     gaps: List[Tuple[int, int]]  # (block, blocks) of records refused after the layout: punched out
     headers: List[Optional[memoryview]]
     digests: List[int]
+    claim: Claim  # on the dead file this put's victims empty, settled when the put chooses its file
 
 
 def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], pages, page_bytes: List[int],
@@ -53,7 +56,12 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
         else:
             out[i] = PageTooLarge(f"page of {page_bytes[i]} bytes not accepted (max {t.max_page_bytes}, "
                                   f"capacity {t.capacity})")
-    victims, got = t.ledger.reserve_many(disks, ns_hash, namespace)
+    # A dead file of this file's size that the victims below empty is this put's to write over
+    # (tiers/stores/nvme/recycle.py): its bytes are the ones reserved here.
+    claim = t.recycled.claim(sum(disks)) if t.recycled is not None else Claim()
+    victims, got = t.ledger.reserve_many(disks, ns_hash, namespace, spare=claim.spare)
+    if claim.spare and not all(got):  # a smaller file now: the kept one goes before anything is written
+        t.recycled.drop_spare(claim, max(0, claim.spare - sum(d for d, g in zip(disks, got) if g)))
     t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
     if not all(got):
         for i, g in zip(ok, got):
@@ -62,13 +70,15 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
                                    f"{t.capacity}")
         ok, disks = [i for i, g in zip(ok, got) if g], [d for d, g in zip(disks, got) if g]
     if not ok:
+        if t.recycled is not None:
+            t.recycled.settle(claim, 0)
         return None
     blocks, at = [], 0
     for disk in disks:
         blocks.append(at)
         at += disk // cf.ALIGN
     return Layout(ok, [pages[i] for i in ok], [page_bytes[i] for i in ok], disks, blocks,
-                  {i: k for k, i in enumerate(ok)}, set(range(len(ok))), [], [None] * len(ok), [0] * len(ok))
+                  {i: k for k, i in enumerate(ok)}, set(range(len(ok))), [], [None] * len(ok), [0] * len(ok), claim)
 
 
 def write_part(t: "BatchTarget", lay: Layout, writer: batch.BatchWriter, part: List[int], part_sums: List[int],

@@ -20,7 +20,6 @@ is filled at a start by ledger_rebuild.py (a scan) or snapshot.py.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tiers.stores.page_index import ORDER_NONE, PageIndex, Row, order_for
@@ -29,35 +28,13 @@ from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.batch import batch_path
 from tiers.stores.nvme.build_log import BuildLog
 from tiers.stores.nvme.ceiling import UsageCeiling
+from tiers.stores.nvme.entry import Entry, SpareFiles, Victim
 from tiers.stores.nvme.layout import chunk_path
 from tiers.stores.nvme.tenants import Tenants
 
 
 RESERVE_HOLD_BYTES = 8 << 20  # records a batch reserves (and evicts for) in one hold of the lock at most
 CEILING_TRIES = 8  # raises of the usage ceiling a reservation tries while other writers take what it raised
-
-
-@dataclass
-class Entry:
-    """A chunk as its row read when asked: gen names that version (a newer write of the page is another)."""
-
-    path: str
-    ns_hash: int
-    disk_size: int
-    raw_size: Optional[int] = None  # None: the row keeps no page size (the chunk's header has it)
-    reads: int = 0
-    gen: int = 0
-    stamp: int = 0  # monotonic seconds of the last mtime refresh (0: never; a scan's mtime until placed)
-    file: int = 0  # the batch chunk holding the page (tiers/stores/nvme/batch.py); 0: a file of its own
-    block: int = 0  # its record's first 4 KiB block there
-
-    @property
-    def record_block(self) -> Optional[int]:
-        """Where the chunk's record starts in its batch chunk; None for a file of its own."""
-        return self.block if self.file else None
-
-
-Victim = Tuple[int, Entry]
 
 
 class Ledger:
@@ -79,6 +56,11 @@ class Ledger:
         self.tenants = Tenants(capacity, quotas, policy, native_order=self.native_order)
         self.used = 0
         self.reserved = 0
+        # Bytes on disk no index entry holds, counted beside used: dead batch files kept to be written over and
+        # dead records left in place (tiers/stores/nvme/recycle.py, which admits and frees them here).  A
+        # reservation gives the kept files up before it evicts a live page (self.spares).
+        self.dead = 0
+        self.spares: Optional[SpareFiles] = None
         # The bound a restart will assume for the chunks on disk (tiers/stores/nvme/ceiling.py), and the bytes
         # of chunks a rebuild's scan has not counted yet (at most the last run's ceiling less what it scanned):
         # writes get room only beside both, so the disk never holds more than capacity, rebuild or not.
@@ -120,7 +102,7 @@ class Ledger:
         with self.lock:
             if self.build is not None:
                 return
-            lowered = self.ceiling.lower(self.used + self.reserved, slack_steps)
+            lowered = self.ceiling.lower(self.used + self.reserved + self.dead, slack_steps)
         if lowered:
             self.ceiling.persist()
 
@@ -195,10 +177,13 @@ class Ledger:
                 raise StoreFull(self._full_locked())
             return self._reserve_locked(nbytes, ns_hash, namespace)
 
-    def reserve_many(self, sizes: Sequence[int], ns_hash: int, namespace: str) -> Tuple[List[Victim], List[bool]]:
+    def reserve_many(self, sizes: Sequence[int], ns_hash: int, namespace: str,
+                     spare: int = 0) -> Tuple[List[Victim], List[bool]]:
         """reserve for each of sizes (pages of one namespace): the victims, and which got room (the others
         are StoreFull: writes in flight fill the tier).  Up to RESERVE_HOLD_BYTES of claims a lock hold (every
-        lookup waits on it), evicting what claims page by page would, the oldest first."""
+        lookup waits on it), evicting what claims page by page would, the oldest first.  spare: bytes of a
+        kept file the pages go into, counted as dead until now: the claims take them over first (the file is
+        counted throughout); what no claim took (some were refused) is still dead."""
         victims: List[Victim] = []
         got: List[bool] = []
         first = 0
@@ -211,15 +196,35 @@ class Ledger:
             with self.lock:
                 room = self.room_locked()
                 if self.reserved + total <= room:
+                    spare = self._take_spare_locked(spare, total)
                     victims += self._reserve_locked(total, ns_hash, namespace)
                     got += [True] * (last - first)
                 else:
                     for nbytes in sizes[first:last]:
                         got.append(self.reserved + nbytes <= room)
                         if got[-1]:
+                            spare = self._take_spare_locked(spare, nbytes)
                             victims += self._reserve_locked(nbytes, ns_hash, namespace)
             first = last
         return victims, got
+
+    def _take_spare_locked(self, spare: int, nbytes: int) -> int:
+        taken = min(spare, nbytes)
+        self.dead -= taken
+        return spare - taken
+
+    def admit_dead(self, nbytes: int) -> bool:
+        """nbytes more of dead bytes kept on disk, if they fit beside what is held and in flight."""
+        with self.lock:
+            if self.used + self.reserved + self.dead + nbytes > self.room_locked():
+                return False
+            self.dead += nbytes
+            return True
+
+    def free_dead(self, nbytes: int) -> None:
+        """Dead bytes no longer on disk (removed, punched) or no longer dead (a batch written over them)."""
+        with self.lock:
+            self.dead -= nbytes
 
     def room_locked(self) -> int:
         """Bytes the indexed chunks and the writes in flight may take together: the capacity, or the ceiling
@@ -238,10 +243,10 @@ class Ledger:
         writer that reserves between the last raise and its lock, or a raise that could not be written,
         leaves the reservation to evict within the ceiling as it stands (the disk stays under it)."""
         for _ in range(CEILING_TRIES):
-            if not self.ceiling.ensure(self.used + self.reserved + self.unscanned + nbytes):
+            if not self.ceiling.ensure(self.used + self.reserved + self.dead + self.unscanned + nbytes):
                 return
             ceiling = self.ceiling.value
-            if self.used + self.reserved + self.unscanned + nbytes <= ceiling or ceiling >= self.capacity:
+            if self.used + self.reserved + self.dead + self.unscanned + nbytes <= ceiling or ceiling >= self.capacity:
                 return
 
     def _reserve_locked(self, nbytes: int, ns_hash: Optional[int], namespace: Optional[str]) -> List[Victim]:
@@ -256,9 +261,13 @@ class Ledger:
                 victims.append(victim)
             self._within_group_quota_locked(ns_hash, nbytes, victims)
         room = self.room_locked()
-        while self.used + self.reserved + nbytes > room:
+        while self.used + self.reserved + self.dead + nbytes > room:
+            given_up = self.spares.give_up_locked() if self.spares is not None and self.dead else 0
+            if given_up:  # a kept dead file goes before any live page
+                self.dead -= given_up
+                continue
             victim = self.pop_victim_locked(ns_hash, nbytes)
-            if victim is None:  # cannot happen: the callers checked that reserved + nbytes fit the room
+            if victim is None:  # only dead records left in place remain: their files die with these victims
                 break
             victims.append(victim)
         self.reserved += nbytes

@@ -17,7 +17,8 @@ import numpy as np
 from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.build_log import BuildLog
 from tiers.stores.nvme.index import digests_of
-from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.nvme.entry import Entry, Victim
+from tiers.stores.nvme.ledger import Ledger
 from tiers.stores.page_index import Row
 
 PLACE_SLICE = 65536  # scanned chunks placed in order under one hold of the lock (~5 ms)

@@ -22,7 +22,8 @@ from tiers.stores.nvme import chunkfile as cf
 from tiers.stores.nvme.batch_reads import TOUCH_INTERVAL
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.layout import key_digest
-from tiers.stores.nvme.ledger import Entry, Ledger
+from tiers.stores.nvme.entry import Entry
+from tiers.stores.nvme.ledger import Ledger
 from tiers.stores.nvme.removal import Removal
 
 # A read that fails for want of a resource says nothing about the page on disk: a miss, the page kept

@@ -54,8 +54,7 @@ class PageWrites:
         header = cf.pack_header(cf.header_block("write"), namespace, name, 0 if encoded is None else
                                 t.codec.codec_id, size, stored, payload_sum, checksum)
         try:
-            for victim in t.ledger.reserve(disk, ns_hash, namespace):
-                self._removal.discard(*victim, evicted=True)
+            self._removal.discard_many(t.ledger.reserve(disk, ns_hash, namespace), evicted=True)
         except StoreFull as exc:
             raise StoreFull(f"{t.name}: {exc}") from None
         try:

@@ -27,7 +27,8 @@ from tiers.stores.nvme import batch, index, ledger_rebuild
 from tiers.stores.nvme.index import ScanResult
 from tiers.policies import EvictionPolicy
 from tiers.stores.nvme.layout import LeafDirs
-from tiers.stores.nvme.ledger import Ledger, Victim
+from tiers.stores.nvme.entry import Victim
+from tiers.stores.nvme.ledger import Ledger
 
 log = logging.getLogger("hicache.nvme")
 

@@ -1,4 +1,4 @@
-"""Batch chunk files whose every page left, kept to be written over by the next batch of their size.
+"""Batch chunk files whose every page left, written over by the next batch of their size.
 
 A full tier evicts for every put, and a put of a whole batch usually frees a
 whole older batch file (LRU and FIFO evict the oldest pages, which lie
@@ -13,22 +13,36 @@ over in place took 2.4 ms, a new one 4.3 ms, and 4.3 + 2.4 (the old one's
 removal) in a full tier (docs/PERFORMANCE.md, session 41).  RocksDB recycles
 its log files for the same reason.
 
-The kept files take at most ``limit`` bytes, which the tier keeps out of its
-index's capacity (tiers/stores/nvme/store.py), so the disk never holds more
-than the capacity.  A kept file's first record header is zeroed when it is
-kept (one 4 KiB write): a restart after a crash walks it, finds no record at
-its start and removes it, as it removes a file a crash cut short, so a page
-evicted or deleted is not found again.  A clean stop removes the kept files.
-Nothing is kept while the index is rebuilt (a scan must not meet a kept file
-that a put is about to write over).
+Where the dead file goes:
+
+- A put claims a file of its batch's exact size before it reserves
+  (``claim``).  A kept file of that size is its at once; else a dead file of
+  that size that its own victims (or anyone's) empty while the claim is open
+  goes to it.  So a put into a full tier writes over the file it evicted.
+- Else it is kept (``offer``) while the disk has room for it beside what the
+  index holds and what writes have in flight: the ledger counts kept bytes as
+  ``dead`` (tiers/stores/nvme/ledger.py), so the disk never holds more than
+  the capacity, and a reservation gives kept files up (``give_up_locked``;
+  removed before its writer writes) before it evicts a live page.  A kept
+  file costs the cache nothing: it is free room, already allocated.
+- Else it is removed.
+
+A dead file's first record header is zeroed before it is kept or claimed (one
+4 KiB write): a restart after a crash walks it, finds no record at its start
+and removes it, as it removes a file a crash cut short, so a page evicted or
+deleted is not found again.  A clean stop removes the kept files.  Nothing is
+kept while the index is rebuilt (a scan must not meet a kept file that a put
+is about to write over).
 
 Records evicted from a file that still holds live pages are left in place
-too (not punched) while the same budget allows, so that file is whole when
-its last page goes and a batch is written over it with no block allocated
-again; a clean stop punches them.  After a crash the restart walks them as
-the pages they were, whole and checked.
+too (not punched), up to ``limit`` bytes, so that file is whole when its
+last page goes and a batch is written over it with no block allocated again;
+a clean stop punches them.  After a crash the restart walks them as the pages
+they were, whole and checked.  They are left by a put into a full tier, which
+has no room to spare then, so the limit is taken out of the index's capacity
+ahead (tiers/stores/nvme/store.py): those bytes do cost the cache.
 
-A batch written over a kept file lays its records from the start and writes
+A batch written over a dead file lays its records from the start and writes
 every block up to its own size, which is the file's size (only a file of
 exactly that size is taken): a finished file holds nothing of the old one.  A
 crash during the write can leave old records after the new ones, each
@@ -44,26 +58,50 @@ import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 from tiers.stores.nvme import batch, chunkfile as cf
+from tiers.stores.nvme.ledger import Ledger
 
-RECYCLE_BYTES = 128 << 20  # the default limit: two batch files of the largest size (batch_writes.BATCH_FILE_BYTES)
+# The default limit of dead records left in place on a tier of 8 GiB and more: two batch files of the largest
+# size (batch_writes.BATCH_FILE_BYTES).  A smaller tier leaves none: it would give up a visible share of its
+# cache for it.
+RECYCLE_BYTES = 128 << 20
 _ZEROS = batch.aligned_block()  # a header no walk takes for a record
+_ZEROING = (0, "")  # a claim's file while its header is being zeroed
+
+
+class Claim:
+    """A put's claim on a dead batch file of its exact size: file the (id, path) it got; spare the bytes of a
+    kept file it took, still counted as dead until its reservation takes them over (Ledger.reserve_many)."""
+
+    __slots__ = ("size", "file", "spare")
+
+    def __init__(self, size: int = 0) -> None:
+        self.size = size
+        self.file: Optional[Tuple[int, str]] = None
+        self.spare = 0
 
 
 class RecycledFiles:
-    """Dead batch files by size, up to limit bytes, kept under their own names."""
+    """Dead batch files kept under their own names, by size, within the ledger's room; files handed to the
+    puts that claim their size; dead records left in place up to limit bytes (kept out of the ledger's
+    capacity by the store).  Implements the ledger's SpareFiles (its lock is taken before this one's, never
+    after)."""
 
-    def __init__(self, limit: int, ready: Callable[[], bool] = lambda: True):
-        self.limit = max(0, limit)
+    def __init__(self, ledger: Ledger, limit: int, ready: Callable[[], bool] = lambda: True, on: bool = True):
+        self.on = on  # False: nothing is kept, claimed or left in place (recycle_bytes = 0)
+        self.limit = max(0, limit) if on else 0
+        self._ledger = ledger
         self._ready = ready  # false while the index is rebuilt
+        self._open_claims: List[Claim] = []
         self._by_size: Dict[int, List[Tuple[int, str]]] = {}
         self._bytes = 0
-        # Records evicted from files that still hold live ones, left in place (not punched) while the budget
+        self._given_up: List[str] = []  # kept files given up for room, removed by the next remove_given_up
+        # Records evicted from files that still hold live ones, left in place (not punched) while the limit
         # allows, so the file is whole when its last page goes: path -> (first block, blocks) ranges.
         self._deferred: Dict[str, List[Tuple[int, int]]] = {}
         self._deferred_bytes = 0
         self._lock = threading.Lock()
         self.kept = 0  # dead files kept instead of removed
-        self.reused = 0  # batches written over a kept file
+        self.reused = 0  # batches written over a dead file
 
     @property
     def nbytes(self) -> int:
@@ -77,74 +115,157 @@ class RecycledFiles:
 
     def defer(self, path: str, ranges: List[Tuple[int, int]]) -> bool:
         """Leave dead records (first block, blocks) of a file that still holds live ones in place, when the
-        budget allows: the file stays whole for a batch to be written over once its last page goes.  False:
+        limit allows: the file stays whole for a batch to be written over once its last page goes.  False:
         the caller punches them."""
         nbytes = sum(blocks for _block, blocks in ranges) * cf.ALIGN
         if not self.limit or not self._ready():
             return False
         with self._lock:
-            if self._bytes + self._deferred_bytes + nbytes > self.limit:
+            if self._deferred_bytes + nbytes > self.limit:
                 return False
             self._deferred.setdefault(path, []).extend(ranges)
             self._deferred_bytes += nbytes
             return True
 
     def forget(self, path: str) -> List[Tuple[int, int]]:
-        """The file at path goes (removed, or its dead records punched): its deferred records, no longer
-        counted."""
+        """The file at path goes (removed, written over, or its dead records punched): its deferred records, no
+        longer counted."""
         with self._lock:
             ranges = self._deferred.pop(path, [])
             self._deferred_bytes -= sum(blocks for _block, blocks in ranges) * cf.ALIGN
             return ranges
 
+    def claim(self, size: int) -> Claim:
+        """A put's claim on a dead file of exactly size bytes, open until settle: a kept one at once (its
+        bytes the claim's spare), else the first of that size offered meanwhile."""
+        got = Claim(size)
+        if not self.on or not size:
+            return got
+        with self._lock:
+            files = self._by_size.get(size)
+            if files:
+                got.file = files.pop()
+                if not files:
+                    del self._by_size[size]
+                self._bytes -= size
+                got.spare = size
+            else:
+                self._open_claims.append(got)
+        return got
+
+    def settle(self, claim: Claim, size: int) -> Optional[Tuple[int, str]]:
+        """Close claim: the (id, path) of the file it got when that is exactly size bytes (the put's file as
+        laid out), else None (a file it got of another size is kept or removed as any dead file)."""
+        with self._lock:
+            if claim in self._open_claims:
+                self._open_claims.remove(claim)
+            got, claim.file = claim.file, None
+        if got is _ZEROING:  # its offer finds the claim closed and keeps or removes the file itself
+            return None
+        if got is None or claim.size == size:
+            if got is not None:
+                with self._lock:
+                    self.reused += 1
+            return got
+        self._keep_or_remove(got[1], claim.size)
+        return None
+
+    def drop_spare(self, claim: Claim, left: int) -> None:
+        """The kept file claim took is not written over after all (some of its put's pages were refused): removed
+        at once, before the put writes, and the left bytes of it still counted as dead freed."""
+        got, claim.file = claim.file, None
+        if got is not None and got is not _ZEROING:
+            cf.unlink_quietly(got[1])
+        if left:
+            self._ledger.free_dead(left)
+
     def offer(self, path: str) -> bool:
-        """Keep the dead batch file at path, its first header zeroed, when it fits the limit; False: the caller
-        removes it.  Either way its dead records left in place are no longer counted apart."""
+        """Hand the dead batch file at path, its first header zeroed, to an open claim of its size, or keep it
+        where the ledger has room; False: the caller removes it.  Either way its dead records left in place
+        are no longer counted apart."""
         self.forget(path)
         file_id = batch.parse_name(os.path.basename(path))
-        if not self.limit or file_id is None or not self._ready():
+        if not self.on or file_id is None or not self._ready():
             return False
         try:
             size = os.stat(path).st_size
         except OSError:
             return False
+        if not size:
+            return False
         with self._lock:
-            if not size or self._bytes + self._deferred_bytes + size > self.limit:
-                return False
-            self._bytes += size  # claimed before the write below, so two offers never pass the limit together
+            claim = next((c for c in self._open_claims if c.size == size and c.file is None), None)
+            if claim is not None:
+                claim.file = _ZEROING  # no other offer fills it meanwhile
+        if claim is None and not self._ledger.admit_dead(size):
+            return False
         try:
             _zero_first_header(path)
         except OSError:
-            with self._lock:
-                self._bytes -= size
+            if claim is not None:
+                with self._lock:
+                    claim.file = None
+            else:
+                self._ledger.free_dead(size)
             return False
         with self._lock:
-            self._by_size.setdefault(size, []).append((file_id, path))
-            self.kept += 1
+            if claim is None:
+                self._keep_locked(file_id, path, size)
+                return True
+            if claim in self._open_claims:
+                claim.file = (file_id, path)
+                return True
+        self._keep_or_remove(path, size)  # its put settled meanwhile
         return True
 
-    def take(self, size: int) -> Optional[Tuple[int, str]]:
-        """A kept file of exactly size bytes for a batch to be written over: (its file id, its path), no longer
-        kept; None when there is none."""
+    def _keep_locked(self, file_id: int, path: str, size: int) -> None:
+        self._by_size.setdefault(size, []).append((file_id, path))
+        self._bytes += size
+        self.kept += 1
+
+    def _keep_or_remove(self, path: str, size: int) -> None:
+        """A zeroed dead file no claim uses: kept where the ledger has room, else removed."""
+        file_id = batch.parse_name(os.path.basename(path))
+        if file_id is not None and self._ledger.admit_dead(size):
+            with self._lock:
+                self._keep_locked(file_id, path, size)
+        else:
+            cf.unlink_quietly(path)
+
+    def give_up_locked(self) -> int:
+        """SpareFiles: a kept file given up for room, the largest (removed by remove_given_up before the
+        reserving writer writes); its bytes, 0 when none is kept."""
         with self._lock:
-            files = self._by_size.get(size)
-            if not files:
-                return None
-            got = files.pop()
+            if not self._by_size:
+                return 0
+            size = max(self._by_size)
+            files = self._by_size[size]
+            _id, path = files.pop()
             if not files:
                 del self._by_size[size]
             self._bytes -= size
-            self.reused += 1
-            return got
+            self._given_up.append(path)
+            return size
+
+    def remove_given_up(self) -> None:
+        """Remove the kept files given up for room (by the writer that reserved it, before it writes)."""
+        if not self._given_up:
+            return
+        with self._lock:
+            paths, self._given_up = self._given_up, []
+        for path in paths:
+            cf.unlink_quietly(path)
 
     def drain(self) -> int:
         """Remove every kept file and punch every dead record left in place (a clean stop: the next start's
         index would not know them, and a file would never be found empty); how many files removed."""
         with self._lock:
-            files = [path for kept in self._by_size.values() for _id, path in kept]
+            files = [path for kept in self._by_size.values() for _id, path in kept] + self._given_up
             self._by_size.clear()
-            self._bytes = 0
+            self._given_up = []
+            freed, self._bytes = self._bytes, 0
             deferred, self._deferred, self._deferred_bytes = self._deferred, {}, 0
+        self._ledger.free_dead(freed)
         for path, ranges in deferred.items():
             try:
                 if batch.punch_ranges(path, ranges) is False:

@@ -17,7 +17,8 @@ from tiers.logs import RateLimitedLog
 from tiers.stores.base import EvictionListener
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.codec import Codec
-from tiers.stores.nvme.ledger import Entry, Ledger, Victim
+from tiers.stores.nvme.entry import Entry, Victim
+from tiers.stores.nvme.ledger import Ledger
 from tiers.stores.nvme.recycle import RecycledFiles
 
 N_STRIPES = 64
@@ -43,6 +44,7 @@ class Removal:
     def discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
         """Delete the file (or batch record) of a chunk already out of the index, unless the key was re-added
         into the same file."""
+        self._recycled.remove_given_up()
         if evicted and self._evictions is not None:
             self._notify_evict(entry)
         if entry.file:  # its own record, whatever came since: a newer version lies elsewhere
@@ -76,7 +78,9 @@ class Removal:
                 self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)
 
     def discard_many(self, victims: List[Victim], evicted: bool = False) -> None:
-        """discard for many chunks: the batch records among them given back together."""
+        """discard for many chunks: the batch records among them given back together; and the kept files the
+        reservation gave up for room removed (every writer calls this after reserving, victims or none)."""
+        self._recycled.remove_given_up()
         records = []
         for digest, entry in victims:
             if not entry.file:

@@ -38,7 +38,8 @@ from tiers.stores.nvme.page_writes import PageWrites
 from tiers.stores.nvme.recycle import RECYCLE_BYTES, RecycledFiles
 from tiers.stores.nvme.removal import Removal
 from tiers.wire.protocol import pack_key_digests
-from tiers.stores.nvme.ledger import Ledger, Victim
+from tiers.stores.nvme.entry import Victim
+from tiers.stores.nvme.ledger import Ledger
 from tiers.stores.base import (Buffers, EvictionListener, FillPages, PageKey, PageStore, StoreError, StoreIOError,
                                StoreStats)
 from tiers.plugins import StoreKind
@@ -82,16 +83,21 @@ class NvmeStore(PageStore):
         # Batch chunks give evicted pages' blocks back by punching holes; a file system that cannot keeps
         # them until the whole file goes, which the byte count would not see: a file a page there instead.
         self.batched = self._probe_punch()
-        # Dead batch files kept to be written over (tiers/stores/nvme/recycle.py) take up to recycle_bytes (an
-        # eighth of the capacity at most; None: RECYCLE_BYTES where that is a 64th or less) out of what the index
-        # may hold: the disk holds the capacity at most.
+        # Dead batch files are written over by the next batch of their size (tiers/stores/nvme/recycle.py)
+        # unless recycle_bytes is 0: kept within the index's room, they cost the cache nothing.  Dead records left
+        # in place in live files do: up to recycle_bytes of them (an eighth of the capacity at most; None:
+        # RECYCLE_BYTES where that is a 64th or less, else none) come out of what the index may hold, so the disk
+        # holds the capacity at most.
+        recycling = self.batched and compression == "none" and recycle_bytes != 0
         if recycle_bytes is None:
             recycle_bytes = RECYCLE_BYTES if capacity >= 64 * RECYCLE_BYTES else 0
-        recycle = min(max(0, recycle_bytes), capacity // 8) if self.batched and compression == "none" else 0
-        self._recycled = RecycledFiles(recycle, ready=lambda: self._build.done.is_set())
-        pages_capacity = capacity - recycle
+        left_in_place = min(max(0, recycle_bytes), capacity // 8) if recycling else 0
+        pages_capacity = capacity - left_in_place
         self._ledger = Ledger(self.root, pages_capacity, policy, quotas,
                               ceiling=UsageCeiling(self.root, pages_capacity))
+        self._recycled = RecycledFiles(self._ledger, left_in_place, ready=lambda: self._build.done.is_set(),
+                                       on=recycling)
+        self._ledger.spares = self._recycled
         self._snapshots = index_snapshot
         self._dirsync = DirSyncer()
         warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
