@@ -186,6 +186,30 @@ def test_enospc_clean_refusal_keeps_serving(small_fs):
         assert leftovers(small_fs) == [] and store.stats().pages == 0
 
 
+def test_a_device_full_below_our_count_gives_up_the_kept_files(small_fs):
+    """Dead batch files kept to be written over count in our capacity, not the device's: when another user of
+    the disk fills it, the put that meets ENOSPC is refused and gives the kept files up, and the next put
+    finds room (a single page's put retries at once)."""
+    from tests.support.nvme_batches import batch_files, put_batch
+    with closing(NvmeStore(str(small_fs / "nvme"), 64 << 20, fsync=False)) as store:  # capacity above the device
+        put_batch(store, [f"a{i}" for i in range(8)], range(8))
+        store.clear()
+        assert store.stats().extra["recycled_kept"] == 1 and len(batch_files(small_fs / "nvme")) == 1
+        try:
+            with open(small_fs / "hog", "wb") as fh:
+                fh.write(b"\0" * (4 << 20))
+        except OSError:
+            pass  # the device is full: what the hog is for
+        keys = [("ns", f"b{i}") for i in range(5)]  # another size: no claim takes the kept file
+        out = store.put_many(keys, [[memoryview(page(i, 64 << 10))] for i in range(5)], [None] * 5, time.time() + 30)
+        assert all(isinstance(o, StoreFull) for o in out), out
+        assert batch_files(small_fs / "nvme") == [] and store.stats().extra["recycled_bytes"] == 0
+        out = store.put_many(keys, [[memoryview(page(i, 64 << 10))] for i in range(5)], [None] * 5, time.time() + 30)
+        assert out == [None] * 5
+        assert all(bytes(store.get_bytes(k)) == page(i, 64 << 10) for i, k in enumerate(keys))
+        assert leftovers(small_fs) == []
+
+
 def aligned(nbytes):
     return memoryview(mmap.mmap(-1, nbytes))
 

@@ -295,9 +295,10 @@ class Ledger:
 
     def evict_bytes(self, nbytes: int, ns_hash: Optional[int] = None, full_disk: bool = True) -> List[Victim]:
         """Evict at least nbytes of chunks (of one namespace when given): the device is fuller than our
-        count says (full_disk), or an operator asked."""
+        count says (full_disk: kept dead files are given up first, removed by the caller's discard_many), or an
+        operator asked."""
         with self.lock:
-            victims, freed = [], 0
+            victims, freed = [], self._give_up_spares_locked(nbytes) if full_disk else 0
             while freed < nbytes:
                 victim = self.pop_victim_locked(None, only=ns_hash)
                 if victim is None:
@@ -307,6 +308,22 @@ class Ledger:
             if victims and full_disk:
                 self.extra["enospc_retries"] += 1
             return victims
+
+    def give_up_spares(self, nbytes: int) -> int:
+        """Kept dead files given up for nbytes at least (the device is full below our count: another user of
+        the disk filled it), removed by the next discard; the bytes given up."""
+        with self.lock:
+            return self._give_up_spares_locked(nbytes)
+
+    def _give_up_spares_locked(self, nbytes: int) -> int:
+        freed = 0
+        while freed < nbytes and self.spares is not None and self.dead:
+            given_up = self.spares.give_up_locked()
+            if not given_up:
+                break
+            self.dead -= given_up
+            freed += given_up
+        return freed
 
     def commit(self, digest: int, ns_hash: int, namespace: str, disk_size: int, raw_size: int, stamp: int,
                parent: Optional[int], file: int = 0, block: int = 0) -> Optional[Entry]:

@@ -102,11 +102,11 @@ class PageWrites:
                 self._warn_once.warning("enospc", "%s: device full below the configured capacity; evicting", t.name)
                 if disk > self._reclaimable():  # evicting everything would not make room: refuse now
                     raise StoreFull(f"{t.name}: chunk of {disk} bytes exceeds the space of the device") from None
-                victims = t.ledger.evict_bytes(disk)
-                if not victims:
+                dead = t.ledger.dead
+                victims = t.ledger.evict_bytes(disk)  # kept dead files first (tiers/stores/nvme/recycle.py)
+                if not victims and t.ledger.dead == dead:
                     raise StoreFull(f"{t.name}: no space left on device") from None
-                for victim in victims:
-                    self._removal.discard(*victim, evicted=True)
+                self._removal.discard_many(victims, evicted=True)
         raise StoreFull(f"{t.name}: no space left on device")  # not reached: the loop returns or raises
 
     def _reclaimable(self) -> int:
@@ -115,7 +115,7 @@ class PageWrites:
             st = os.statvfs(self.t.root)
         except OSError:
             return self.t.capacity
-        return st.f_bavail * st.f_frsize + self.t.ledger.used
+        return st.f_bavail * st.f_frsize + self.t.ledger.used + self.t.ledger.dead
 
     def _ensure_dir(self, leaf: str) -> None:
         t = self.t
