@@ -204,13 +204,22 @@ def test_a_batch_into_a_full_tier_evicts_at_most_a_bounded_amount_a_lock_hold(ma
         def __init__(self):
             self.inner = threading.Lock()
 
+        def acquire(self, blocking=True, timeout=-1):
+            got = self.inner.acquire(blocking, timeout)
+            if got:
+                holds[0] += 1
+            return got
+
+        def release(self):
+            self.inner.release()
+
         def __enter__(self):
-            self.inner.acquire()
-            holds[0] += 1
+            self.acquire()
 
         def __exit__(self, *exc):
-            self.inner.release()
+            self.release()
     ledger.lock = CountedLock()
+    ledger._dead_freed = threading.Condition(ledger.lock)  # the ledger's waits on its lock, counted too
     real_pop = ledger.pop_victim_locked
 
     def counted_pop(*args, **kw):

@@ -100,7 +100,7 @@ class BatchTarget:
     writers: Executor  # threads that move each part to the device
     dirsync: DirSyncer
     direct: Callable[[], bool]  # O_DIRECT now (a device that refused it turns it off)
-    discard: Callable[[List[Victim], bool], None]  # evicted chunks' files or records given back
+    discard: Callable[..., None]  # evicted chunks' files or records given back (Removal.discard_many)
     replaced: Callable[[int, Entry], None]  # an older version of a page just indexed goes
     buffered_up_to: int = 0  # batch files of at most this many bytes go through the page cache (0: none)
     recycled: Optional[RecycledFiles] = None  # dead batch files a batch of their size is written over

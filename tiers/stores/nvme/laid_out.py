@@ -62,7 +62,9 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
     victims, got = t.ledger.reserve_many(disks, ns_hash, namespace, spare=claim.spare)
     if claim.spare and not all(got):  # a smaller file now: the kept one goes before anything is written
         t.recycled.drop_spare(claim, max(0, claim.spare - sum(d for d, g in zip(disks, got) if g)))
-    t.discard(victims, True)  # before a byte of ours is written: never more than capacity on disk
+    # Before a byte of ours is written (never more than capacity on disk); a file of ours emptied by it is
+    # the claim's.
+    t.discard(victims, True, claim=claim if all(got) else None)
     if not all(got):
         for i, g in zip(ok, got):
             if not g:

@@ -7,6 +7,9 @@ of writes in flight.  A write reserves before it touches the disk (evicting
 as needed) and then commits or releases; the victims it gets back are already
 out of the index and their bytes already freed, so the caller deletes their
 files before writing its own and the disk never holds more than capacity.
+A delete's or clear's bytes stay counted (as ``dead``, beside the kept dead
+batch files of tiers/stores/nvme/recycle.py) until their files leave the
+disk, and a reservation counts itself before it evicts.
 
 The index is native (tiers/stores/page_index.py): a 48-byte row and a 4-byte
 slot a chunk, the LRU or FIFO order in the rows; a chunk's path is worked
@@ -20,6 +23,7 @@ is filled at a start by ledger_rebuild.py (a scan) or snapshot.py.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tiers.stores.page_index import ORDER_NONE, PageIndex, Row, order_for
@@ -35,6 +39,9 @@ from tiers.stores.nvme.tenants import Tenants
 
 RESERVE_HOLD_BYTES = 8 << 20  # records a batch reserves (and evicts for) in one hold of the lock at most
 CEILING_TRIES = 8  # raises of the usage ceiling a reservation tries while other writers take what it raised
+# Seconds a reservation waits at most, past every live page and kept file, for the files of a delete or clear
+# to leave the disk (their bytes are counted until they do: Ledger.pop_many); past it, it takes the room.
+HELD_WAIT_S = 1.0
 
 
 class Ledger:
@@ -61,6 +68,7 @@ class Ledger:
         # reservation gives the kept files up before it evicts a live page (self.spares).
         self.dead = 0
         self.spares: Optional[SpareFiles] = None
+        self._dead_freed = threading.Condition(self.lock)  # a reservation waiting for a delete's removals
         # The bound a restart will assume for the chunks on disk (tiers/stores/nvme/ceiling.py), and the bytes
         # of chunks a rebuild's scan has not counted yet (at most the last run's ceiling less what it scanned):
         # writes get room only beside both, so the disk never holds more than capacity, rebuild or not.
@@ -213,18 +221,21 @@ class Ledger:
         self.dead -= taken
         return spare - taken
 
-    def admit_dead(self, nbytes: int) -> bool:
-        """nbytes more of dead bytes kept on disk, if they fit beside what is held and in flight."""
+    def keep_dead(self, nbytes: int, held: int = 0) -> bool:
+        """nbytes of a dead file kept on disk in place of held bytes of it already counted as dead (its records
+        removed by a delete or clear: pop_many), if they fit beside what is held and in flight; False: nothing
+        changes (held stays counted until the caller frees it)."""
         with self.lock:
-            if self.used + self.reserved + self.dead + nbytes > self.room_locked():
+            if self.used + self.reserved + self.dead - held + nbytes > self.room_locked():
                 return False
-            self.dead += nbytes
+            self.dead += nbytes - held
             return True
 
     def free_dead(self, nbytes: int) -> None:
         """Dead bytes no longer on disk (removed, punched) or no longer dead (a batch written over them)."""
         with self.lock:
             self.dead -= nbytes
+            self._dead_freed.notify_all()
 
     def room_locked(self) -> int:
         """Bytes the indexed chunks and the writes in flight may take together: the capacity, or the ceiling
@@ -250,6 +261,9 @@ class Ledger:
                 return
 
     def _reserve_locked(self, nbytes: int, ns_hash: Optional[int], namespace: Optional[str]) -> List[Victim]:
+        # Counted first: the victims popped below are on disk until the caller removes them, and their room is
+        # this reservation's even while the loop waits with the lock let go.
+        self.reserved += nbytes
         victims = []
         if ns_hash is not None:
             tenant = self.tenants.tenant(ns_hash, self.index, namespace)
@@ -261,16 +275,23 @@ class Ledger:
                 victims.append(victim)
             self._within_group_quota_locked(ns_hash, nbytes, victims)
         room = self.room_locked()
-        while self.used + self.reserved + self.dead + nbytes > room:
+        waited_until = None
+        while self.used + self.reserved + self.dead > room:
             given_up = self.spares.give_up_locked() if self.spares is not None and self.dead else 0
             if given_up:  # a kept dead file goes before any live page
                 self.dead -= given_up
                 continue
             victim = self.pop_victim_locked(ns_hash, nbytes)
-            if victim is None:  # only dead records left in place remain: their files die with these victims
+            if victim is not None:
+                victims.append(victim)
+                continue
+            # Only bytes on their way off the disk remain (a delete's or clear's files, a kept file another put
+            # is about to write over): wait for them, a while at most (the wait lets go of the lock).
+            now = time.monotonic()
+            waited_until = waited_until or now + HELD_WAIT_S
+            if not self.dead or now >= waited_until:
                 break
-            victims.append(victim)
-        self.reserved += nbytes
+            self._dead_freed.wait(waited_until - now)
         if ns_hash is not None:
             self.tenants.by_hash[ns_hash].reserved += nbytes
             self.tenants.held_changed(ns_hash, nbytes)
@@ -397,8 +418,10 @@ class Ledger:
             self._forget_locked(digest, Row(*values))
             return True
 
-    def pop_many(self, digests: Iterable[int]) -> List[Victim]:
-        """Take digests out of the index (delete, clear); returns what was present."""
+    def pop_many(self, digests: Iterable[int], held: bool = False) -> List[Victim]:
+        """Take digests out of the index (delete, clear); returns what was present.  held: their bytes stay
+        counted, as dead, until the caller's removal frees them (Removal.discard_many): a writer reserving
+        meanwhile gets no room their files still take."""
         with self.lock:
             out = []
             for digest in digests:
@@ -409,6 +432,8 @@ class Ledger:
                     row = Row(*values)
                     out.append((digest, self._entry(digest, row)))
                     self._forget_locked(digest, row)
+                    if held:
+                        self.dead += row.size
             return out
 
     def digests(self, ns_hash: Optional[int] = None) -> List[int]:

@@ -17,8 +17,12 @@ Where the dead file goes:
 
 - A put claims a file of its batch's exact size before it reserves
   (``claim``).  A kept file of that size is its at once; else a dead file of
-  that size that its own victims (or anyone's) empty while the claim is open
-  goes to it.  So a put into a full tier writes over the file it evicted.
+  that size that its own victims empty goes to it (``offer`` from its own
+  discard), so a put into a full tier writes over the file it evicted.  Its
+  reservation counts exactly that file.  (A file another thread empties is
+  never handed over: the put's own victims' file would then stay on disk,
+  counted by nobody, while the other thread wrote a new file in the room its
+  evictions made: the suite's concurrency test measured that.)
 - Else it is kept (``offer``) while the disk has room for it beside what the
   index holds and what writes have in flight: the ledger counts kept bytes as
   ``dead`` (tiers/stores/nvme/ledger.py), so the disk never holds more than
@@ -65,12 +69,12 @@ from tiers.stores.nvme.ledger import Ledger
 # cache for it.
 RECYCLE_BYTES = 128 << 20
 _ZEROS = batch.aligned_block()  # a header no walk takes for a record
-_ZEROING = (0, "")  # a claim's file while its header is being zeroed
 
 
 class Claim:
     """A put's claim on a dead batch file of its exact size: file the (id, path) it got; spare the bytes of a
-    kept file it took, still counted as dead until its reservation takes them over (Ledger.reserve_many)."""
+    kept file it took, still counted as dead until its reservation takes them over (Ledger.reserve_many).
+    One put's own, used by its thread alone."""
 
     __slots__ = ("size", "file", "spare")
 
@@ -82,7 +86,7 @@ class Claim:
 
 class RecycledFiles:
     """Dead batch files kept under their own names, by size, within the ledger's room; files handed to the
-    puts that claim their size; dead records left in place up to limit bytes (kept out of the ledger's
+    puts whose victims emptied them; dead records left in place up to limit bytes (kept out of the ledger's
     capacity by the store).  Implements the ledger's SpareFiles (its lock is taken before this one's, never
     after)."""
 
@@ -91,7 +95,6 @@ class RecycledFiles:
         self.limit = max(0, limit) if on else 0
         self._ledger = ledger
         self._ready = ready  # false while the index is rebuilt
-        self._open_claims: List[Claim] = []
         self._by_size: Dict[int, List[Tuple[int, str]]] = {}
         self._bytes = 0
         self._given_up: List[str] = []  # kept files given up for room, removed by the next remove_given_up
@@ -100,6 +103,7 @@ class RecycledFiles:
         self._deferred: Dict[str, List[Tuple[int, int]]] = {}
         self._deferred_bytes = 0
         self._lock = threading.Lock()
+        self._removing = threading.Lock()  # held while given-up files are removed
         self.kept = 0  # dead files kept instead of removed
         self.reused = 0  # batches written over a dead file
 
@@ -136,8 +140,9 @@ class RecycledFiles:
             return ranges
 
     def claim(self, size: int) -> Claim:
-        """A put's claim on a dead file of exactly size bytes, open until settle: a kept one at once (its
-        bytes the claim's spare), else the first of that size offered meanwhile."""
+        """A put's claim on a dead file of exactly size bytes, before it reserves: a kept one at once (its bytes
+        the claim's spare, still counted as dead until the reservation takes them over); else the one its
+        own victims empty, if any (offer)."""
         got = Claim(size)
         if not self.on or not size:
             return got
@@ -149,40 +154,36 @@ class RecycledFiles:
                     del self._by_size[size]
                 self._bytes -= size
                 got.spare = size
-            else:
-                self._open_claims.append(got)
         return got
 
     def settle(self, claim: Claim, size: int) -> Optional[Tuple[int, str]]:
-        """Close claim: the (id, path) of the file it got when that is exactly size bytes (the put's file as
-        laid out), else None (a file it got of another size is kept or removed as any dead file)."""
-        with self._lock:
-            if claim in self._open_claims:
-                self._open_claims.remove(claim)
-            got, claim.file = claim.file, None
-        if got is _ZEROING:  # its offer finds the claim closed and keeps or removes the file itself
+        """The (id, path) of the file claim got, to write over, when that is exactly size bytes (the put's file
+        as laid out); else None (a file it got of another size is kept or removed as any dead file)."""
+        got, claim.file = claim.file, None
+        if got is None:
             return None
-        if got is None or claim.size == size:
-            if got is not None:
-                with self._lock:
-                    self.reused += 1
-            return got
-        self._keep_or_remove(got[1], claim.size)
-        return None
+        if claim.size != size:
+            self._keep_or_remove(got[1], claim.size)
+            return None
+        with self._lock:
+            self.reused += 1
+        return got
 
     def drop_spare(self, claim: Claim, left: int) -> None:
         """The kept file claim took is not written over after all (some of its put's pages were refused): removed
         at once, before the put writes, and the left bytes of it still counted as dead freed."""
         got, claim.file = claim.file, None
-        if got is not None and got is not _ZEROING:
+        if got is not None:
             cf.unlink_quietly(got[1])
         if left:
             self._ledger.free_dead(left)
 
-    def offer(self, path: str) -> bool:
-        """Hand the dead batch file at path, its first header zeroed, to an open claim of its size, or keep it
-        where the ledger has room; False: the caller removes it.  Either way its dead records left in place
-        are no longer counted apart."""
+    def offer(self, path: str, held: int = 0, claim: Optional[Claim] = None) -> bool:
+        """Take the dead batch file at path, its first header zeroed: to claim, when the discard of that claim's
+        own put emptied it and it is of the claim's size, else kept where the ledger has room.  held: bytes
+        of its records the ledger still counts as dead (a delete's or clear's, Ledger.pop_many); True: they
+        are settled too.  False: the caller removes the file, then frees them.  Either way its dead records
+        left in place are no longer counted apart."""
         self.forget(path)
         file_id = batch.parse_name(os.path.basename(path))
         if not self.on or file_id is None or not self._ready():
@@ -193,29 +194,22 @@ class RecycledFiles:
             return False
         if not size:
             return False
-        with self._lock:
-            claim = next((c for c in self._open_claims if c.size == size and c.file is None), None)
-            if claim is not None:
-                claim.file = _ZEROING  # no other offer fills it meanwhile
-        if claim is None and not self._ledger.admit_dead(size):
+        handed = claim is not None and claim.file is None and claim.size == size
+        if not handed and not self._ledger.keep_dead(size, held):
             return False
         try:
             _zero_first_header(path)
         except OSError:
-            if claim is not None:
-                with self._lock:
-                    claim.file = None
-            else:
-                self._ledger.free_dead(size)
+            if not handed:
+                self._ledger.free_dead(size - held)  # back to held counted, for the caller to free
             return False
+        if handed:  # the put's reservation counts the file: what a delete held of it is free
+            claim.file = (file_id, path)
+            if held:
+                self._ledger.free_dead(held)
+            return True
         with self._lock:
-            if claim is None:
-                self._keep_locked(file_id, path, size)
-                return True
-            if claim in self._open_claims:
-                claim.file = (file_id, path)
-                return True
-        self._keep_or_remove(path, size)  # its put settled meanwhile
+            self._keep_locked(file_id, path, size)
         return True
 
     def _keep_locked(self, file_id: int, path: str, size: int) -> None:
@@ -226,7 +220,7 @@ class RecycledFiles:
     def _keep_or_remove(self, path: str, size: int) -> None:
         """A zeroed dead file no claim uses: kept where the ledger has room, else removed."""
         file_id = batch.parse_name(os.path.basename(path))
-        if file_id is not None and self._ledger.admit_dead(size):
+        if file_id is not None and self._ledger.keep_dead(size):
             with self._lock:
                 self._keep_locked(file_id, path, size)
         else:
@@ -248,13 +242,13 @@ class RecycledFiles:
             return size
 
     def remove_given_up(self) -> None:
-        """Remove the kept files given up for room (by the writer that reserved it, before it writes)."""
-        if not self._given_up:
-            return
-        with self._lock:
-            paths, self._given_up = self._given_up, []
-        for path in paths:
-            cf.unlink_quietly(path)
+        """Remove the kept files given up for room (by the writer that reserved it, before it writes).  A
+        writer that finds another removing them waits until it is done: the room it reserved may be theirs."""
+        with self._removing:
+            with self._lock:
+                paths, self._given_up = self._given_up, []
+            for path in paths:
+                cf.unlink_quietly(path)
 
     def drain(self) -> int:
         """Remove every kept file and punch every dead record left in place (a clean stop: the next start's

@@ -19,7 +19,7 @@ from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.codec import Codec
 from tiers.stores.nvme.entry import Entry, Victim
 from tiers.stores.nvme.ledger import Ledger
-from tiers.stores.nvme.recycle import RecycledFiles
+from tiers.stores.nvme.recycle import Claim, RecycledFiles
 
 N_STRIPES = 64
 
@@ -37,6 +37,7 @@ class Removal:
         self._evictions = evictions
         self._rlog = rlog
         self._stripes = [threading.Lock() for _ in range(N_STRIPES)]
+        self._file_stripes = [threading.Lock() for _ in range(N_STRIPES)]  # batch files given back, by path
 
     def stripe(self, digest: int) -> threading.Lock:
         return self._stripes[digest % N_STRIPES]
@@ -58,39 +59,63 @@ class Removal:
         """A batch record's blocks back to the file system; the file goes with its last record."""
         self._give_back_many([entry])
 
-    def _give_back_many(self, entries: List[Entry]) -> None:
+    def _give_back_many(self, entries: List[Entry], held: bool = False, claim: Optional[Claim] = None) -> None:
         """Batch records' blocks back, each file opened once and adjacent records punched as one range (the
         victims of a batch are mostly the oldest records of one file); a file that loses its last record goes
-        whole, with no hole punched: kept for a batch of its size (tiers/stores/nvme/recycle.py) or removed."""
+        whole, with no hole punched: kept for a batch of its size (tiers/stores/nvme/recycle.py) or removed.
+        held: the records' bytes are still counted as dead (Ledger.pop_many), freed once they left the disk.
+        claim: the reserving put's, which a file of its size emptied here goes to."""
         by_file: dict = {}
         for entry in entries:
             by_file.setdefault(entry.path, []).append((entry.block, -(-entry.disk_size // cf.ALIGN)))
-        recycled = self._recycled
         for path, ranges in by_file.items():
+            pending = sum(blocks for _b, blocks in ranges) * cf.ALIGN if held else 0
+            # One give-back a file at a time: two puts' victims in one file, given back at once, each found
+            # the other's records still there and both punched, or one found the file empty and handed it to
+            # its put to write over while the other still punched ranges of it (the new records' blocks).
             try:
-                if not batch.holds_data_outside(path, ranges + recycled.deferred(path)):
-                    if not recycled.offer(path):
-                        cf.unlink_quietly(path)
-                elif not recycled.defer(path, ranges):  # else left in place: the file stays whole
-                    if batch.punch_ranges(path, ranges + recycled.forget(path)) is False:
-                        cf.unlink_quietly(path)
+                with self._file_stripes[hash(path) % N_STRIPES]:
+                    self._give_back_file(path, ranges, claim, pending)
             except OSError as exc:
                 self._rlog.warning("punch", "%s: giving back pages of %s: %s", self.name, path, exc.strerror)
 
-    def discard_many(self, victims: List[Victim], evicted: bool = False) -> None:
+    def _give_back_file(self, path: str, ranges: list, claim: Optional[Claim], pending: int) -> None:
+        """_give_back_many's work on one file, holding its stripe; pending (held bytes) settled here."""
+        recycled = self._recycled
+        try:
+            if not batch.holds_data_outside(path, ranges + recycled.deferred(path)):
+                if recycled.offer(path, pending, claim):
+                    pending = 0  # settled by the offer
+                else:
+                    cf.unlink_quietly(path)
+            elif not recycled.defer(path, ranges):  # else left in place (out of the index's capacity)
+                if batch.punch_ranges(path, ranges + recycled.forget(path)) is False:
+                    cf.unlink_quietly(path)
+        finally:
+            if pending:
+                self._ledger.free_dead(pending)
+
+    def discard_many(self, victims: List[Victim], evicted: bool = False, held: bool = False,
+                     claim: Optional[Claim] = None) -> None:
         """discard for many chunks: the batch records among them given back together; and the kept files the
-        reservation gave up for room removed (every writer calls this after reserving, victims or none)."""
+        reservation gave up for room removed (every writer calls this after reserving, victims or none).
+        held: the victims' bytes are still counted as dead (Ledger.pop_many), each freed once it left the
+        disk.  claim: the reserving put's (tiers/stores/nvme/recycle.py)."""
         self._recycled.remove_given_up()
         records = []
         for digest, entry in victims:
             if not entry.file:
-                self.discard(digest, entry, evicted)
+                try:
+                    self.discard(digest, entry, evicted)
+                finally:
+                    if held:
+                        self._ledger.free_dead(entry.disk_size)
                 continue
             if evicted and self._evictions is not None:
                 self._notify_evict(entry)
             records.append(entry)
         if records:
-            self._give_back_many(records)
+            self._give_back_many(records, held, claim)
 
     def unlink_stale(self, digest: int, entry: Entry) -> None:
         """A chunk the rebuild found after its page was deleted, evicted or cleared: gone, unless re-added."""

@@ -237,8 +237,10 @@ class NvmeStore(PageStore):
         return self._ledger.held_packed(digests)
 
     def _remove(self, digests: Iterable[int]) -> int:
-        victims: List[Victim] = self._ledger.pop_many(digests)
-        self._removal.discard_many(victims)  # a batch file's records punched together (one call a file, not a page)
+        # Their bytes stay counted until their files or records are gone: a put meanwhile gets no room they
+        # still take on disk.
+        victims: List[Victim] = self._ledger.pop_many(digests, held=True)
+        self._removal.discard_many(victims, held=True)  # a batch file's records punched together (a call a file)
         self._ledger.settle_ceiling(slack_steps=2)  # a clear of a full tier: a restart then need not assume it full
         return len(victims)
 
