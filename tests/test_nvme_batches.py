@@ -219,7 +219,7 @@ def test_a_batch_into_a_full_tier_evicts_at_most_a_bounded_amount_a_lock_hold(ma
         def __exit__(self, *exc):
             self.release()
     ledger.lock = CountedLock()
-    ledger._dead_freed = threading.Condition(ledger.lock)  # the ledger's waits on its lock, counted too
+    ledger.dead_bytes._freed = threading.Condition(ledger.lock)  # the ledger's waits on its lock, counted too
     real_pop = ledger.pop_victim_locked
 
     def counted_pop(*args, **kw):

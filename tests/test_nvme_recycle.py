@@ -161,7 +161,7 @@ def _recycled(tmp_path, room_blocks: int, limit: int = 0, on: bool = True):
     """RecycledFiles over a real ledger whose capacity is room_blocks of 4 KiB (dead files are kept within it)."""
     ledger = Ledger(str(tmp_path), room_blocks * 4096, "lru")
     rec = RecycledFiles(ledger, limit, on=on)
-    ledger.spares = rec
+    ledger.dead_bytes.spares = rec
     return ledger, rec
 
 
@@ -174,7 +174,7 @@ def test_a_claim_gets_only_a_file_of_its_size_and_hands_on_one_it_cannot_use(tmp
     ledger, rec = _recycled(tmp_path, 12)
     claim = rec.claim(size)
     assert claim.file is None and claim.spare == 0
-    ledger.dead = 8 * 4096  # no room for another file beside these
+    ledger.dead_bytes.count = 8 * 4096  # no room for another file beside these
     assert not rec.offer(_dead_file(tmp_path, 1, 5), claim=claim)  # not its size, and no room: removed by the caller
     path = _dead_file(tmp_path, 2, 10)
     assert rec.offer(path, claim=claim) and open(path, "rb").read(4096) == bytes(4096)
@@ -183,7 +183,7 @@ def test_a_claim_gets_only_a_file_of_its_size_and_hands_on_one_it_cannot_use(tmp
     claim = rec.claim(size)
     path = _dead_file(tmp_path, 4, 10)
     assert rec.offer(path, claim=claim) and rec.settle(claim, size - 4096) is None and not os.path.exists(path)
-    ledger.dead = 0  # room again
+    ledger.dead_bytes.count = 0  # room again
     claim = rec.claim(size)
     path = _dead_file(tmp_path, 5, 10)
     assert rec.offer(path, claim=claim) and rec.settle(claim, size - 4096) is None
@@ -198,10 +198,10 @@ def test_a_deletes_bytes_stay_counted_until_its_files_are_gone(tmp_path):
     """A delete's pages leave the index at once, but their bytes stay counted (as dead) until their files
     leave the disk: kept (the held bytes become the kept file's), or removed and then freed."""
     ledger, rec = _recycled(tmp_path, 30)
-    ledger.dead = 10 * 4096  # what pop_many(held=True) counted for a file of ten blocks
+    ledger.dead_bytes.count = 10 * 4096  # what pop_many(held=True) counted for a file of ten blocks
     path = _dead_file(tmp_path, 1, 10)
     assert rec.offer(path, held=10 * 4096) and ledger.dead == 10 * 4096 and rec.kept == 1
-    ledger.dead += 25 * 4096  # another delete's, 25 blocks held: a file of 25 does not fit beside the kept one
+    ledger.dead_bytes.count += 25 * 4096  # another delete's, 25 blocks held: a file of 25 does not fit beside the kept one
     assert not rec.offer(_dead_file(tmp_path, 2, 25), held=25 * 4096) and ledger.dead == 35 * 4096
 
 

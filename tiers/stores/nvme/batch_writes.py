@@ -233,7 +233,7 @@ class BatchWrites:
             except (OSError, ValueError) as exc:  # ValueError: a namespace and key too long for a header
                 writer.abort()
                 full = isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
-                if full and t.recycled is not None and t.ledger.give_up_spares(sum(lay.disks)):
+                if full and t.recycled is not None and t.ledger.dead_bytes.give_up(sum(lay.disks)):
                     t.recycled.remove_given_up()  # the device is full below our count: room for the next put
                 reason = getattr(exc, "strerror", None) or exc
                 self._refuse(lay, ns_hash, out, StoreFull(f"{t.name}: {reason}") if full

@@ -32,7 +32,8 @@ from tiers.stores.base import StoreFull, StoreStats
 from tiers.stores.nvme.batch import batch_path
 from tiers.stores.nvme.build_log import BuildLog
 from tiers.stores.nvme.ceiling import UsageCeiling
-from tiers.stores.nvme.entry import Entry, SpareFiles, Victim
+from tiers.stores.nvme.dead_bytes import DeadBytes
+from tiers.stores.nvme.entry import Entry, Victim
 from tiers.stores.nvme.layout import chunk_path
 from tiers.stores.nvme.tenants import Tenants
 
@@ -63,12 +64,7 @@ class Ledger:
         self.tenants = Tenants(capacity, quotas, policy, native_order=self.native_order)
         self.used = 0
         self.reserved = 0
-        # Bytes on disk no index entry holds, counted beside used: dead batch files kept to be written over and
-        # dead records left in place (tiers/stores/nvme/recycle.py, which admits and frees them here).  A
-        # reservation gives the kept files up before it evicts a live page (self.spares).
-        self.dead = 0
-        self.spares: Optional[SpareFiles] = None
-        self._dead_freed = threading.Condition(self.lock)  # a reservation waiting for a delete's removals
+        self.dead_bytes = DeadBytes(self.lock)  # on disk, in no index entry: counted beside used
         # The bound a restart will assume for the chunks on disk (tiers/stores/nvme/ceiling.py), and the bytes
         # of chunks a rebuild's scan has not counted yet (at most the last run's ceiling less what it scanned):
         # writes get room only beside both, so the disk never holds more than capacity, rebuild or not.
@@ -79,6 +75,11 @@ class Ledger:
         self.extra: Dict[str, float] = {"corrupt_removed": 0, "read_errors": 0, "enospc_retries": 0,
                                         "raw_bytes_in": 0, "stored_bytes_in": 0, "unaligned_writes": 0,
                                         "checksum_refused": 0}
+
+    @property
+    def dead(self) -> int:
+        """Bytes on disk in no index entry (tiers/stores/nvme/dead_bytes.py)."""
+        return self.dead_bytes.count
 
     @property
     def native_order(self) -> bool:
@@ -204,22 +205,17 @@ class Ledger:
             with self.lock:
                 room = self.room_locked()
                 if self.reserved + total <= room:
-                    spare = self._take_spare_locked(spare, total)
+                    spare = self.dead_bytes.take_spare_locked(spare, total)
                     victims += self._reserve_locked(total, ns_hash, namespace)
                     got += [True] * (last - first)
                 else:
                     for nbytes in sizes[first:last]:
                         got.append(self.reserved + nbytes <= room)
                         if got[-1]:
-                            spare = self._take_spare_locked(spare, nbytes)
+                            spare = self.dead_bytes.take_spare_locked(spare, nbytes)
                             victims += self._reserve_locked(nbytes, ns_hash, namespace)
             first = last
         return victims, got
-
-    def _take_spare_locked(self, spare: int, nbytes: int) -> int:
-        taken = min(spare, nbytes)
-        self.dead -= taken
-        return spare - taken
 
     def keep_dead(self, nbytes: int, held: int = 0) -> bool:
         """nbytes of a dead file kept on disk in place of held bytes of it already counted as dead (its records
@@ -228,14 +224,8 @@ class Ledger:
         with self.lock:
             if self.used + self.reserved + self.dead - held + nbytes > self.room_locked():
                 return False
-            self.dead += nbytes - held
+            self.dead_bytes.count += nbytes - held
             return True
-
-    def free_dead(self, nbytes: int) -> None:
-        """Dead bytes no longer on disk (removed, punched) or no longer dead (a batch written over them)."""
-        with self.lock:
-            self.dead -= nbytes
-            self._dead_freed.notify_all()
 
     def room_locked(self) -> int:
         """Bytes the indexed chunks and the writes in flight may take together: the capacity, or the ceiling
@@ -277,9 +267,7 @@ class Ledger:
         room = self.room_locked()
         waited_until = None
         while self.used + self.reserved + self.dead > room:
-            given_up = self.spares.give_up_locked() if self.spares is not None and self.dead else 0
-            if given_up:  # a kept dead file goes before any live page
-                self.dead -= given_up
+            if self.dead_bytes.give_up_locked(1):  # a kept dead file goes before any live page
                 continue
             victim = self.pop_victim_locked(ns_hash, nbytes)
             if victim is not None:
@@ -291,7 +279,7 @@ class Ledger:
             waited_until = waited_until or now + HELD_WAIT_S
             if not self.dead or now >= waited_until:
                 break
-            self._dead_freed.wait(waited_until - now)
+            self.dead_bytes.wait_locked(waited_until - now)
         if ns_hash is not None:
             self.tenants.by_hash[ns_hash].reserved += nbytes
             self.tenants.held_changed(ns_hash, nbytes)
@@ -319,7 +307,7 @@ class Ledger:
         count says (full_disk: kept dead files are given up first, removed by the caller's discard_many), or an
         operator asked."""
         with self.lock:
-            victims, freed = [], self._give_up_spares_locked(nbytes) if full_disk else 0
+            victims, freed = [], self.dead_bytes.give_up_locked(nbytes) if full_disk else 0
             while freed < nbytes:
                 victim = self.pop_victim_locked(None, only=ns_hash)
                 if victim is None:
@@ -329,22 +317,6 @@ class Ledger:
             if victims and full_disk:
                 self.extra["enospc_retries"] += 1
             return victims
-
-    def give_up_spares(self, nbytes: int) -> int:
-        """Kept dead files given up for nbytes at least (the device is full below our count: another user of
-        the disk filled it), removed by the next discard; the bytes given up."""
-        with self.lock:
-            return self._give_up_spares_locked(nbytes)
-
-    def _give_up_spares_locked(self, nbytes: int) -> int:
-        freed = 0
-        while freed < nbytes and self.spares is not None and self.dead:
-            given_up = self.spares.give_up_locked()
-            if not given_up:
-                break
-            self.dead -= given_up
-            freed += given_up
-        return freed
 
     def commit(self, digest: int, ns_hash: int, namespace: str, disk_size: int, raw_size: int, stamp: int,
                parent: Optional[int], file: int = 0, block: int = 0) -> Optional[Entry]:
@@ -433,7 +405,7 @@ class Ledger:
                     out.append((digest, self._entry(digest, row)))
                     self._forget_locked(digest, row)
                     if held:
-                        self.dead += row.size
+                        self.dead_bytes.count += row.size
             return out
 
     def digests(self, ns_hash: Optional[int] = None) -> List[int]:

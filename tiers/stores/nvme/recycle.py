@@ -176,7 +176,7 @@ class RecycledFiles:
         if got is not None:
             cf.unlink_quietly(got[1])
         if left:
-            self._ledger.free_dead(left)
+            self._ledger.dead_bytes.free(left)
 
     def offer(self, path: str, held: int = 0, claim: Optional[Claim] = None) -> bool:
         """Take the dead batch file at path, its first header zeroed: to claim, when the discard of that claim's
@@ -201,12 +201,12 @@ class RecycledFiles:
             _zero_first_header(path)
         except OSError:
             if not handed:
-                self._ledger.free_dead(size - held)  # back to held counted, for the caller to free
+                self._ledger.dead_bytes.free(size - held)  # back to held counted, for the caller to free
             return False
         if handed:  # the put's reservation counts the file: what a delete held of it is free
             claim.file = (file_id, path)
             if held:
-                self._ledger.free_dead(held)
+                self._ledger.dead_bytes.free(held)
             return True
         with self._lock:
             self._keep_locked(file_id, path, size)
@@ -259,7 +259,7 @@ class RecycledFiles:
             self._given_up = []
             freed, self._bytes = self._bytes, 0
             deferred, self._deferred, self._deferred_bytes = self._deferred, {}, 0
-        self._ledger.free_dead(freed)
+        self._ledger.dead_bytes.free(freed)
         for path, ranges in deferred.items():
             try:
                 if batch.punch_ranges(path, ranges) is False:

@@ -93,7 +93,7 @@ class Removal:
                     cf.unlink_quietly(path)
         finally:
             if pending:
-                self._ledger.free_dead(pending)
+                self._ledger.dead_bytes.free(pending)
 
     def discard_many(self, victims: List[Victim], evicted: bool = False, held: bool = False,
                      claim: Optional[Claim] = None) -> None:
@@ -109,7 +109,7 @@ class Removal:
                     self.discard(digest, entry, evicted)
                 finally:
                     if held:
-                        self._ledger.free_dead(entry.disk_size)
+                        self._ledger.dead_bytes.free(entry.disk_size)
                 continue
             if evicted and self._evictions is not None:
                 self._notify_evict(entry)

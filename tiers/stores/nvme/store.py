@@ -97,7 +97,7 @@ class NvmeStore(PageStore):
                               ceiling=UsageCeiling(self.root, pages_capacity))
         self._recycled = RecycledFiles(self._ledger, left_in_place, ready=lambda: self._build.done.is_set(),
                                        on=recycling)
-        self._ledger.spares = self._recycled
+        self._ledger.dead_bytes.spares = self._recycled
         self._snapshots = index_snapshot
         self._dirsync = DirSyncer()
         warn_once = RateLimitedLog(log, interval=math.inf)  # each kind once per store
