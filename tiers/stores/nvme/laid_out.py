@@ -72,8 +72,6 @@ def lay_out(t: "BatchTarget", namespace: str, ns_hash: int, idx: List[int], page
                                    f"{t.capacity}")
         ok, disks = [i for i, g in zip(ok, got) if g], [d for d, g in zip(disks, got) if g]
     if not ok:
-        if t.recycled is not None:
-            t.recycled.settle(claim, 0)
         return None
     blocks, at = [], 0
     for disk in disks:

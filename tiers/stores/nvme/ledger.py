@@ -304,10 +304,9 @@ class Ledger:
 
     def evict_bytes(self, nbytes: int, ns_hash: Optional[int] = None, full_disk: bool = True) -> List[Victim]:
         """Evict at least nbytes of chunks (of one namespace when given): the device is fuller than our
-        count says (full_disk: kept dead files are given up first, removed by the caller's discard_many), or an
-        operator asked."""
+        count says (full_disk), or an operator asked."""
         with self.lock:
-            victims, freed = [], self.dead_bytes.give_up_locked(nbytes) if full_disk else 0
+            victims, freed = [], 0
             while freed < nbytes:
                 victim = self.pop_victim_locked(None, only=ns_hash)
                 if victim is None:

@@ -102,11 +102,13 @@ class PageWrites:
                 self._warn_once.warning("enospc", "%s: device full below the configured capacity; evicting", t.name)
                 if disk > self._reclaimable():  # evicting everything would not make room: refuse now
                     raise StoreFull(f"{t.name}: chunk of {disk} bytes exceeds the space of the device") from None
-                dead = t.ledger.dead
-                victims = t.ledger.evict_bytes(disk)  # kept dead files first (tiers/stores/nvme/recycle.py)
-                if not victims and t.ledger.dead == dead:
-                    raise StoreFull(f"{t.name}: no space left on device") from None
-                self._removal.discard_many(victims, evicted=True)
+                given_up = t.ledger.dead_bytes.give_up(disk)  # kept dead files first (nvme/recycle.py)
+                victims = t.ledger.evict_bytes(disk - given_up) if given_up < disk else []
+                if not victims:
+                    if not given_up:
+                        raise StoreFull(f"{t.name}: no space left on device") from None
+                    t.ledger.count("enospc_retries")  # evict_bytes counts those that evicted
+                self._removal.discard_many(victims, evicted=True)  # the given-up files removed first
         raise StoreFull(f"{t.name}: no space left on device")  # not reached: the loop returns or raises
 
     def _reclaimable(self) -> int:

@@ -45,7 +45,6 @@ class Removal:
     def discard(self, digest: int, entry: Entry, evicted: bool = False) -> None:
         """Delete the file (or batch record) of a chunk already out of the index, unless the key was re-added
         into the same file."""
-        self._recycled.remove_given_up()
         if evicted and self._evictions is not None:
             self._notify_evict(entry)
         if entry.file:  # its own record, whatever came since: a newer version lies elsewhere
