@@ -42,6 +42,7 @@ from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
 from tiers.node.routes import Route, Where, in_pool
+from tiers.node.streamed_reads import StreamedReads
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore
 from tiers.node.reads import PageReads
@@ -94,7 +95,9 @@ class TierDaemon:
         # Engines read hits through the store's page directory without asking (tiers/shm/directory.py);
         # not while the damaging test hook is on: its damage is done to the pages this daemon serves.
         self.directory = store.export_directory() if fd_socket and corrupt_reads is None else None
-        self.reads = PageReads(store, self.arena, self.transfers.each, corrupt_reads=corrupt_reads,
+        streamed = StreamedReads(store, self.arena, self._pool.submit, lambda n, b: self.metrics.pages("get", n, b),
+                                 corrupt_reads)
+        self.reads = PageReads(store, self.arena, self.transfers.each, streamed, corrupt_reads=corrupt_reads,
                                directory=self.directory)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
         if self.transfers.stages:
             store.region_mapped(self.arena.view)  # the remote tier sends from and lands into staging
@@ -275,7 +278,7 @@ class TierDaemon:
             result = route.handler(msg, frames)  # checks the request here, on the loop
             if route.where is Where.LOOP:
                 reply = result
-            elif in_pool(route.where, msg, self.store.parallel_io, self.reads.stages):
+            elif in_pool(route.where, msg, self.store.parallel_io, self.reads.stages, self.reads.streamed.enabled):
                 # Its reply leaves when the pool has done the work (tiers/node/replies.py).
                 self._replies.later(self._pool.submit(result), ident, req_id, op, started, nbytes, counted)
                 return
@@ -385,8 +388,8 @@ class TierDaemon:
         self._release_done(msg)
         owner, budget = self._lease_owner(msg)
         dir_ns = self.reads.directory_number(ns, self._peer_tenant)  # renewed: a number given up is given again
-        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget),
-                                         dir_ns)
+        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget,
+                                                                        msg.stream), dir_ns)
 
     def _release_done(self, msg: M.Request) -> None:
         """Leases of earlier reads the session copied out, released on the way (before any new work)."""
@@ -433,6 +436,8 @@ class TierDaemon:
         stats["arena_prefaulted"] = float(self.arena.prefaulted.is_set() and stats.get("store_prefaulted", 1.0) == 1.0)
         stats["leases_expired"] = self.arena.leases_expired
         stats["staging_full"] = self.transfers.staging_full + self.reads.staging_full
+        stats["streamed_reads"] = self.reads.streamed.reads
+        stats["streamed_bytes_in_flight"] = self.reads.streamed.in_flight_bytes()
         stats["source_gone"] = self.transfers.source_gone
         stats["sum_refused"] = self.transfers.sum_refused
         stats["in_place_puts"] = self.transfers.in_place_puts

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Tuple
 from tiers.wire import protocol as P
 from tiers.shm.arena import Alloc, BlockArena
 from tiers.node.faults import CorruptReads
+from tiers.node.streamed_reads import StreamedReads
 from tiers.node.tenants import Tenant
 from tiers.shm.directory import PageDirectory
 from tiers.stores.base import PageStore
@@ -24,10 +25,11 @@ Each = Callable[[int, Callable[[int], object]], list]  # work(i) for every page,
 
 
 class PageReads:
-    def __init__(self, store: PageStore, arena: BlockArena, each: Each,
+    def __init__(self, store: PageStore, arena: BlockArena, each: Each, streamed: StreamedReads,
                  lease_share: float = 0.5, corrupt_reads: Optional[CorruptReads] = None,
                  directory: Optional[PageDirectory] = None):
         self.store = store
+        self.streamed = streamed  # gets answered at once, their pages copied as they are read
         self.directory = directory  # handed to engines with the arena: they read hits through it
         self.arena = arena
         self.stages = store.export_arena() is None  # pages pass through staging blocks of our own arena
@@ -52,26 +54,39 @@ class PageReads:
         keys = P.check_keys(keys)
         return self.store.touch_reads(ns, keys, P.decode_sizes(sizes, len(keys), max_page_bytes))
 
+    def streams(self, msg_stream: bool) -> bool:
+        """A get that asked for it is streamed (tiers/node/streamed_reads.py): answered on the loop at once."""
+        return msg_stream and self.streamed.enabled
+
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
-                    max_bytes: Optional[int] = None):
+                    max_bytes: Optional[int] = None, stream: bool = False):
         """A leased read: (reply fields, pages, bytes).  An arena store's pages are leased where they lie (on
-        the loop); any other's are read into staging first (in the I/O pool: tiers/node/routes.py).
-        The owner's pinned bytes stay within max_bytes (default: this tier's bound a session)."""
+        the loop); any other's are read into staging first (in the I/O pool: tiers/node/routes.py), or,
+        streamed, read there after the reply.  The owner's pinned bytes stay within max_bytes (default: this
+        tier's bound a session), counting streamed reads not ended whose lease did."""
         limit = self.max_lease_bytes if max_bytes is None else min(max_bytes, self.max_lease_bytes)
-        budget = max(0, limit - self.arena.leased_bytes(owner))
+        budget = max(0, limit - self.arena.leased_bytes(owner) - self.streamed.held_past_lease(owner))
         if not self.stages:
             lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
             return self._lease_reply(lease, extents, sums)
+        if self.streams(stream):
+            return self.streamed.start(ns, keys, sizes, owner, expiry, self._take_staging, budget)
         return self._staged_reads(ns, keys, sizes, owner, expiry, budget)
 
-    def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
-        allocs: List[Optional[Alloc]] = []
+    def _take_staging(self, sizes: List[int], budget: int) -> List[Optional[Alloc]]:
+        """Staging for each page, in one lock hold, while the budget lasts (None for the rest: misses)."""
+        fits, total = 0, 0
         for size in sizes:
-            got = self.arena.take(size) if 0 < size <= budget else None
-            if got is None and 0 < size <= budget:
-                self.staging_full += 1
-            budget -= size if got is not None else 0
-            allocs.append(got)
+            if size <= 0 or total + size > budget:
+                break
+            total += size
+            fits += 1
+        allocs: List[Optional[Alloc]] = list(self.arena.take_many(sizes[:fits])) if fits else []
+        self.staging_full += fits - len(allocs)  # the arena ran out before the budget did
+        return allocs + [None] * (len(sizes) - len(allocs))
+
+    def _staged_reads(self, ns, keys, sizes, owner, expiry, budget) -> list:
+        allocs = self._take_staging(sizes, budget)
         views = [self.arena.views(a) if a is not None else None for a in allocs]
         sums: List[Optional[int]] = [None] * len(keys)  # each page's checksum; None: not read
         if self.store.batched:

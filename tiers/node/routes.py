@@ -18,7 +18,7 @@ class Where(enum.Enum):
     LOOP = "loop"  # the handler's return is the reply
     POOL = "pool"  # page copies (puts, reads as frames): always in the pool
     STORE_IO = "store_io"  # in the pool for a store that does disk or network I/O (parallel_io), else on the loop
-    READ = "read"  # a get: on the loop when it leases pages where they lie (a store with its own arena)
+    READ = "read"  # a get: on the loop when it leases pages where they lie (a store with its own arena) or streams
 
 
 class Route(NamedTuple):
@@ -26,13 +26,15 @@ class Route(NamedTuple):
     where: Where
 
 
-def in_pool(where: Where, msg: M.Request, parallel_io: bool, stages: bool) -> bool:
+def in_pool(where: Where, msg: M.Request, parallel_io: bool, stages: bool, streams: bool) -> bool:
     """Whether the work of msg on this route runs in the I/O pool; parallel_io: the store does I/O from
-    several threads; stages: its pages pass through staging blocks (it exports no arena of its own)."""
+    several threads; stages: its pages pass through staging blocks (it exports no arena of its own);
+    streams: a leased get that asks for it is answered on the loop, its reads started in the pool
+    (tiers/node/streamed_reads.py)."""
     if where is Where.POOL:
         return True
     if where is Where.STORE_IO:
         return parallel_io
     if where is Where.READ:
-        return msg.lease is None or stages
+        return msg.lease is None or (stages and not (streams and msg.stream))
     return False

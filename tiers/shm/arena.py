@@ -223,6 +223,11 @@ class BlockArena:
             self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
             return lease_id
 
+    def active(self, lease_id: int) -> bool:
+        """The lease still holds its blocks (neither released nor expired)."""
+        with self._lock:
+            return lease_id in self._leases
+
     def leased_bytes(self, owner: int) -> int:
         with self._lock:
             return self._owner_bytes.get(owner, 0)

@@ -23,6 +23,7 @@ Stores are called from the daemon thread, and from its I/O pool when
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -37,6 +38,8 @@ HoldPage = Callable[[int], Callable[[], None]]
 # and return each one's checksum as taken from those bytes (FillFailed when it cannot).
 FillPages = Callable[[List[int]], List[int]]
 Buffers = Sequence[memoryview]
+# get_many_streamed's report: these positions of the batch are final, each with its checksum (None: a miss).
+OnFinal = Callable[[List[int], List[Optional[int]]], None]
 # RAM a page held in a Python index costs outside any arena (DRAM tier, remote pool): its key and parent as
 # SGLang sends them (64 hex characters each), its entry, the index's and the policy's entries.  Measured with
 # anonymous_bytes() over 50,000-200,000 pages: 906-912 B under LRU, 960-966 under S3-FIFO, alike in both
@@ -150,6 +153,9 @@ class PageStore(ABC):
     # fill returns; the daemon then copies (and hashes) each part only when the store asks for it.
     fills_in_parts = False
     answers_digests = False  # True: held_digests answers lookups named by key digests (its daemon says so)
+    # True: get_many_streamed tells of each page as its own read ends, and the daemon answers a leased get at
+    # once, streaming the pages to the engine (tiers/shm/progress.py); such stores need no hold.
+    streams_reads = False
 
     @abstractmethod
     def put(self, key: PageKey, buffers: Buffers, parent: Optional[str] = None) -> None:
@@ -361,6 +367,27 @@ class PageStore(ABC):
         Without hold a store leaves nothing moving into the buffers once it returns.
         """
         return [0 if ok else None for ok in self.get_many_into(keys, pages, deadline)]
+
+    def get_many_streamed(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
+                          on_final: OnFinal) -> None:
+        """get_many_into_with_sums, telling on_final(positions, sums) of every page exactly once, as soon as it
+        is final (its checksum, 0: unknown; None: a miss); nothing moves into the buffers once this returns.
+        This default tells of a batched store's whole batch at the end, of any other's pages one by one."""
+        if self.batched:
+            try:
+                sums = self.get_many_into_with_sums(keys, pages, deadline)
+            except StoreError:
+                sums = [None] * len(keys)
+            on_final(list(range(len(keys))), sums)
+            return
+        for i, (key, buffers) in enumerate(zip(keys, pages)):
+            checksum = None
+            if deadline is None or time.time() <= deadline:
+                try:
+                    checksum = self.get_into_with_sum(key, buffers)
+                except StoreError:
+                    pass
+            on_final([i], [checksum])
 
     def region_mapped(self, view: memoryview) -> None:
         """Memory the daemon reads pages from or into was mapped (the remote tier registers it with its engine)."""

@@ -19,7 +19,8 @@ refusals with nothing visible, counters, concurrent calls for stores with
 ``parallel_io``, batches and their deadlines for ``batched`` stores (a call
 past its deadline lands no byte), a restart that keeps pages for persistent
 stores, corrupt data read as a miss, and page checksums kept and returned by
-stores that declare ``keeps_checksums`` (0, unknown, from the rest); and for a store that shares its
+stores that declare ``keeps_checksums`` (0, unknown, from the rest), streamed reads that tell of each page once;
+and for a store that shares its
 memory (``export_arena``), writes in three steps (reserve, the daemon's copy, commit or abort) and a batch's,
 and leased reads that show each page's own bytes until the lease ends.  The built-ins pass it
 (tests/test_store_contract.py, tests/test_remote_contract.py).
@@ -239,6 +240,32 @@ class StoreContract:
                                     time.time() + 30)
         assert found == [True] * 4 + [False]
         assert [bytes(o) for o in outs[:4]] == pages
+
+    def test_streamed_reads_tell_of_every_page_once(self, store):
+        """get_many_streamed (every store has it; streams_reads ones tell as each read ends) reports each page
+        exactly once, with what get_many_into_with_sums answers, and its bytes are in place when told."""
+        keys = [("ns", f"s{i}") for i in range(6)]
+        pages = [page(60 + i, self.page_bytes) for i in range(5)]
+        for key, data in zip(keys, pages):
+            store.put(key, split(data, 2))
+        outs = [bytearray(self.page_bytes) for _ in keys]
+        told: Dict[int, Optional[int]] = {}
+        bytes_when_told: Dict[int, bytes] = {}
+        lock = threading.Lock()
+
+        def on_final(positions: List[int], sums: List[Optional[int]]) -> None:
+            with lock:
+                for position, checksum in zip(positions, sums):
+                    assert position not in told, f"page {position} told of twice"
+                    told[position] = checksum
+                    bytes_when_told[position] = bytes(outs[position])
+        store.get_many_streamed(keys, [split(memoryview(o), 2) for o in outs], time.time() + 30, on_final)
+        assert sorted(told) == list(range(len(keys)))
+        assert told[5] is None  # the page never written
+        assert all(told[i] is not None for i in range(5))
+        assert [bytes_when_told[i] for i in range(5)] == pages
+        plain = [store.get_into_with_sum(key, split(memoryview(bytearray(self.page_bytes)), 2)) for key in keys]
+        assert [told[i] for i in range(len(keys))] == plain
 
     def test_batches_past_their_deadline_land_nothing(self, store):
         """A call whose deadline passed refuses or misses: the engine stopped waiting for it."""

@@ -12,6 +12,9 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from tiers.shm import progress
 from tiers.shm.buffers import address_of, populate
 from tiers.shm.directory import DirectoryView
 from tiers.shm.page_runs import PageRuns, copy_pages
@@ -106,6 +109,45 @@ class ArenaMap:
         finally:
             self.done()
         return out
+
+    def copy_streamed(self, extents: PageRuns, dst: PageRuns, found: Sequence[bool], board: int, expiry: float,
+                      copied: Optional[List[int]] = None) -> Tuple[List[bool], List[int]]:
+        """A streamed read's pages (tiers/shm/progress.py), each found page copied as the board at offset board
+        marks it read, until every one is marked or expiry passes: (the pages copied by expiry, each page's
+        checksum as the board gave it, 0 for the others); copied as for copy_out.  Errors as copy_out's."""
+        n = len(found)
+        out, sums = [False] * n, [0] * n
+        if copied is not None:
+            copied[:] = [0] * n
+        if not self.use():
+            return out, sums
+        try:
+            if len(extents) != sum(found):
+                raise ValueError("the reply's extents are not one a found page")
+            if not 0 <= board <= self.size - progress.board_bytes(n):
+                raise ValueError("the read's progress board lies outside the arena")
+            rank = np.cumsum(np.asarray(found, dtype=np.int64)) - 1  # page i's extents among the found pages'
+            reader = progress.BoardReader(self.base + board, found)
+            while reader.left:
+                read, missed = reader.next_final(expiry)
+                if not read and not missed:
+                    break  # expiry passed
+                if not read or time.monotonic() >= expiry:
+                    continue
+                take_dst = np.zeros(n, dtype=bool)
+                take_dst[read] = True
+                take_src = np.zeros(len(extents), dtype=bool)
+                take_src[rank[read]] = True
+                got = copy_pages(dst.select(take_dst), extents.select(take_src), self.base, copied is not None)
+                if time.monotonic() > expiry:
+                    break  # the lease ended during this copy: these pages may hold the blocks' next bytes
+                for j, i in enumerate(read):
+                    out[i], sums[i] = True, int(reader.sums[i])
+                    if copied is not None:
+                        copied[i] = got[j]
+        finally:
+            self.done()
+        return out, sums
 
     def read_direct(self, namespace_id: int, digests: bytes, size: int, dst: PageRuns,
                     summed: bool) -> Tuple[List[bool], List[int], List[int]]:

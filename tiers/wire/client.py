@@ -32,6 +32,7 @@ from tiers.wire.channel import Channel, Reply, Sent  # noqa: F401  (Reply: publi
 from tiers.wire.deadlines import Deadlines  # noqa: F401  (public here too)
 from tiers.wire.fanout import Call, FanOut
 from tiers.wire.page_replies import PageReplies, held_flags
+from tiers.shm import progress
 from tiers.shm.page_runs import PageRuns
 from tiers.logs import RateLimitedLog
 
@@ -363,6 +364,8 @@ class TierClient:
             on_found([False] * n)
             return None
         fields = dict(keys=keys, lease=expiry, sizes=P.encode_sizes(sizes))
+        if progress.built():  # a daemon that reads into staging answers at once and marks pages as read
+            fields["stream"] = True
         self._add_done(fields)
         return self.start("get", timeout, lambda reply: on_found(self._copy_leased(reply, arena, n, dst, expiry,
                                                                                    sums, copied)), **fields)

@@ -62,6 +62,7 @@ class Get(Request, tag="get"):
     lease: Optional[float] = None  # the engine's give-up time on CLOCK_MONOTONIC; absent: pages as frames
     sizes: Optional[bytes] = None
     done: Optional[Leases] = None
+    stream: bool = False  # with a lease: answer at once, each page marked on a board as it is read
 
 
 class Put(Request, tag="put"):
@@ -226,6 +227,7 @@ class GetReply(Reply):
     dir_ns: Optional[int] = None  # with a lease: the namespace's number in the page directory now
     desc: Optional[bytes] = None
     regions_per_page: Optional[bytes] = None
+    board: Optional[int] = None  # streamed: the arena offset of the read's progress board (no sums here)
 
     def flags(self) -> bytes:
         return self.found
@@ -292,6 +294,7 @@ class LocateReply(Reply):
     sums: Optional[bytes] = None
     desc: Optional[bytes] = None
     regions_per_page: Optional[bytes] = None
+    board: Optional[int] = None  # streamed: the arena offset of the read's progress board (no sums here)
 
     def flags(self) -> bytes:
         return self.found

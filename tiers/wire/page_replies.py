@@ -61,6 +61,11 @@ class PageReplies:
             self._warn.warning(f"lease:{self.tier}", "tier %s: unusable read lease: %s", self.tier, exc.msg)
             return [False] * n, 0, True
         try:
+            if got.board is not None:  # streamed: each page copied as it is read, its sum on the board
+                out, board_sums = arena.copy_streamed(extents, dst, found, got.board, expiry, copied)
+                if sums is not None:
+                    sums[:] = board_sums
+                return out, got.lease, False
             found_sums = P.decode_sums(got.sums, sum(found))
             if sums is not None:
                 sums[:] = spread(found, found_sums)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from tiers.shm.buffers import as_bytes_view
-from tiers.stores.base import Buffers, PageKey, total_size
+from tiers.stores.base import Buffers, OnFinal, PageKey, total_size
 from tiers.stores.nvme import batch, chunkfile as cf
 from tiers.stores.nvme.layout import key_digest
 from tiers.stores.nvme.ledger import Ledger
@@ -48,22 +48,28 @@ class BatchReads:
     def __init__(self, source: BatchReadSource):
         self.s = source
 
-    def get_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers],
-                 deadline: Optional[float]) -> List[Optional[int]]:
+    def get_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
+                 on_final: Optional[OnFinal] = None) -> List[Optional[int]]:
         """Each page's checksum (0: unknown), None for a miss; nothing moves into the buffers once this
-        returns (every read started is waited for)."""
+        returns (every read started is waited for).  on_final, when given, hears of each page once, as
+        soon as the page or run that holds it is read (or skipped past the deadline)."""
         out: List[Optional[int]] = [None] * len(keys)
         dsts = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
         work = self._plan(keys, dsts)
 
         def do(job) -> None:
-            if deadline is not None and time.time() > deadline:
-                return
-            if job[0] == "page":
-                out[job[1]] = self.s.read_one(keys[job[1]], dsts[job[1]])
-                return
-            _kind, path, run = job
-            self._read_run(path, run, keys, dsts, out)  # a page alone too: header and payload in one preadv
+            positions = [job[1]] if job[0] == "page" else [i for _b, i, _e in job[2]]
+            try:
+                if deadline is not None and time.time() > deadline:
+                    return
+                if job[0] == "page":
+                    out[job[1]] = self.s.read_one(keys[job[1]], dsts[job[1]])
+                    return
+                _kind, path, run = job
+                self._read_run(path, run, keys, dsts, out)  # a page alone too: header and payload in one preadv
+            finally:
+                if on_final is not None:
+                    on_final(positions, [out[i] for i in positions])
 
         if len(work) > 1:
             list(self.s.readers.map(do, work))

@@ -40,8 +40,8 @@ from tiers.stores.nvme.removal import Removal
 from tiers.wire.protocol import pack_key_digests
 from tiers.stores.nvme.entry import Victim
 from tiers.stores.nvme.ledger import Ledger
-from tiers.stores.base import (Buffers, EvictionListener, FillPages, PageKey, PageStore, StoreError, StoreIOError,
-                               StoreStats)
+from tiers.stores.base import (Buffers, EvictionListener, FillPages, OnFinal, PageKey, PageStore, StoreError,
+                               StoreIOError, StoreStats)
 from tiers.plugins import StoreKind
 from tiers.stores.kind_options import KIND_OPTIONS
 
@@ -52,6 +52,7 @@ class NvmeStore(PageStore):
     """Chunk files under a directory; capacity counts on-disk bytes (header + payload)."""
 
     parallel_io = True
+    streams_reads = True  # each run of a get told of as it is read: the engine copies while the rest are read
     batched = True  # a put's pages go to disk as one batch chunk file with one flush (tiers/stores/nvme/batch.py)
     fills_in_parts = True  # tiers/stores/nvme/batch_writes.py
     persistent = True  # the index is rebuilt from the chunk files at start
@@ -309,6 +310,11 @@ class NvmeStore(PageStore):
         returns.  Adjacent records of one batch file are read with one preadv a run, several runs and pages
         at once (tiers/stores/nvme/batch_reads.py)."""
         return self._reads.get_many(keys, pages, deadline)
+
+    def get_many_streamed(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
+                          on_final: OnFinal) -> None:
+        """As get_many_into_with_sums, each run of pages told of as its read ends (PageStore)."""
+        self._reads.get_many(keys, pages, deadline, on_final)
 
     def index_bytes(self) -> int:
         return ledger_figures.index_bytes(self._ledger)
