@@ -18,7 +18,7 @@ import pytest
 
 from hicache_ext.lab.sglang_harness import fill_pages, page_checksums
 from tests.support.backend_env import Engine, make_keys
-from tests.support.nodes import node_toml, nvme_tier, start_node
+from tests.support.nodes import node_toml, nvme_tier, remote_node, start_node
 from tests.support.slow_disk import SlowDisk
 from tiers.node.reads import PageReads
 from tiers.node.streamed_reads import StreamedReads
@@ -116,6 +116,25 @@ def test_nvme_reads_are_streamed_and_exact_and_old_clients_still_read(tmp_path, 
         admin.close()
         engine.close()
         runner.stop()
+
+
+def test_remote_reads_are_streamed_and_exact(tmp_path):
+    runner, pool = remote_node(tmp_path)
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=5.0)
+    admin = TierClient("remote", runner.config.tier("remote").endpoint, "probe")
+    try:
+        keys = make_keys(PAGES, 5)
+        written, expected = engine.write(keys, 0, seed=41)
+        assert written == PAGES
+        before = _streamed(admin)
+        done, got = engine.read(keys, PAGES)
+        assert done == PAGES and got == expected
+        assert _streamed(admin) == before + 1
+    finally:
+        admin.close()
+        engine.close()
+        runner.stop()
+        pool.stop()
 
 
 def test_a_daemon_killed_mid_read_costs_one_deadline_and_no_wrong_or_late_byte(tmp_path):

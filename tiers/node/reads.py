@@ -14,13 +14,13 @@ from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
 from tiers.shm.arena import Alloc, BlockArena
+from tiers.shm.arena import hold_blocks as arena_hold
 from tiers.node.faults import CorruptReads
 from tiers.node.streamed_reads import StreamedReads
 from tiers.node.tenants import Tenant
 from tiers.shm.directory import PageDirectory
 from tiers.stores.base import PageStore
 
-STAGING_HOLD_OWNER = -2  # arena lease owner of staging blocks a transfer given up may still write
 Each = Callable[[int, Callable[[int], object]], list]  # work(i) for every page, several at once where the store allows
 
 
@@ -136,10 +136,8 @@ class PageReads:
 
 def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:
     """Keep alloc's blocks out of use until the returned function runs: a transfer given up may still write
-    them (tiers/stores/base.py get_many_into_with_sums' hold).  A lease that never expires; an alloc given
-    back meanwhile is parked until it ends."""
-    lease = arena.lease(STAGING_HOLD_OWNER, [alloc], float("inf"))
-    return lambda: arena.release(lease, STAGING_HOLD_OWNER)
+    them (tiers/stores/base.py get_many_into_with_sums' hold)."""
+    return arena_hold(arena, [alloc])
 
 
 def _late(deadline: Optional[float]) -> bool:

@@ -19,14 +19,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from tiers.node.faults import CorruptReads
 from tiers.shm import progress
-from tiers.shm.arena import Alloc, BlockArena
+from tiers.shm.arena import Alloc, BlockArena, hold_blocks
 from tiers.shm.buffers import address_of
 from tiers.stores.base import PageStore
 from tiers.wire import protocol as P
 
 log = logging.getLogger("hicache.daemon")
-
-HOLD_OWNER = -3  # arena lease owner of a streamed read's blocks until its reads ended
 
 
 class StreamedReads:
@@ -74,8 +72,8 @@ class StreamedReads:
         kept = staged + [board]
         nbytes = sum(a.size for a in kept)
         lease = self.arena.lease(owner, kept, expiry)
-        hold = self.arena.lease(HOLD_OWNER, kept, float("inf"))
-        self.arena.give_many(kept)  # parked until both leases end
+        hold = hold_blocks(self.arena, kept)  # until the reads ended, whatever the lease
+        self.arena.give_many(kept)  # parked until both end
         with self._lock:
             self._in_flight.setdefault(owner, {})[lease] = nbytes
             self.reads += 1
@@ -90,7 +88,7 @@ class StreamedReads:
                      board=board.extents[0][0]), 0, 0)
 
     def _read(self, ns: str, keys: list, idx: List[int], staged: List[Alloc], writer: progress.BoardWriter,
-              owner: int, leases: Tuple[int, int], deadline: float) -> None:
+              owner: int, leases: Tuple[int, Callable[[], None]], deadline: float) -> None:
         final: List[Optional[int]] = [None] * len(idx)  # each page's sum once read (reader threads write these)
 
         def on_final(positions: List[int], sums: List[Optional[int]]) -> None:
@@ -101,20 +99,22 @@ class StreamedReads:
                 final[p] = s
             writer.mark([idx[p] for p in positions], sums)
         try:
+            # A page whose transfer the store gave up while its bytes may still land (the remote tier's) is
+            # held on past the read's end, until the store says that transfer ended.
             self.store.get_many_streamed([(ns, keys[i]) for i in idx], [self.arena.views(a) for a in staged],
-                                         deadline, on_final)
+                                         deadline, on_final, lambda p: hold_blocks(self.arena, [staged[p]]))
         except Exception:  # a store's failure is a miss of whatever it did not mark, never a stuck engine
             log.exception("streamed read of %d pages failed", len(idx))
         finally:
             self._end(idx, final, writer, owner, leases, staged)
 
     def _end(self, idx: List[int], final: List[Optional[int]], writer: progress.BoardWriter, owner: int,
-             leases: Tuple[int, int], staged: List[Alloc]) -> None:
+             leases: Tuple[int, Callable[[], None]], staged: List[Alloc]) -> None:
         """The reads ended: pages never marked are marked missed (a mark twice is harmless: the engine takes a
         page's first), the blocks' hold ends, the session's staging in flight and the metrics are counted."""
         writer.mark_missed_rest(idx)
-        lease, hold = leases
-        self.arena.release(hold, HOLD_OWNER)
+        lease, release_hold = leases
+        release_hold()
         with self._lock:
             reads = self._in_flight.get(owner, {})
             reads.pop(lease, None)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import block_extents, populate
 
@@ -286,3 +286,13 @@ class BlockArena:
         except BufferError:  # a slice is still held somewhere; the process is ending anyway
             pass
         os.close(self.fd)
+
+
+HOLD_OWNER = -2  # lease owner of blocks kept out of use until what may still write them (a read, a transfer) ended
+
+
+def hold_blocks(arena: BlockArena, allocs: Sequence[Alloc]) -> Callable[[], None]:
+    """Keep allocs' blocks out of use until the returned function runs: a lease that never expires (an alloc
+    given back meanwhile is parked until it ends)."""
+    lease = arena.lease(HOLD_OWNER, allocs, float("inf"))
+    return lambda: arena.release(lease, HOLD_OWNER)

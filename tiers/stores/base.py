@@ -369,13 +369,14 @@ class PageStore(ABC):
         return [0 if ok else None for ok in self.get_many_into(keys, pages, deadline)]
 
     def get_many_streamed(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
-                          on_final: OnFinal) -> None:
+                          on_final: OnFinal, hold: Optional[HoldPage] = None) -> None:
         """get_many_into_with_sums, telling on_final(positions, sums) of every page exactly once, as soon as it
-        is final (its checksum, 0: unknown; None: a miss); nothing moves into the buffers once this returns.
-        This default tells of a batched store's whole batch at the end, of any other's pages one by one."""
+        is final (its checksum, 0: unknown; None: a miss); nothing moves into the buffers once this returns,
+        but into a page it hold()s, as get_many_into_with_sums' hold says.  This default tells of a batched
+        store's whole batch at the end, of any other's pages one by one."""
         if self.batched:
             try:
-                sums = self.get_many_into_with_sums(keys, pages, deadline)
+                sums = self.get_many_into_with_sums(keys, pages, deadline, hold)
             except StoreError:
                 sums = [None] * len(keys)
             on_final(list(range(len(keys))), sums)

@@ -312,8 +312,9 @@ class NvmeStore(PageStore):
         return self._reads.get_many(keys, pages, deadline)
 
     def get_many_streamed(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
-                          on_final: OnFinal) -> None:
-        """As get_many_into_with_sums, each run of pages told of as its read ends (PageStore)."""
+                          on_final: OnFinal, hold=None) -> None:
+        """As get_many_into_with_sums, each run of pages told of as its read ends (PageStore); every read
+        started is waited for, so nothing is ever held."""
         self._reads.get_many(keys, pages, deadline, on_final)
 
     def index_bytes(self) -> int:

@@ -14,7 +14,7 @@ import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from tiers.shm.buffers import as_bytes_view
-from tiers.stores.base import Buffers, HoldPage, PageKey, total_size
+from tiers.stores.base import Buffers, HoldPage, OnFinal, PageKey, total_size
 from tiers.stores.remote.engine import abandoned_batches, abandoned_groups, pair_extents
 from tiers.stores.remote.landed_reads import land_pages, read_landed
 from tiers.stores.remote.pool_client import PoolClient
@@ -62,25 +62,38 @@ class RemoteReads:
         return out, grant.sums[0]
 
     def get_many(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
-                 hold: Optional[HoldPage], executor) -> List[Optional[int]]:
+                 hold: Optional[HoldPage], executor, on_final: Optional[OnFinal] = None) -> List[Optional[int]]:
         """Read a batch into buffers: one locate a pool, every transfer in flight at once (a group a pool on
         executor); each page's checksum (0: unknown), None for a miss.
 
         With hold (the daemon's staging blocks, registered with the engine) the
         transfers land in the buffers themselves, no landing copy: a page given up
         at its deadline is held (its blocks stay out of use) until the engine
-        reports its transfer ended.
+        reports its transfer ended.  on_final, when given, hears of each page once: of one that lands
+        straight in its buffers as its transfer completes, of the others when their group ends.
         """
         views = [[v for v in (as_bytes_view(b) for b in page) if v.nbytes] for page in pages]
 
         def group(client: PoolClient, pool: str, namespace: str, positions: List[int]):
             held = None if hold is None else (lambda k, positions=positions: hold(positions[k]))
-            return self._get_group(client, namespace, [keys[i][1] for i in positions],
-                                   [views[i] for i in positions], deadline, held)
+            told = [False] * len(positions)
+
+            def tell(k: int, checksum: Optional[int]) -> None:
+                told[k] = True
+                on_final([positions[k]], [checksum])
+            out = self._get_group(client, namespace, [keys[i][1] for i in positions],
+                                  [views[i] for i in positions], deadline, held,
+                                  tell if on_final is not None else None)
+            if on_final is not None:
+                rest = [k for k in range(len(positions)) if not told[k]]
+                if rest:
+                    on_final([positions[k] for k in rest], [out[k] for k in rest])
+            return out
         return self.t.pools.per_pool(keys, group, executor)
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
-                   deadline: Optional[float], hold: Optional[HoldPage] = None) -> List[Optional[int]]:
+                   deadline: Optional[float], hold: Optional[HoldPage] = None,
+                   tell: Optional[Callable[[int, Optional[int]], None]] = None) -> List[Optional[int]]:
         t = self.t
         if deadline is not None and time.time() >= deadline:  # nothing could land in time: not even a locate
             t.counters.add(misses=len(names))
@@ -101,9 +114,12 @@ class RemoteReads:
         timeout = budget(t.timeout(nbytes), deadline)
         if moving and timeout > 0 and local is not None:  # direct: straight into the buffers
             abandoned: List[Tuple[int, int]] = []
+            # A page whose transfer completed is told of at once (on this thread, while the rest move): its
+            # bytes are all there, and a transfer is never given up after it completed.
+            arrived = None if tell is None else (lambda i: tell(moving[i], grant.sums[moving[i]]))
             oks = t.engine.transfer_pages(grant.segment, False,
                                           [pair_extents(local[k], grant.extents[k]) for k in moving], timeout,
-                                          abandoned)
+                                          abandoned, arrived)
             if abandoned and hold is not None:  # the caller keeps each given-up page's buffers until it ended
                 for pages, batches in abandoned_groups(abandoned):
                     t.abandoned.add(batches, _all([hold(moving[i]) for i in pages]))

@@ -37,7 +37,7 @@ from tiers.stores.remote.reads import RemoteReads
 from tiers.stores.remote.staging import Abandoned, Counters, Landing, Registrations, Staging
 from tiers.stores.remote.transfers import Transfers
 from tiers.stores.remote.writes import RemoteWrites
-from tiers.stores.base import Buffers, HoldPage, PageKey, PageStore, StoreError, StoreStats
+from tiers.stores.base import Buffers, HoldPage, OnFinal, PageKey, PageStore, StoreError, StoreStats
 from tiers.plugins import StoreKind
 from tiers.wire.security import CurveSettings
 
@@ -54,6 +54,7 @@ class RemoteStore(PageStore):
     parallel_io = True
     batched = True
     keeps_checksums = True  # in the pools' page records (alloc's and locate's sums)
+    streams_reads = True  # each page of a get told of as its transfer completes: the engine copies it meanwhile
 
     def __init__(self, pools: Sequence[str], engine: Engine, max_page_bytes: int = 64 << 20,
                  pool_timeout: float = 0.2, retry_max: float = 2.0, transfer_timeout: float = 1.0,
@@ -140,6 +141,12 @@ class RemoteStore(PageStore):
         checksum (0: unknown), None for a miss (tiers/stores/remote/reads.py; hold: the daemon's staging
         blocks, the transfers land in them)."""
         return self._reads.get_many(keys, pages, deadline, hold, self._movers)
+
+    def get_many_streamed(self, keys: Sequence[PageKey], pages: Sequence[Buffers], deadline: Optional[float],
+                          on_final: OnFinal, hold: Optional[HoldPage] = None) -> None:
+        """As get_many_into_with_sums, each page told of as its transfer completes, while the rest move
+        (PageStore); with hold, transfers land straight in the buffers, as there."""
+        self._reads.get_many(keys, pages, deadline, hold, self._movers, on_final)
 
     def contains(self, keys: Iterable[PageKey]) -> List[bool]:
         keys = list(keys)
