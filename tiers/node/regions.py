@@ -41,7 +41,7 @@ import zmq
 from tiers.wire import messages as M
 from tiers.shm.directory import PageDirectory
 from tiers.wire import protocol as P
-from tiers.shm.buffers import address_of, populate
+from tiers.shm.buffers import POPULATE_SLICE, address_of, populate
 from tiers.node.endpoint import open_socket_file, private_dir
 from tiers.logs import RateLimitedLog
 from tiers.node.tenants import OPERATOR, Tenant, TenantTable
@@ -73,7 +73,7 @@ def _populate(mapping: mmap.mmap) -> None:
     speed (0.3 instead of 2+ GB/s here).
     """
     try:
-        populate(mapping, write=False)
+        populate(mapping, write=False, step=POPULATE_SLICE)  # beside the loop and the I/O pool
     except (OSError, ValueError, TypeError):
         pass  # pages fault in on first use
 

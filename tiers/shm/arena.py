@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tiers.shm.buffers import block_extents, populate
+from tiers.shm.buffers import POPULATE_SLICE, block_extents, populate
 
 log = logging.getLogger("hicache.arena")
 
@@ -37,7 +37,6 @@ F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 Extents = List[Tuple[int, int]]
-_PREFAULT_SLICE = 8 << 20  # ~5 ms of faults: what another thread's mmap or page fault may wait for
 
 
 def seal_against_writes(fd: int) -> bool:
@@ -134,7 +133,7 @@ class BlockArena:
         except (OSError, ValueError):
             pass
         try:
-            done = populate(self._map, step=_PREFAULT_SLICE if beside_serving else 0)
+            done = populate(self._map, step=POPULATE_SLICE if beside_serving else 0)
         except ValueError:  # closed meanwhile (a daemon stopping at once)
             return
         if not done and beside_serving:

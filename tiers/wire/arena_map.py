@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from tiers.shm import progress
-from tiers.shm.buffers import address_of, populate
+from tiers.shm.buffers import POPULATE_SLICE, address_of, populate
 from tiers.shm.directory import DirectoryView
 from tiers.shm.page_runs import PageRuns, copy_pages
 
@@ -47,7 +47,7 @@ class ArenaMap:
     def _populate(self) -> None:
         try:
             if self._mapping is not None:
-                populate(self._mapping, write=False)
+                populate(self._mapping, write=False, step=POPULATE_SLICE)  # beside the engine's threads
         except (OSError, ValueError, TypeError):
             pass
         finally:
