@@ -104,9 +104,15 @@ def test_nvme_reads_are_streamed_and_exact_and_old_clients_still_read(tmp_path, 
         written, expected = engine.write(keys, 0, seed=21)
         assert written == PAGES
         before = _streamed(admin)
+        stats = admin.stats()
+        gets, pages_got = stats["requests"].get("get", 0), stats["pages_got"]
         done, got = engine.read(keys, PAGES)
         assert done == PAGES and got == expected
         assert _streamed(admin) == before + 1
+        # The get is counted, and its pages, once its reads ended (the answer left before them).
+        stats = admin.stats()
+        assert stats["requests"]["get"] == gets + 1 and stats["pages_got"] == pages_got + PAGES
+        assert stats["streamed_bytes_in_flight"] == 0
         # An engine that does not ask for it (an older client, or no compiled board) is answered whole.
         monkeypatch.setattr(progress, "built", lambda: False)
         done, got = engine.read(keys, PAGES)
@@ -135,6 +141,34 @@ def test_remote_reads_are_streamed_and_exact(tmp_path):
         engine.close()
         runner.stop()
         pool.stop()
+
+
+def test_a_streamed_get_is_timed_to_the_end_of_its_reads(tmp_path):
+    """The daemon's get duration (request_duration, latency_s_sum) covers the reading, not the early answer."""
+    why = SlowDisk.unavailable(str(tmp_path))
+    if why is not None:
+        pytest.skip(why)
+    runner = start_node(tmp_path, node_toml(nvme_tier("64MiB", staging_bytes="32MiB", fsync=True)))
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=10.0)
+    admin = TierClient("nvme", runner.config.tier("nvme").endpoint, "probe")
+    slow = None
+    try:
+        keys = make_keys(PAGES, 6)
+        assert engine.write(keys, 0, seed=51)[0] == PAGES
+        spent = admin.stats()["latency_s_sum"].get("get", 0.0)
+        slow = SlowDisk(runner.pid("nvme"), runner.data_dir, read_bps=24_000_000)  # 12 MiB: ~0.5 s
+        started = time.monotonic()
+        done, _got = engine.read(keys, PAGES)
+        took = time.monotonic() - started
+        assert done == PAGES
+        timed = admin.stats()["latency_s_sum"]["get"] - spent
+        assert 0.3 <= took and 0.5 * took <= timed <= took + 0.1, (took, timed)
+    finally:
+        if slow is not None:
+            slow.close()
+        admin.close()
+        engine.close()
+        runner.stop()
 
 
 def test_a_daemon_killed_mid_read_costs_one_deadline_and_no_wrong_or_late_byte(tmp_path):

@@ -96,7 +96,7 @@ class TierDaemon:
         # not while the damaging test hook is on: its damage is done to the pages this daemon serves.
         self.directory = store.export_directory() if fd_socket and corrupt_reads is None else None
         streamed = StreamedReads(store, self.arena, self._pool.submit, lambda n, b: self.metrics.pages("get", n, b),
-                                 corrupt_reads)
+                                 corrupt_reads, lambda seconds: self.metrics.observe("get", seconds))
         self.reads = PageReads(store, self.arena, self.transfers.each, streamed, corrupt_reads=corrupt_reads,
                                directory=self.directory)  # gets; corrupt_reads: a test hook (tiers/node/faults.py)
         if self.transfers.stages:
@@ -286,6 +286,10 @@ class TierDaemon:
                 reply = result()
         except Exception as exc:
             reply = self._replies.error(req_id, op, exc)
+        else:
+            if type(msg) is M.Get and msg.lease is not None and self.reads.streams(msg.stream):
+                self._replies.send(ident, reply)  # timed when its reads end (tiers/node/streamed_reads.py)
+                return
         self.metrics.observe(op, time.perf_counter() - started)
         self._replies.send(ident, reply)
 

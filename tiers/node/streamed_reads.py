@@ -29,11 +29,15 @@ log = logging.getLogger("hicache.daemon")
 
 class StreamedReads:
     def __init__(self, store: PageStore, arena: BlockArena, submit: Callable, count: Callable[[int, int], None],
-                 corrupt_reads: Optional[CorruptReads] = None):
+                 corrupt_reads: Optional[CorruptReads] = None,
+                 observe: Optional[Callable[[float], None]] = None):
         self.store, self.arena = store, arena
         self.enabled = store.streams_reads and store.export_arena() is None and progress.built()
         self._submit = submit  # runs the reads in the daemon's I/O pool
         self._count = count  # (pages, bytes) read: the daemon's get metrics
+        # A get's duration, from its answer's start to its reads' end (the daemon's request_duration for a
+        # streamed get: its reply alone would time none of the reading).
+        self._observe = observe
         self.corrupt_reads = corrupt_reads
         self._base = address_of(arena.view) if self.enabled else 0
         self._lock = threading.Lock()
@@ -57,6 +61,7 @@ class StreamedReads:
         """Lease staging and a board for keys and start their reads (on the loop: memory work only):
         (reply fields, 0, 0); every page a miss where the session's share or the arena has no room left."""
         n = len(keys)
+        started = time.perf_counter()
         board = self.arena.take(progress.board_bytes(n)) if budget > 0 else None
         # A board is one block (49 KiB for the largest batch): a staging arena's blocks are 64 KiB.  It is
         # not taken out of the budget (a session's share is a whole number of SGLang batches: 128 pages of
@@ -66,6 +71,8 @@ class StreamedReads:
         if not idx:
             if board is not None:
                 self.arena.give(board)
+            if self._observe is not None:
+                self._observe(time.perf_counter() - started)
             return dict(found=P.flags([False] * n), lease=0), 0, 0
         staged = [allocs[i] for i in idx]
         writer = progress.BoardWriter(self._base + board.extents[0][0], n)
@@ -79,16 +86,17 @@ class StreamedReads:
             self.reads += 1
         deadline = time.time() + max(0.0, expiry - time.monotonic())  # the store skips runs past it
         try:
-            self._submit(lambda: self._read(ns, keys, idx, staged, writer, owner, (lease, hold), deadline))
+            self._submit(lambda: self._read(ns, keys, idx, staged, writer, owner, (lease, hold), deadline,
+                                            started))
         except RuntimeError:  # the pool is shutting down (the daemon stops): nothing will be read
-            self._end(idx, [None] * len(idx), writer, owner, (lease, hold), staged)
+            self._end(idx, [None] * len(idx), writer, owner, (lease, hold), staged, started)
         desc, counts = P.encode_descriptors([a.extents for a in staged])
         found = [a is not None for a in allocs]
         return (dict(found=P.flags(found), lease=lease, desc=desc, regions_per_page=counts,
                      board=board.extents[0][0]), 0, 0)
 
     def _read(self, ns: str, keys: list, idx: List[int], staged: List[Alloc], writer: progress.BoardWriter,
-              owner: int, leases: Tuple[int, Callable[[], None]], deadline: float) -> None:
+              owner: int, leases: Tuple[int, Callable[[], None]], deadline: float, started: float) -> None:
         final: List[Optional[int]] = [None] * len(idx)  # each page's sum once read (reader threads write these)
 
         def on_final(positions: List[int], sums: List[Optional[int]]) -> None:
@@ -106,10 +114,10 @@ class StreamedReads:
         except Exception:  # a store's failure is a miss of whatever it did not mark, never a stuck engine
             log.exception("streamed read of %d pages failed", len(idx))
         finally:
-            self._end(idx, final, writer, owner, leases, staged)
+            self._end(idx, final, writer, owner, leases, staged, started)
 
     def _end(self, idx: List[int], final: List[Optional[int]], writer: progress.BoardWriter, owner: int,
-             leases: Tuple[int, Callable[[], None]], staged: List[Alloc]) -> None:
+             leases: Tuple[int, Callable[[], None]], staged: List[Alloc], started: float) -> None:
         """The reads ended: pages never marked are marked missed (a mark twice is harmless: the engine takes a
         page's first), the blocks' hold ends, the session's staging in flight and the metrics are counted."""
         writer.mark_missed_rest(idx)
@@ -122,3 +130,5 @@ class StreamedReads:
                 self._in_flight.pop(owner, None)
         read = [p for p, s in enumerate(final) if s is not None]
         self._count(len(read), sum(staged[p].size for p in read))
+        if self._observe is not None:
+            self._observe(time.perf_counter() - started)
