@@ -91,6 +91,24 @@ def test_a_reader_stops_at_its_expiry_when_marks_stop():
     assert reader.left == 8
 
 
+def test_a_reader_stops_waiting_once_the_daemon_is_gone_not_before():
+    n = 8
+    writable, readonly = _board(n)
+    writer = progress.BoardWriter(address_of(memoryview(writable)), n)
+    writer.mark([0, 1], [5, 6])
+    reader = progress.BoardReader(address_of(memoryview(readonly)), [True] * n)
+    assert reader.next_final(time.monotonic() + 5, lambda: False) == ([0, 1], [])  # marks first, whatever
+    asked = []
+    began = time.monotonic()
+
+    def alive() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) < 3  # there for two slices, then gone
+    assert reader.next_final(began + 5, alive) == ([], [])
+    assert len(asked) == 3 and time.monotonic() - began < 1.0
+    assert reader.left == 6
+
+
 def _streamed(client: TierClient) -> int:
     return int(client.stats()["streamed_reads"])
 
@@ -171,12 +189,12 @@ def test_a_streamed_get_is_timed_to_the_end_of_its_reads(tmp_path):
         runner.stop()
 
 
-def test_a_daemon_killed_mid_read_costs_one_deadline_and_no_wrong_or_late_byte(tmp_path):
+def test_a_daemon_killed_mid_read_ends_the_wait_with_no_wrong_or_late_byte(tmp_path):
     why = SlowDisk.unavailable(str(tmp_path))
     if why is not None:
         pytest.skip(why)
     runner = start_node(tmp_path, node_toml(nvme_tier("64MiB", staging_bytes="32MiB", fsync=True)))
-    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=3.0, deadline_min_gbps=50.0)
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=6.0, deadline_min_gbps=50.0)
     slow = None
     try:
         keys = make_keys(PAGES, 4)
@@ -193,6 +211,7 @@ def test_a_daemon_killed_mid_read_costs_one_deadline_and_no_wrong_or_late_byte(t
             started = time.monotonic()
             outcome["done"] = engine.driver.prefetch(keys, idx)
             outcome["took"] = time.monotonic() - started
+            outcome["ended"] = time.monotonic()
         reader = threading.Thread(target=read)
         reader.start()
         # Killed once the engine copied the first page in (its first run was marked): the pages read
@@ -202,12 +221,17 @@ def test_a_daemon_killed_mid_read_costs_one_deadline_and_no_wrong_or_late_byte(t
             assert time.monotonic() < deadline and reader.is_alive(), "no page was copied while the read ran"
             time.sleep(0.005)
         os.kill(runner.pid("nvme"), signal.SIGKILL)
+        killed = time.monotonic()
         reader.join(15)
         assert not reader.is_alive()
         done, took = outcome["done"], outcome["took"]
-        print(f"\nkilled mid-read: {done} of {PAGES} pages loaded in {took:.2f} s")
+        print(f"\nkilled mid-read: {done} of {PAGES} pages loaded in {took:.2f} s, "
+              f"{outcome['ended'] - killed:.2f} s after the kill")
         assert 1 <= done < PAGES, f"{done} pages loaded"
-        assert took < 3.0 + 1.0, f"the read took {took:.2f} s against a 3 s deadline"
+        # The engine saw the daemon's attachment close and stopped waiting then, not at its 6 s deadline.  A
+        # killed daemon exits (and closes it) once its reads in flight end: up to ~1 s at this throttle.
+        assert took < 4.5 and outcome["ended"] - killed < 2.5, (f"the read took {took:.2f} s, "
+                                                                 f"{outcome['ended'] - killed:.2f} s after the kill")
         loaded = page_checksums(engine.pool, idx)
         assert loaded[:done] == expected[:done]
         # SGLang reuses the slots at once; nothing may change them afterwards.

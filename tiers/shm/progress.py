@@ -17,14 +17,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 PENDING, READ, MISSED = 0, 1, 2
 NOT_ASKED = 3  # the engine's own mark for a page the reply did not lease: never waited for
-# The engine's longest single futex wait: a board whose daemon died is noticed at the lease's expiry anyway;
-# shorter waits only bound how late a page marked without a wake (none is) would be seen.
+# The engine's longest single futex wait, after which it asks whether the daemon is still there (a daemon
+# that exited marks nothing more); a frozen one is waited for until the lease's expiry.
 WAIT_SLICE_S = 0.05
 
 
@@ -92,9 +92,10 @@ class BoardReader:
         self._seen = 0
         self.left = int(sum(1 for a in asked if a))
 
-    def next_final(self, expiry: float) -> Tuple[List[int], List[int]]:
+    def next_final(self, expiry: float, alive: Optional[Callable[[], bool]] = None) -> Tuple[List[int], List[int]]:
         """(pages read, pages missed) marked since the last call, waiting up to expiry (time.monotonic())
-        for at least one; both empty once expiry passed with nothing new."""
+        for at least one; both empty once expiry passed with nothing new, or once alive() (asked after
+        each WAIT_SLICE_S without a mark) says the daemon that marks the board is gone."""
         dll = lib()
         while self.left:
             before = self.taken.copy()
@@ -107,5 +108,8 @@ class BoardReader:
             left = expiry - time.monotonic()
             if left <= 0:
                 break
-            self._seen = int(dll.progress_wait(self.address, self._seen, int(min(left, WAIT_SLICE_S) * 1e9)))
+            seen = int(dll.progress_wait(self.address, self._seen, int(min(left, WAIT_SLICE_S) * 1e9)))
+            if seen == self._seen and alive is not None and not alive():
+                break  # a daemon that exited marks nothing more: its pages are misses now, not at expiry
+            self._seen = seen
         return [], []

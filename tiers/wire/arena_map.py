@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -111,10 +111,12 @@ class ArenaMap:
         return out
 
     def copy_streamed(self, extents: PageRuns, dst: PageRuns, found: Sequence[bool], board: int, expiry: float,
-                      copied: Optional[List[int]] = None) -> Tuple[List[bool], List[int]]:
+                      copied: Optional[List[int]] = None,
+                      alive: Optional[Callable[[], bool]] = None) -> Tuple[List[bool], List[int]]:
         """A streamed read's pages (tiers/shm/progress.py), each found page copied as the board at offset board
-        marks it read, until every one is marked or expiry passes: (the pages copied by expiry, each page's
-        checksum as the board gave it, 0 for the others); copied as for copy_out.  Errors as copy_out's."""
+        marks it read, until every one is marked, expiry passes or alive() says the daemon exited: (the pages
+        copied by expiry, each page's checksum as the board gave it, 0 for the others); copied as for
+        copy_out.  Errors as copy_out's."""
         n = len(found)
         out, sums = [False] * n, [0] * n
         if copied is not None:
@@ -129,7 +131,7 @@ class ArenaMap:
             rank = np.cumsum(np.asarray(found, dtype=np.int64)) - 1  # page i's extents among the found pages'
             reader = progress.BoardReader(self.base + board, found)
             while reader.left:
-                read, missed = reader.next_final(expiry)
+                read, missed = reader.next_final(expiry, alive)
                 if not read and not missed:
                     break  # expiry passed
                 if not read or time.monotonic() >= expiry:

@@ -372,7 +372,8 @@ class TierClient:
 
     def _copy_leased(self, reply: Optional[Reply], arena: ArenaMap, n: int, dst: PageRuns, expiry: float,
                      sums: Optional[List[int]], copied: Optional[List[int]]) -> List[bool]:
-        found, lease, unusable = self._replies.copy_leased(reply, arena, n, dst, expiry, sums, copied)
+        found, lease, unusable = self._replies.copy_leased(reply, arena, n, dst, expiry, sums, copied,
+                                                           self._attachment.daemon_alive)
         if reply is not None and reply.header.ok and reply.header.dir_ns:
             self.dir_ns = reply.header.dir_ns  # the daemon may have renumbered a namespace that held nothing
         with self._lock:

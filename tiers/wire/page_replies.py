@@ -7,7 +7,7 @@ once in a while (tiers/logs.py), naming the tier.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import zmq
 
@@ -45,8 +45,10 @@ class PageReplies:
         return [b != 0 for b in raw]
 
     def copy_leased(self, reply: Optional[Reply], arena: ArenaMap, n: int, dst: PageRuns, expiry: float,
-                    sums: Optional[List[int]], copied: Optional[List[int]]) -> Tuple[List[bool], int, bool]:
-        """The pages a get's reply leased, copied out of the arena into dst while the lease holds:
+                    sums: Optional[List[int]], copied: Optional[List[int]],
+                    alive: Optional[Callable[[], bool]] = None) -> Tuple[List[bool], int, bool]:
+        """The pages a get's reply leased, copied out of the arena into dst while the lease holds (a streamed
+        one's as they are read, while alive() says the daemon is there):
         (a flag a page, the lease to give back (0: none), whether the lease named an arena we have not
         mapped: the daemon restarted and the client must attach again)."""
         found = self.flags(reply, n)
@@ -62,7 +64,7 @@ class PageReplies:
             return [False] * n, 0, True
         try:
             if got.board is not None:  # streamed: each page copied as it is read, its sum on the board
-                out, board_sums = arena.copy_streamed(extents, dst, found, got.board, expiry, copied)
+                out, board_sums = arena.copy_streamed(extents, dst, found, got.board, expiry, copied, alive)
                 if sums is not None:
                     sums[:] = board_sums
                 return out, got.lease, False
