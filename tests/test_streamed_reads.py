@@ -7,6 +7,7 @@ read, and the daemon's own staging accounting fed a flood of reads given up at o
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -113,29 +114,36 @@ def _streamed(client: TierClient) -> int:
     return int(client.stats()["streamed_reads"])
 
 
+def _one_streamed_read(engine: Engine, admin: TierClient, seed: int):
+    """PAGES pages written, then read back whole, exact and streamed (the daemon's count moved by one)."""
+    keys = make_keys(PAGES, seed)
+    written, expected = engine.write(keys, 0, seed=seed * 7)
+    assert written == PAGES
+    before = _streamed(admin)
+    done, got = engine.read(keys, PAGES)
+    assert done == PAGES and got == expected
+    assert _streamed(admin) == before + 1
+    return keys, expected
+
+
 def test_nvme_reads_are_streamed_and_exact_and_old_clients_still_read(tmp_path, monkeypatch):
     runner = start_node(tmp_path, node_toml(nvme_tier("64MiB", staging_bytes="32MiB")))
     engine = Engine(runner, pages=2 * PAGES, shape=SHAPE)
     admin = TierClient("nvme", runner.config.tier("nvme").endpoint, "probe")
     try:
-        keys = make_keys(PAGES, 3)
-        written, expected = engine.write(keys, 0, seed=21)
-        assert written == PAGES
-        before = _streamed(admin)
         stats = admin.stats()
         gets, pages_got = stats["requests"].get("get", 0), stats["pages_got"]
-        done, got = engine.read(keys, PAGES)
-        assert done == PAGES and got == expected
-        assert _streamed(admin) == before + 1
+        keys, expected = _one_streamed_read(engine, admin, 3)
         # The get is counted, and its pages, once its reads ended (the answer left before them).
         stats = admin.stats()
         assert stats["requests"]["get"] == gets + 1 and stats["pages_got"] == pages_got + PAGES
         assert stats["streamed_bytes_in_flight"] == 0
         # An engine that does not ask for it (an older client, or no compiled board) is answered whole.
+        streamed = _streamed(admin)
         monkeypatch.setattr(progress, "built", lambda: False)
         done, got = engine.read(keys, PAGES)
         assert done == PAGES and got == expected
-        assert _streamed(admin) == before + 1
+        assert _streamed(admin) == streamed
     finally:
         admin.close()
         engine.close()
@@ -147,13 +155,7 @@ def test_remote_reads_are_streamed_and_exact(tmp_path):
     engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=5.0)
     admin = TierClient("remote", runner.config.tier("remote").endpoint, "probe")
     try:
-        keys = make_keys(PAGES, 5)
-        written, expected = engine.write(keys, 0, seed=41)
-        assert written == PAGES
-        before = _streamed(admin)
-        done, got = engine.read(keys, PAGES)
-        assert done == PAGES and got == expected
-        assert _streamed(admin) == before + 1
+        _one_streamed_read(engine, admin, 5)
     finally:
         admin.close()
         engine.close()
@@ -161,50 +163,53 @@ def test_remote_reads_are_streamed_and_exact(tmp_path):
         pool.stop()
 
 
-def test_a_streamed_get_is_timed_to_the_end_of_its_reads(tmp_path):
-    """The daemon's get duration (request_duration, latency_s_sum) covers the reading, not the early answer."""
+@contextlib.contextmanager
+def _throttled_nvme(tmp_path, seed: int, **deadlines):
+    """An NVMe node whose daemon reads through a blkio throttle set later (``throttle(bps)``), an engine on it,
+    and PAGES pages written: (engine, runner, keys, expected checksums, throttle)."""
     why = SlowDisk.unavailable(str(tmp_path))
     if why is not None:
         pytest.skip(why)
     runner = start_node(tmp_path, node_toml(nvme_tier("64MiB", staging_bytes="32MiB", fsync=True)))
-    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=10.0)
-    admin = TierClient("nvme", runner.config.tier("nvme").endpoint, "probe")
-    slow = None
+    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, **deadlines)
+    slow = []
     try:
-        keys = make_keys(PAGES, 6)
-        assert engine.write(keys, 0, seed=51)[0] == PAGES
-        spent = admin.stats()["latency_s_sum"].get("get", 0.0)
-        slow = SlowDisk(runner.pid("nvme"), runner.data_dir, read_bps=24_000_000)  # 12 MiB: ~0.5 s
-        started = time.monotonic()
-        done, _got = engine.read(keys, PAGES)
-        took = time.monotonic() - started
-        assert done == PAGES
-        timed = admin.stats()["latency_s_sum"]["get"] - spent
-        assert 0.3 <= took and 0.5 * took <= timed <= took + 0.1, (took, timed)
+        keys = make_keys(PAGES, seed)
+        written, expected = engine.write(keys, 0, seed=seed * 10)
+        assert written == PAGES
+        yield engine, runner, keys, expected, lambda bps: slow.append(SlowDisk(runner.pid("nvme"),
+                                                                                runner.data_dir, read_bps=bps))
     finally:
-        if slow is not None:
-            slow.close()
-        admin.close()
+        for throttle in slow:
+            throttle.close()
         engine.close()
         runner.stop()
 
 
+def test_a_streamed_get_is_timed_to_the_end_of_its_reads(tmp_path):
+    """The daemon's get duration (request_duration, latency_s_sum) covers the reading, not the early answer."""
+    with _throttled_nvme(tmp_path, 6, deadline_base_s=10.0) as (engine, runner, keys, _expected, throttle):
+        admin = TierClient("nvme", runner.config.tier("nvme").endpoint, "probe")
+        try:
+            spent = admin.stats()["latency_s_sum"].get("get", 0.0)
+            throttle(24_000_000)  # 12 MiB: ~0.5 s
+            started = time.monotonic()
+            done, _got = engine.read(keys, PAGES)
+            took = time.monotonic() - started
+            assert done == PAGES
+            timed = admin.stats()["latency_s_sum"]["get"] - spent
+            assert 0.3 <= took and 0.5 * took <= timed <= took + 0.1, (took, timed)
+        finally:
+            admin.close()
+
+
 def test_a_daemon_killed_mid_read_ends_the_wait_with_no_wrong_or_late_byte(tmp_path):
-    why = SlowDisk.unavailable(str(tmp_path))
-    if why is not None:
-        pytest.skip(why)
-    runner = start_node(tmp_path, node_toml(nvme_tier("64MiB", staging_bytes="32MiB", fsync=True)))
-    engine = Engine(runner, pages=2 * PAGES, shape=SHAPE, deadline_base_s=6.0, deadline_min_gbps=50.0)
-    slow = None
-    try:
-        keys = make_keys(PAGES, 4)
-        written, expected = engine.write(keys, 0, seed=31)
-        assert written == PAGES
+    with _throttled_nvme(tmp_path, 4, deadline_base_s=6.0, deadline_min_gbps=50.0) as (engine, runner, keys,
+                                                                                     expected, throttle):
         idx = engine.indices(PAGES, PAGES)
         fill_pages(engine.pool, idx, seed=77)
         before = page_checksums(engine.pool, idx)
-        # 12 MiB at 6 MB/s: about 2 s of reads, past any moment the kill can land.
-        slow = SlowDisk(runner.pid("nvme"), runner.data_dir, read_bps=6_000_000)
+        throttle(6_000_000)  # 12 MiB at 6 MB/s: about 2 s of reads, past any moment the kill can land
         outcome = {}
 
         def read():
@@ -240,11 +245,6 @@ def test_a_daemon_killed_mid_read_ends_the_wait_with_no_wrong_or_late_byte(tmp_p
         time.sleep(0.5)
         assert page_checksums(engine.pool, idx) == mine
         assert mine != before
-    finally:
-        if slow is not None:
-            slow.close()
-        engine.close()
-        runner.stop()
 
 
 def test_reads_given_up_at_once_hold_no_more_staging_than_the_session_share(tmp_path):

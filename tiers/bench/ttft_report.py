@@ -206,7 +206,8 @@ def breakdown(figs: Figures, info: dict) -> List[str]:
     if not lines:
         return []
     return ["What an L3 hit is made of (medians, ms). lookup and get: the daemons' own `latency_s_sum` over the "
-            "request (receipt to reply; lookup the slowest tier's, the tiers are asked at once; get summed; a DRAM "
+            "request (receipt to reply, a streamed get's to the end of its reads; lookup the slowest tier's, the tiers "
+            "are asked at once; get summed; a DRAM "
             "read's copy out of the arena is the engine's and not in it). transfer: SGLang's `/metrics`, "
             "`sglang:prefetch_pgs` x page bytes / the mean `sglang:prefetch_bandwidth` of the request's reads (the "
             "backend's batch_get_v1 wall time). prefetch wait, queue, forward: SGLang's meta_info with "

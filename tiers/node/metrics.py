@@ -47,7 +47,7 @@ class DaemonMetrics:
         with self._lock:
             out = {
                 "requests": dict(self.requests),
-                "latency_s_sum": dict(self.latency_sum),  # per op: seconds from receipt to reply, summed
+                "latency_s_sum": dict(self.latency_sum),  # per op: seconds from receipt to reply (a streamed get: to its reads' end), summed
                 "errors": dict(self.errors),
                 "pages_put": self.pages_moved["put"],
                 "pages_got": self.pages_moved["get"],
