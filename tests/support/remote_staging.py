@@ -2,7 +2,7 @@
 staging the caller holds on request.
 
 A RemoteStore reads into memory its caller can keep out of use (the tier
-daemon's staging, tiers/node/reads.py ``hold_blocks``); a read given up at
+daemon's staging, tiers/shm/arena.py ``hold_blocks``); a read given up at
 its deadline asks the caller to hold each page it may still write.  The pool
 is frozen (SIGSTOP) right after it answered the read's ``locate``, so the
 read's transfers hang until the test thaws it.
@@ -13,7 +13,7 @@ import mmap
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
-from tiers.node.reads import hold_blocks
+from tiers.shm.arena import hold_blocks
 from tiers.ops.node_runner import NodeRunner
 from tiers.shm.arena import BlockArena
 from tiers.shm.buffers import address_of
@@ -75,7 +75,7 @@ class HeldStaging:
 
     def _hold(self, position: int):
         self.held.append(position)
-        return hold_blocks(self.arena, self.allocs[position])
+        return hold_blocks(self.arena, [self.allocs[position]])
 
     def read(self, deadline: Optional[float] = None) -> List[Optional[int]]:
         """Zero the staging, read the keys into it holding what is given up: each page's checksum or None."""

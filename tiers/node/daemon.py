@@ -41,7 +41,7 @@ from tiers.node.tenants import OPERATOR, Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
-from tiers.node.routes import Route, Where, in_pool
+from tiers.node.routes import Route, Where, answered_early, in_pool
 from tiers.node.streamed_reads import StreamedReads
 from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
 from tiers.stores.base import PageStore
@@ -287,7 +287,7 @@ class TierDaemon:
         except Exception as exc:
             reply = self._replies.error(req_id, op, exc)
         else:
-            if type(msg) is M.Get and msg.lease is not None and self.reads.streams(msg.stream):
+            if answered_early(msg, self.reads.streamed.enabled):
                 self._replies.send(ident, reply)  # timed when its reads end (tiers/node/streamed_reads.py)
                 return
         self.metrics.observe(op, time.perf_counter() - started)

@@ -13,8 +13,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from tiers.wire import protocol as P
-from tiers.shm.arena import Alloc, BlockArena
-from tiers.shm.arena import hold_blocks as arena_hold
+from tiers.shm.arena import Alloc, BlockArena, hold_blocks
 from tiers.node.faults import CorruptReads
 from tiers.node.streamed_reads import StreamedReads
 from tiers.node.tenants import Tenant
@@ -54,10 +53,6 @@ class PageReads:
         keys = P.check_keys(keys)
         return self.store.touch_reads(ns, keys, P.decode_sizes(sizes, len(keys), max_page_bytes))
 
-    def streams(self, msg_stream: bool) -> bool:
-        """A get that asked for it is streamed (tiers/node/streamed_reads.py): answered on the loop at once."""
-        return msg_stream and self.streamed.enabled
-
     def lease_reads(self, ns: str, keys: list, sizes: List[int], owner: int, expiry: float,
                     max_bytes: Optional[int] = None, stream: bool = False):
         """A leased read: (reply fields, pages, bytes).  An arena store's pages are leased where they lie (on
@@ -69,7 +64,7 @@ class PageReads:
         if not self.stages:
             lease, extents, sums = self.store.lease_pages([(ns, k) for k in keys], sizes, owner, expiry, budget)
             return self._lease_reply(lease, extents, sums)
-        if self.streams(stream):
+        if stream and self.streamed.enabled:  # tiers/node/routes.py answered_early: this runs on the loop
             return self.streamed.start(ns, keys, sizes, owner, expiry, self._take_staging, budget)
         return self._staged_reads(ns, keys, sizes, owner, expiry, budget)
 
@@ -92,7 +87,7 @@ class PageReads:
         if self.store.batched:
             idx = [i for i, v in enumerate(views) if v is not None]
             got = self.store.get_many_into_with_sums([(ns, keys[i]) for i in idx], [views[i] for i in idx], None,
-                                                     lambda position: hold_blocks(self.arena, allocs[idx[position]]))
+                                                     lambda position: hold_blocks(self.arena, [allocs[idx[position]]]))
             for i, checksum in zip(idx, got):
                 sums[i] = checksum
         else:
@@ -132,12 +127,6 @@ class PageReads:
             frames = self.corrupt_reads.damage_frames(frames)
         return ([d is not None for d, _s in results], frames,
                 P.encode_sums([s for d, s in results if d is not None]))
-
-
-def hold_blocks(arena: BlockArena, alloc: Alloc) -> Callable[[], None]:
-    """Keep alloc's blocks out of use until the returned function runs: a transfer given up may still write
-    them (tiers/stores/base.py get_many_into_with_sums' hold)."""
-    return arena_hold(arena, [alloc])
 
 
 def _late(deadline: Optional[float]) -> bool:

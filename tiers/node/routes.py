@@ -26,6 +26,12 @@ class Route(NamedTuple):
     where: Where
 
 
+def answered_early(msg: M.Request, streams: bool) -> bool:
+    """A leased get that asks to be streamed, to a daemon that streams (tiers/node/streamed_reads.py): answered
+    on the loop before its reads, which run in the pool and time the request when they end."""
+    return streams and type(msg) is M.Get and msg.lease is not None and msg.stream
+
+
 def in_pool(where: Where, msg: M.Request, parallel_io: bool, stages: bool, streams: bool) -> bool:
     """Whether the work of msg on this route runs in the I/O pool; parallel_io: the store does I/O from
     several threads; stages: its pages pass through staging blocks (it exports no arena of its own);
@@ -36,5 +42,5 @@ def in_pool(where: Where, msg: M.Request, parallel_io: bool, stages: bool, strea
     if where is Where.STORE_IO:
         return parallel_io
     if where is Where.READ:
-        return msg.lease is None or (stages and not (streams and msg.stream))
+        return msg.lease is None or (stages and not answered_early(msg, streams))
     return False

@@ -1,7 +1,7 @@
 """Leased reads answered at once: the engine copies each staged page as its read ends (tiers/shm/progress.py).
 
-A get from a store that reads into staging (``streams_reads``: NVMe) takes the
-staging blocks and a progress board on the loop, leases them to the engine,
+A get from a store that reads into staging (``streams_reads``: NVMe, remote) takes
+the staging blocks and a progress board on the loop, leases them to the engine,
 answers, and reads in the I/O pool; each run of pages read is marked on the
 board, and the engine, waiting on it, copies those while the device reads
 the rest.  Bytes only ever land in staging.  The blocks stay out of use until
@@ -118,8 +118,8 @@ class StreamedReads:
 
     def _end(self, idx: List[int], final: List[Optional[int]], writer: progress.BoardWriter, owner: int,
              leases: Tuple[int, Callable[[], None]], staged: List[Alloc], started: float) -> None:
-        """The reads ended: pages never marked are marked missed (a mark twice is harmless: the engine takes a
-        page's first), the blocks' hold ends, the session's staging in flight and the metrics are counted."""
+        """The reads ended: pages never marked are marked missed, the blocks' hold ends, the session's staging in
+        flight and the metrics are counted."""
         writer.mark_missed_rest(idx)
         lease, release_hold = leases
         release_hold()

@@ -10,7 +10,7 @@ the engine waits on with a futex), and the engine copies each page as it is
 marked, while the rest are still being read.  The late-copy rule is the
 leased read's: bytes move only into staging, the engine copies only before
 its lease's expiry, and the daemon keeps the blocks out of use until its own
-reads ended, whatever the lease (tiers/node/reads.py).
+reads ended, whatever the lease (tiers/node/streamed_reads.py).
 """
 from __future__ import annotations
 
@@ -73,7 +73,6 @@ class BoardWriter:
         state = np.array([MISSED if s is None else READ for s in sums], dtype=np.uint32)
         value = np.array([s or 0 for s in sums], dtype=np.uint64)
         lib().progress_mark(self.address, self.n, at.ctypes.data, state.ctypes.data, value.ctypes.data, len(at))
-
 
     def mark_missed_rest(self, positions: Sequence[int]) -> None:
         """Those of positions not marked yet, marked missed (once every reader is done)."""
