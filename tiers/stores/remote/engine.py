@@ -134,15 +134,16 @@ class Engine:
 
     def transfer_pages(self, segment: str, write: bool, pages: Sequence[Sequence[Tuple[int, int, int]]],
                        timeout: float, abandoned: Optional[List[Tuple[int, int]]] = None,
-                       on_done: Optional[Callable[[int], None]] = None) -> List[bool]:
+                       on_done: Optional[Callable[[List[int]], None]] = None) -> List[bool]:
         """Several pages' pieces, all in flight at once; per page, True when all its pieces completed in time.
 
         A transfer cannot be cancelled: one still running at the deadline (or
         that the engine reports timed out) may yet move its bytes.  Its
         (page, batch id) is appended to ``abandoned``, for the caller to keep
         the local memory out of use until ``status(batch)`` says it ended.
-        ``on_done(page)`` runs (on this thread) as soon as a page has all its
-        pieces, while the others are still moving.
+        ``on_done(pages)`` runs (on this thread) with the pages that got all their
+        pieces since the last look, while the others are still moving: one call a
+        look, not one a page (a streamed read marks its board once a call).
         """
         submit = self._te.batch_transfer_async_write if write else self._te.batch_transfer_async_read
         deadline = time.monotonic() + timeout
@@ -167,6 +168,7 @@ class Engine:
         pause = 50e-6
         while pending:
             still = []
+            arrived: List[int] = []
             for batch, covered in pending:
                 status = check(batch)  # 1 done, 0 running, -1 failed, -2 timed out in the engine
                 if status == 0:
@@ -174,14 +176,16 @@ class Engine:
                 elif status == 1:
                     for page in covered:
                         left[page] -= 1
-                        if left[page] == 0 and ok[page] and on_done is not None:
-                            on_done(page)
+                        if left[page] == 0 and ok[page]:
+                            arrived.append(page)
                 else:
                     for page in covered:
                         ok[page] = False
                         if status == -2:  # not freed by the binding and perhaps still moving bytes
                             live.append((page, batch))
             pending = still
+            if arrived and on_done is not None:
+                on_done([page for page in arrived if ok[page]])  # a page failed by a later piece is not told
             if not pending:
                 break
             if time.monotonic() > deadline:

@@ -63,11 +63,12 @@ def land_pages(landing: Landing, engine: Engine, grant, moving: List[int], views
             return  # no room before the deadline (held chunks, or a page larger than the landing): misses
         abandoned: List[Tuple[int, int]] = []
 
-        def arrived(i: int, wave=wave) -> None:  # copied while the rest of the wave is still moving
-            k, chunks = wave[i]
-            if deadline is None or time.time() < deadline:
-                scatter_copy(views[k], landing.views(chunks, grant.sizes[k]))
-                out[k] = True
+        def arrived(done: List[int], wave=wave) -> None:  # copied while the rest of the wave is still moving
+            for i in done:
+                k, chunks = wave[i]
+                if deadline is None or time.time() < deadline:
+                    scatter_copy(views[k], landing.views(chunks, grant.sizes[k]))
+                    out[k] = True
         engine.transfer_pages(
             grant.segment, False,
             [pair_extents(landing.extents(chunks, grant.sizes[k]), grant.extents[k]) for k, chunks in wave],

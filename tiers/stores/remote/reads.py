@@ -78,9 +78,10 @@ class RemoteReads:
             held = None if hold is None else (lambda k, positions=positions: hold(positions[k]))
             told = [False] * len(positions)
 
-            def tell(k: int, checksum: Optional[int]) -> None:
-                told[k] = True
-                on_final([positions[k]], [checksum])
+            def tell(ks: List[int], checksums: List[Optional[int]]) -> None:
+                for k in ks:
+                    told[k] = True
+                on_final([positions[k] for k in ks], checksums)
             out = self._get_group(client, namespace, [keys[i][1] for i in positions],
                                   [views[i] for i in positions], deadline, held,
                                   tell if on_final is not None else None)
@@ -93,7 +94,7 @@ class RemoteReads:
 
     def _get_group(self, client: PoolClient, namespace: str, names: List[str], views: List[List[memoryview]],
                    deadline: Optional[float], hold: Optional[HoldPage] = None,
-                   tell: Optional[Callable[[int, Optional[int]], None]] = None) -> List[Optional[int]]:
+                   tell: Optional[Callable[[List[int], List[Optional[int]]], None]] = None) -> List[Optional[int]]:
         t = self.t
         if deadline is not None and time.time() >= deadline:  # nothing could land in time: not even a locate
             t.counters.add(misses=len(names))
@@ -114,9 +115,10 @@ class RemoteReads:
         timeout = budget(t.timeout(nbytes), deadline)
         if moving and timeout > 0 and local is not None:  # direct: straight into the buffers
             abandoned: List[Tuple[int, int]] = []
-            # A page whose transfer completed is told of at once (on this thread, while the rest move): its
-            # bytes are all there, and a transfer is never given up after it completed.
-            arrived = None if tell is None else (lambda i: tell(moving[i], grant.sums[moving[i]]))
+            # The pages whose transfers completed are told of at each look (on this thread, while the rest
+            # move): their bytes are all there, and a transfer is never given up after it completed.
+            arrived = None if tell is None else (lambda done: tell([moving[i] for i in done],
+                                                                   [grant.sums[moving[i]] for i in done]))
             oks = t.engine.transfer_pages(grant.segment, False,
                                           [pair_extents(local[k], grant.extents[k]) for k in moving], timeout,
                                           abandoned, arrived)
