@@ -1,7 +1,8 @@
 """The tier daemon: a ZeroMQ ROUTER loop in front of one page store.
 
 Majordomo-style: poll, decode each request into its Struct (tiers/wire/messages.py), dispatch it
-to the handler its type names (``handlers``), housekeeping per tick.
+to the handler its type names (``handlers``: the page operations in tiers/node/page_ops.py, deletes
+and clears in tiers/node/admin_ops.py), housekeeping per tick.
 Each handler's route says where its work runs (tiers/node/routes.py): lookups, stats,
 releases and leased DRAM reads on the loop thread; page transfers in a small I/O pool
 (tiers/node/transfers.py, reads.py) so a long batch never stalls a lookup, their replies
@@ -26,24 +27,24 @@ from tiers.wire import messages as M
 from tiers.wire import protocol as P
 from tiers.wire import security
 from tiers.shm.arena import BlockArena
-from tiers.node.admin_ops import StoreAdmin, target_namespace
+from tiers.node.admin_ops import StoreAdmin
 from tiers.node.demotion import Demoter
-from tiers.node.dirty import DirtySet, MODES
+from tiers.node.dirty import DirtySet
 from tiers.node.endpoint import bind_router, physical_memory
 from tiers.node.faults import CorruptReads
 from tiers.node.connections import ConnectionGuard
 from tiers.node.memory_guard import MemoryGuard
 from tiers.node.tenant_stats import TenantStats
 from tiers.node.fds import open_fds, raise_fd_limit
-from tiers.logs import RateLimitedLog
 from tiers.node.metrics import DaemonMetrics
-from tiers.node.tenants import OPERATOR, Tenant, TenantTable
+from tiers.node.tenants import Tenant, TenantTable
 from tiers.node.peers import PeerReplies
 from tiers.node.regions import RegionRegistry
 from tiers.node.replies import Replies
 from tiers.node.routes import Route, Where, answered_early, in_pool
+from tiers.node.page_ops import PageOps, RequestContext
 from tiers.node.streamed_reads import StreamedReads
-from tiers.node.sessions import ADMIN_NAMESPACE, Sessions
+from tiers.node.sessions import Sessions
 from tiers.stores.base import PageStore
 from tiers.node.reads import PageReads
 from tiers.node.transfers import PageTransfers
@@ -53,7 +54,6 @@ from tiers.node.transfers import PageTransfers
 _POOL_WORK = (M.Put, M.Clear, M.Delete, M.Evict)
 
 log = logging.getLogger("hicache.daemon")
-_warn = RateLimitedLog(log)
 
 HWM = 64  # messages queued per peer each way; a client that never reads its replies loses the later ones
 DEMOTION_OWNER = -1  # arena lease owner for pages on their way down
@@ -107,16 +107,6 @@ class TierDaemon:
         self.demoter = demoter
         self.dirty = demoter.dirty if demoter is not None else DirtySet(0)  # stays empty without a tier below
         self.admin = StoreAdmin(store, self.dirty, self._namespace)  # deletes, clears, evictions
-        # The operations this daemon serves, by request type (a pool daemon adds its own), and where each
-        # one's work runs (tiers/node/routes.py).
-        self.handlers: Dict[type, Route] = {
-            M.Hello: Route(self.handle_hello, Where.LOOP), M.Lookup: Route(self.handle_lookup, Where.LOOP),
-            M.Put: Route(self.handle_put, Where.POOL), M.Get: Route(self.handle_get, Where.READ),
-            M.Release: Route(self.handle_release, Where.LOOP), M.Stats: Route(self.handle_stats, Where.LOOP),
-            M.Touch: Route(self.handle_touch, Where.LOOP),
-            M.Delete: Route(self.admin.handle_delete, Where.STORE_IO),
-            M.Clear: Route(self.admin.handle_clear, Where.STORE_IO),
-            M.Evict: Route(self.admin.handle_evict, Where.STORE_IO)}
         self.tenants = tenants or TenantTable()  # who may open sessions on which namespaces
         self.sessions = Sessions(self.tenants, endpoint.startswith("ipc://"), curve is not None and curve.enabled)
         self._peer_replies = PeerReplies(max_inflight_bytes)  # what each peer leaves unread (tiers/node/peers.py)
@@ -131,6 +121,23 @@ class TierDaemon:
             # registers it with its engine on first use) forgets it before it is unmapped.
             self._regions.on_unmap = store.region_unmapped
         self._replies = Replies(self.metrics, self._peer_replies)  # tiers/node/replies.py
+        # hello, lookups, puts, gets, releases, touches and stats (tiers/node/page_ops.py), for the request the loop
+        # is dispatching.
+        self.pages = PageOps(name, store, self.arena, self.arena_id, self.transfers, self.reads, self.sessions,
+                             self.metrics, self.dirty, demoter, self._regions, max_page_bytes,
+                             RequestContext(self._namespace, lambda: self._peer_tenant), self._tenant_stats,
+                             self.stats)
+        # The operations this daemon serves, by request type (a pool daemon adds its own), and where each
+        # one's work runs (tiers/node/routes.py).
+        pages = self.pages
+        self.handlers: Dict[type, Route] = {
+            M.Hello: Route(pages.handle_hello, Where.LOOP), M.Lookup: Route(pages.handle_lookup, Where.LOOP),
+            M.Put: Route(pages.handle_put, Where.POOL), M.Get: Route(pages.handle_get, Where.READ),
+            M.Release: Route(pages.handle_release, Where.LOOP), M.Stats: Route(pages.handle_stats, Where.LOOP),
+            M.Touch: Route(pages.handle_touch, Where.LOOP),
+            M.Delete: Route(self.admin.handle_delete, Where.STORE_IO),
+            M.Clear: Route(self.admin.handle_clear, Where.STORE_IO),
+            M.Evict: Route(self.admin.handle_evict, Where.STORE_IO)}
         self._stopping = threading.Event()
         self.ready = threading.Event()
 
@@ -305,124 +312,6 @@ class TierDaemon:
     def _namespace(self, msg: M.Request, write: bool = False) -> str:
         """The namespace of the request's session; write: a request that changes it (puts, deletes, clears)."""
         return self.sessions.get(msg.s, self._peer_tenant, write).ns
-
-    def _lease_owner(self, msg: M.Request) -> Tuple[int, Optional[int]]:
-        return self.sessions.lease_owner(msg.s, self.arena.size)
-
-    def handle_hello(self, msg: M.Hello, frames) -> list:
-        ns = P.check_namespace(msg.ns)
-        tenant = self._peer_tenant
-        client = msg.client[:200]
-        session = self.sessions.open(ns, client, tenant)
-        if tenant is not OPERATOR and ns != ADMIN_NAMESPACE:  # the operator's namespaces are a share each
-            self.store.assign_tenant(ns, tenant.name, tenant.quota_in(self.name) or None)
-        # The operator's CLI says hello on every status poll: that is not news.
-        (log.debug if ns == ADMIN_NAMESPACE else log.info)("hello from %s for namespace %s", client or "?", ns)
-        return [P.reply_ok(msg.id, session=session, tier=self.name, max_page_bytes=self.max_page_bytes,
-                           max_batch=P.MAX_BATCH, fd_socket=self._regions.path if self._regions is not None else "",
-                           digests=self.store.answers_digests, dir_ns=self.reads.directory_number(ns, tenant))]
-
-    # ----------------------------------------------------------- operations
-    def handle_lookup(self, msg: M.Lookup, frames) -> list:
-        ns = self._namespace(msg)
-        self._release_done(msg)
-        if msg.digests is not None:  # packed key digests: one field, one native call (tiers/wire/protocol.py)
-            if not self.store.answers_digests:
-                raise P.ProtocolError("bad_request", f"tier {self.name} takes lookups by key, not by digest")
-            held = self.store.held_digests(ns, P.check_digests(msg.digests))
-        elif msg.keys is not None:
-            held = self.store.held(ns, P.check_keys(msg.keys))
-        else:
-            raise P.ProtocolError("bad_request", "a lookup names keys or digests")
-        prefix = P.leading_run(held)
-        self.metrics.lookup(len(held), prefix)
-        return [P.reply_ok(msg.id, held=held, prefix=prefix)]
-
-    def handle_put(self, msg: M.Put, frames) -> Callable[[], list]:
-        # An _admin session may name the namespace per put: a demotion link carries every namespace's pages
-        # through one session (one connection, one attach), however many namespaces the tier above holds.
-        ns = target_namespace(False, msg.ns, self._namespace(msg, write=True))
-        self._release_done(msg)
-        keys = P.check_keys(msg.keys)
-        sources = self.transfers.page_sources(msg, frames, keys, self._regions)
-        sums = P.decode_sums(msg.sums, len(keys))
-        parents = msg.parents if msg.parents is not None and len(msg.parents) == len(keys) else [None] * len(keys)
-        mode, min_reads = msg.mode, msg.min_reads
-        if mode not in MODES or min_reads < 1:
-            raise P.ProtocolError("bad_request", f"mode must be one of {', '.join(MODES)} and min_reads >= 1")
-        if msg.promote:
-            self.metrics.promotions += len(keys)
-        req_id, deadline = msg.id, msg.dl
-
-        def work(_frames_kept_alive=frames) -> list:
-            # A promotion is copied out of a host pool after the engine's read returned: checked
-            stored, refusal = self.transfers.put_pages(ns, keys, sources, parents, deadline, sums,
-                                                       checked=msg.promote and any(sums),
-                                                       hashed=msg.hash_pages and not any(sums))
-            if self.demoter is not None and mode == "back":
-                stored = self.demoter.admit_write_back(self.store, ns, keys, stored, min_reads)
-            elif self.demoter is not None:
-                for key, ok in zip(keys, stored):
-                    if ok:
-                        self.dirty.add((ns, key), mode, min_reads)
-            self.metrics.pages("put", sum(stored), sum(n for n, ok in zip(sources.sizes, stored) if ok))
-            fields = {"stored": P.flags(stored)}
-            if refusal:
-                fields["refusal"] = list(refusal)
-                # The operator hears of a full or failing medium here, not only in the engine's log.
-                _warn.warning(f"refusal:{refusal[0]}", "tier %s refused %d of %d pages: %s: %s", self.name,
-                              len(stored) - sum(stored), len(stored), refusal[0], refusal[1])
-            return [P.reply_ok(req_id, **fields)]
-        return work
-
-    def handle_get(self, msg: M.Get, frames) -> Callable[[], list]:
-        ns = self._namespace(msg)
-        keys = P.check_keys(msg.keys)
-        req_id = msg.id
-        if msg.region is not None:
-            raise P.ProtocolError("bad_request", "a daemon never writes into a host pool: ask for a lease")
-        if msg.lease is None:
-            def frame_work() -> list:
-                found, out, sums = self.reads.frame_reads(ns, keys, msg.dl)
-                self.metrics.pages("get", sum(found), sum(len(f) for f in out))
-                return [P.reply_ok(req_id, found=P.flags(found), sums=sums), *out]
-            return frame_work
-        expiry = P.check_lease_expiry(msg.lease)
-        sizes = P.decode_sizes(msg.sizes, len(keys), self.max_page_bytes)
-        self._release_done(msg)
-        owner, budget = self._lease_owner(msg)
-        dir_ns = self.reads.directory_number(ns, self._peer_tenant)  # renewed: a number given up is given again
-        return lambda: self._lease_reply(req_id, self.reads.lease_reads(ns, keys, sizes, owner, expiry, budget,
-                                                                        msg.stream), dir_ns)
-
-    def _release_done(self, msg: M.Request) -> None:
-        """Leases of earlier reads the session copied out, released on the way (before any new work)."""
-        owner = self._lease_owner(msg)[0] if msg.done else None
-        for lease in (msg.done or ())[:P.MAX_DONE_LEASES]:
-            self.arena.release(lease, owner)
-
-    def _lease_reply(self, req_id: int, result, dir_ns: int) -> list:
-        fields, pages, nbytes = result
-        self.metrics.pages("get", pages, nbytes)
-        if dir_ns:
-            fields["dir_ns"] = dir_ns
-        return [P.reply_ok(req_id, arena=self.arena_id, **fields)]
-
-    def handle_touch(self, msg: M.Touch, frames) -> list:
-        return [P.reply_ok(msg.id)]  # its pages were counted on the way in (PageReads.count_touched)
-
-    def handle_release(self, msg: M.Release, frames) -> list:
-        self._namespace(msg)
-        return [P.reply_ok(msg.id, released=self.arena.release(msg.lease, self._lease_owner(msg)[0]))]
-
-    def handle_stats(self, msg: M.Stats, frames) -> list:
-        own = self._namespace(msg)
-        if own == ADMIN_NAMESPACE:
-            return [P.reply_ok(msg.id, tier=self.name, stats=self.stats())]
-        # Its own namespace's figures only; a configured tenant's from a snapshot (tiers/node/tenant_stats.py),
-        # the operator's engines' fresh (they read counters right after their own calls).
-        view = self._tenant_stats.view(own, fresh=self._peer_tenant is OPERATOR)
-        return [P.reply_ok(msg.id, tier=self.name, stats=view)]
 
     def stats(self) -> dict:
         """Store counters, request metrics and daemon state (the stats reply; read by the Prometheus exporter)."""
