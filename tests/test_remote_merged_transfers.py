@@ -118,6 +118,27 @@ def test_a_batch_of_small_pages_moves_in_few_transfers_byte_for_byte(node):
     assert len(counting.submitted) < PAGES and max(counting.submitted) <= MERGE_BYTES
 
 
+def test_pages_are_told_once_in_passes_each_only_once_all_its_bytes_are_there(node):
+    """A streamed read (held buffers, the daemon's path) hears of the pages whose transfers completed once a
+    polling pass: each page once, as part of a list, and only when every byte of it has landed."""
+    pool, store, view = node
+    keys = [f"told-{i}" for i in range(PAGES)]
+    write_batch(store, view, keys, 300)
+    for i in range(PAGES):
+        slot(view, PAGES + i)[:] = b"\0" * PAGE
+    told, whole_when_told = [], []
+
+    def on_final(positions, sums):
+        told.append(list(positions))
+        whole_when_told.extend(bytes(slot(view, PAGES + p)) == page(300 + p) for p, s in zip(positions, sums)
+                               if s is not None)
+    halves = [[slot(view, PAGES + i)[:PAGE // 2], slot(view, PAGES + i)[PAGE // 2:]] for i in range(PAGES)]
+    store.get_many_streamed([("ns", k) for k in keys], halves, time.time() + 30, on_final, hold=lambda p: None)
+    assert sorted(p for call in told for p in call) == list(range(PAGES))  # each page told once
+    assert whole_when_told == [True] * PAGES  # told only once both halves had landed
+    assert len(told) < PAGES  # in lists, a polling pass at a time, not one call a page
+
+
 def test_a_merged_read_given_up_holds_every_page_it_carries(node):
     """Held staging (the daemon's leased reads): one transfer carries several pages; given up, every one of
     them stays out of use until the engine reports that transfer ended, and is then given back once."""
