@@ -157,9 +157,12 @@ def test_write_back_pages_damaged_below_are_misses(make_node):
         keys = make_keys(12, salt=5, page_size=16)
         sums = write_past_dram(engine, keys)
         assert eventually(lambda: engine.backend.tier_stats()["dram"]["demotions"] == 4)
-        flags, got = read_flags(engine, keys[:4], 12)  # demoted: NVMe serves them, the first two damaged
-        assert flags == [False, False, True, True] and mismatches(engine) == 2
-        assert got[:2] != sums[:2] and got[2:] == sums[2:4]
+        flags, got = read_flags(engine, keys[:4], 12)  # demoted: NVMe serves them, the first two it serves damaged
+        # NVMe reads a batch's runs on several threads at once and marks each as it ends: which two pages it
+        # serves first is the threads' to say, not the keys' order.
+        bad = [i for i, ok in enumerate(flags) if not ok]
+        assert len(bad) == 2 and mismatches(engine) == 2
+        assert all(got[i] != sums[i] for i in bad) and all(got[i] == sums[i] for i in range(4) if i not in bad)
         assert eventually(lambda: engine.backend.router_stats()["promotions_done"] == 2)  # only the good ones
         assert eventually(lambda: engine.backend.tier_stats()["dram"]["demotions"] == 6)  # what they evicted
         assert engine.read(keys, 12) == (12, sums)  # NVMe's copies were sound: everything reads exactly now
