@@ -177,3 +177,26 @@ def test_a_tier_whose_leased_reads_wait_on_the_disk_is_not_spun_for(tmp_path, mo
         short.close()
         long.close()
         runner.stop()
+
+
+def test_a_daemons_small_replies_leave_whole_and_a_gone_peer_is_counted(pair):
+    """A daemon's loop sends its small replies through the held send (tiers/node/replies.py): the peer gets the
+    exact bytes; a reply to a peer that is gone is counted unroutable, not raised, as pyzmq's send was."""
+    from tiers.node.metrics import DaemonMetrics
+    from tiers.node.peers import PeerReplies
+    from tiers.node.replies import Replies
+    from tiers.wire import protocol as P
+    router, dealer = pair
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    metrics = DaemonMetrics("held")
+    replies = Replies(metrics, PeerReplies(1 << 20), held_wait.shared())
+    replies.router = router
+    dealer.send(b"hello")  # the router learns the dealer's routing id
+    assert router.poll(5000)
+    ident, request = router.recv_multipart()
+    assert request == b"hello"
+    header = P.reply_ok(7, stored=b"\x01\x00")
+    replies.send(ident, [header])
+    assert dealer.poll(5000) and dealer.recv_multipart() == [header]
+    replies.send(b"\x00gone", [header])
+    assert metrics.errors.get("reply_unroutable") == 1 and "reply_dropped" not in metrics.errors

@@ -7,7 +7,8 @@
  * server.  These functions are called through ctypes.PyDLL, which keeps the
  * GIL: they send without blocking, spin on ZMQ_EVENTS for a bounded time (no
  * longer than CPython lets any thread hold the GIL, 5 ms) and receive a
- * message that is already there, never blocking.
+ * message that is already there, never blocking.  A daemon's loop sends its replies here too
+ * (heldwait_send_routed): a worker thread running Python would otherwise hold each send up.
  *
  * libzmq is the one pyzmq loaded: its functions are handed over once
  * (heldwait_bind), so nothing here links against a second copy.
@@ -22,6 +23,7 @@
 #define ZMQ_EVENTS_OPT 15 /* ZMQ_EVENTS */
 #define ZMQ_POLLIN_FLAG 1
 #define ZMQ_DONTWAIT_FLAG 1
+#define ZMQ_SNDMORE_FLAG 2
 
 typedef struct { unsigned char bytes[64]; } __attribute__((aligned(8))) zmq_message; /* zmq_msg_t */
 
@@ -51,6 +53,19 @@ void heldwait_bind(void *send, void *getsockopt, void *msg_init, void *msg_recv,
 /* Send one single-part message without blocking: 0 sent, else the errno (EAGAIN: not connected yet). */
 int heldwait_send(void *socket, const void *buf, int64_t len)
 {
+    if (z_send(socket, buf, (size_t)len, ZMQ_DONTWAIT_FLAG) >= 0)
+        return 0;
+    return errno ? errno : EAGAIN;
+}
+
+/* Send a daemon's reply through its ROUTER without blocking: the peer's routing id, then the one-part reply.
+ * 0 sent, else the errno (EAGAIN: the peer's queue is full; EHOSTUNREACH: the peer left).  The daemon's loop
+ * sends here holding the GIL: through pyzmq each send gives it up, and a worker thread running Python
+ * then keeps the loop waiting up to CPython's switch interval (5 ms) a send. */
+int heldwait_send_routed(void *socket, const void *ident, int64_t ident_len, const void *buf, int64_t len)
+{
+    if (z_send(socket, ident, (size_t)ident_len, ZMQ_DONTWAIT_FLAG | ZMQ_SNDMORE_FLAG) < 0)
+        return errno ? errno : EAGAIN;
     if (z_send(socket, buf, (size_t)len, ZMQ_DONTWAIT_FLAG) >= 0)
         return 0;
     return errno ? errno : EAGAIN;

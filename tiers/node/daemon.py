@@ -25,7 +25,7 @@ import zmq
 
 from tiers.wire import messages as M
 from tiers.wire import protocol as P
-from tiers.wire import security
+from tiers.wire import held_wait, security
 from tiers.shm.arena import BlockArena
 from tiers.node.admin_ops import StoreAdmin
 from tiers.node.demotion import Demoter
@@ -120,7 +120,7 @@ class TierDaemon:
             # A store that sends pages straight out of a host pool (PageStore.sends_from: the remote tier, which
             # registers it with its engine on first use) forgets it before it is unmapped.
             self._regions.on_unmap = store.region_unmapped
-        self._replies = Replies(self.metrics, self._peer_replies)  # tiers/node/replies.py
+        self._replies = Replies(self.metrics, self._peer_replies, held_wait.shared())  # tiers/node/replies.py
         # hello, lookups, puts, gets, releases, touches and stats (tiers/node/page_ops.py), for the request the loop
         # is dispatching.
         self.pages = PageOps(name, store, self.arena, self.arena_id, self.transfers, self.reads, self.sessions,

@@ -11,6 +11,7 @@ and counted, never waited for.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from tiers.node.metrics import DaemonMetrics
 from tiers.node.peers import PeerReplies
 from tiers.stores.base import StoreError
 from tiers.wire import protocol as P
+from tiers.wire.held_wait import HeldWait
 
 ZERO_COPY_BYTES = 64 << 10  # a reply part this large is sent from its buffer, not copied (pyzmq's advice)
 # Flags as plain ints: pyzmq's enum arithmetic costs ~1-2 us an operation, a tenth of a lookup's own work.
@@ -34,9 +36,13 @@ log = logging.getLogger("hicache.daemon")
 
 
 class Replies:
-    def __init__(self, metrics: DaemonMetrics, peers: PeerReplies):
+    def __init__(self, metrics: DaemonMetrics, peers: PeerReplies, held: Optional[HeldWait] = None):
         self.metrics = metrics
         self.peers = peers
+        # Small replies sent holding the GIL (tiers/_heldwait.c): pyzmq gives it up around each send, and a
+        # worker thread running Python meanwhile kept the loop (every peer's next reply) waiting for it, up
+        # to CPython's switch interval (5 ms) a send.  None: pyzmq's sends only.
+        self.held = held
         self.router: Optional[zmq.Socket] = None  # the daemon's ROUTER, once bound
         self._done: deque = deque()
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -52,6 +58,9 @@ class Replies:
         router = self.router
         try:
             if len(reply) == 1 and len(reply[0]) < ZERO_COPY_BYTES:  # a header alone (lookups, puts): the common reply
+                if self.held is not None:
+                    self._sent_held(router, ident, reply[0])
+                    return
                 router.send(ident, _MORE_NOBLOCK)
                 router.send(reply[0], _NOBLOCK)
                 return
@@ -68,6 +77,14 @@ class Replies:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.metrics.error("reply_unroutable")  # the peer left before its reply was ready
+
+    def _sent_held(self, router: zmq.Socket, ident: bytes, header: bytes) -> None:
+        """The reply sent without giving up the GIL, its failures as pyzmq's send would raise them."""
+        err = self.held.send_routed(router, ident, bytes(header))
+        if err == errno.EAGAIN:
+            raise zmq.Again()
+        if err:
+            raise zmq.ZMQError(err)
 
     def later(self, work: Future, ident: bytes, req_id: int, op: str, started: float, nbytes: int,
               counted: bool) -> None:

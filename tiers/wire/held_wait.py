@@ -49,6 +49,11 @@ class HeldWait:
         """Send one single-part message without blocking; False when it could not go at once."""
         return self._lib.heldwait_send(sock.underlying, data, len(data)) == 0
 
+    def send_routed(self, sock: zmq.Socket, ident: bytes, data: bytes) -> int:
+        """A ROUTER's reply (the peer's routing id, then one part) sent without blocking and without giving up
+        the GIL: 0, else the errno (EAGAIN: the peer's queue is full; EHOSTUNREACH: the peer is gone)."""
+        return self._lib.heldwait_send_routed(sock.underlying, ident, len(ident), data, len(data))
+
     def receive(self, sock: zmq.Socket, spin_s: float) -> Optional[List[bytes]]:
         """The parts of the next message if one is there within spin_s, else None (nothing is consumed
         then, unless the message was malformed: more than MAX_PARTS parts or a receive error)."""
@@ -117,6 +122,9 @@ def shared() -> Optional[HeldWait]:
         lib.heldwait_bind(*[ctypes.cast(getattr(z, name), ctypes.c_void_p) for name in names])
         lib.heldwait_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
         lib.heldwait_send.restype = ctypes.c_int
+        lib.heldwait_send_routed.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
+                                             ctypes.c_int64]
+        lib.heldwait_send_routed.restype = ctypes.c_int
         lib.heldwait_recv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         lib.heldwait_recv.restype = ctypes.c_int64
         lib.heldwait_part.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
